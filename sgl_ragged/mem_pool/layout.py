@@ -1,0 +1,81 @@
+"""The ragged layout: how many row slots each (layer, head group) keeps of a logical page.
+
+DESIGN.md section 2. A logical page of P tokens lives at row p of every group's tensor
+`[num_pages, k[l][g], H_p, head_dim]`; `k[l][g] = ceil(max_{h in g} B[l,h] * P)` clamped to
+[SINK_TOKENS, P]. The bytes of one logical page are therefore fixed by the profile, which is
+what lets admission reserve exactly the post-compression footprint (Budget Reservation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sgl_ragged.profile import BudgetProfile
+from sgl_ragged.scoring import SINK_TOKENS
+
+
+@dataclass(frozen=True)
+class RaggedLayout:
+    """Static shape of the ragged KV storage for one model and profile."""
+
+    page_size: int
+    head_dim: int
+    dtype_bytes: int
+    groups: tuple[tuple[tuple[int, ...], ...], ...]  # [L][G] -> KV-head indices of the group
+    slots: tuple[tuple[int, ...], ...]  # [L][G] -> k, kept row slots per logical page
+
+    @classmethod
+    def from_profile(
+        cls, profile: BudgetProfile, page_size: int, head_dim: int, dtype_bytes: int
+    ) -> RaggedLayout:
+        if page_size < SINK_TOKENS:
+            raise ValueError(
+                f"--page-size {page_size} is too small for the ragged backend: a page must hold "
+                f"the {SINK_TOKENS} sink tokens; use --page-size 64 (the default) or any >= {SINK_TOKENS}"
+            )
+        return cls(
+            page_size=page_size,
+            head_dim=head_dim,
+            dtype_bytes=dtype_bytes,
+            groups=profile.groups,
+            slots=profile.slots_per_group(page_size, min_slots=SINK_TOKENS),
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.groups)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return sum(len(g) for g in self.groups[0])
+
+    @property
+    def row_bytes_per_page(self) -> int:
+        """Bytes of K+V rows one logical page occupies across all layers and groups."""
+        return sum(
+            2 * k * len(heads) * self.head_dim * self.dtype_bytes
+            for layer_groups, layer_slots in zip(self.groups, self.slots)
+            for heads, k in zip(layer_groups, layer_slots)
+        )
+
+    @property
+    def full_bytes_per_page(self) -> int:
+        """Bytes the same page takes in SGLang's uncompressed MHA pool."""
+        return 2 * self.num_layers * self.num_kv_heads * self.page_size * self.head_dim * self.dtype_bytes
+
+    @property
+    def retention(self) -> float:
+        """Effective fraction of KV entries kept (bytes of rows / bytes of full pages)."""
+        return self.row_bytes_per_page / self.full_bytes_per_page
+
+    def staging_bytes_per_page(self) -> int:
+        """One staging page: full K+V of all layers plus its score accumulators (float32)."""
+        kv = self.full_bytes_per_page
+        scores = self.num_layers * self.num_kv_heads * self.page_size * 4
+        observed = self.page_size * 4
+        return kv + scores + observed
+
+    def num_logical_pages(self, available_bytes: int, num_staging_pages: int) -> int:
+        """Logical pages that fit in `available_bytes` once the staging pool is taken out."""
+        rest = available_bytes - num_staging_pages * self.staging_bytes_per_page()
+        return max(rest, 0) // self.row_bytes_per_page

@@ -1,0 +1,233 @@
+"""Ragged KV storage: compressed rows per (layer, head group) plus the staging pool.
+
+Index spaces (DESIGN.md sections 2 and 4):
+
+    | name          | range                 | what it indexes                                  |
+    |---------------|-----------------------|--------------------------------------------------|
+    | logical slot  | [0, (pages+1) * P)    | SGLang's token slots (req_to_token, radix tree)   |
+    | logical page  | [0, pages+1)          | slot // P; row p of every group's tensor          |
+    | row slot      | [0, k[l][g])          | composite slot j: each member head's j-th kept    |
+    | staging page  | [0, S)                | a full page [P, H_kv, D] of a running request     |
+
+Page 0 is SGLang's padding page; it is never handed out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sgl_ragged.mem_pool.layout import RaggedLayout
+from sgl_ragged.scoring import Scorer
+from sgl_ragged.scoring.select import select_top_k, sink_mask
+
+
+class StagingExhaustedError(RuntimeError):
+    """More running requests hold window pages than the staging pool was sized for."""
+
+
+@dataclass
+class SealCounters:
+    """Totals since start, exported as metrics."""
+
+    pages_sealed: int = 0
+    tokens_sealed: int = 0  # logical tokens in sealed pages
+    entries_kept: int = 0  # (token, KV head) entries kept, summed over layers
+    entries_seen: int = 0  # (token, KV head) entries offered, summed over layers
+
+
+class RaggedStorage:
+    """Owns every tensor of the ragged cache and the staging bookkeeping."""
+
+    def __init__(
+        self,
+        layout: RaggedLayout,
+        num_pages: int,
+        num_staging_pages: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        scorer: Scorer,
+    ) -> None:
+        self.layout = layout
+        self.num_pages = num_pages  # logical pages incl. the padding page 0
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.scorer = scorer
+        P, H, D = layout.page_size, layout.num_kv_heads, layout.head_dim
+        # rows_k[l][g]: [num_pages, k[l][g], H_p, D], indexed by logical page.
+        self.rows_k = [[self._zeros(num_pages, k, len(heads), D) for heads, k in zip(gs, ks)]
+                       for gs, ks in zip(layout.groups, layout.slots)]
+        self.rows_v = [[self._zeros(num_pages, k, len(heads), D) for heads, k in zip(gs, ks)]
+                       for gs, ks in zip(layout.groups, layout.slots)]
+        # head_index[l][g]: [H_p] int64 KV-head indices of group g.
+        self.head_index = [[torch.tensor(h, dtype=torch.long, device=self.device) for h in gs]
+                           for gs in layout.groups]
+        # stage_k[l]: [S, P, H, D], indexed by staging page.
+        self.stage_k = [self._zeros(num_staging_pages, P, H, D) for _ in range(layout.num_layers)]
+        self.stage_v = [self._zeros(num_staging_pages, P, H, D) for _ in range(layout.num_layers)]
+        # stage_attn: [S, L, H, P] float32 summed GQA-reduced attention received per token.
+        self.stage_attn = torch.zeros(num_staging_pages, layout.num_layers, H, P, device=self.device)
+        # stage_obs: [S, P] float32 number of queries that observed each token.
+        self.stage_obs = torch.zeros(num_staging_pages, P, device=self.device)
+        # page_to_stage: [num_pages] int64, staging page of a logical page or -1 (CPU bookkeeping).
+        self.page_to_stage = torch.full((num_pages,), -1, dtype=torch.long)
+        # stage_owner: [S] int64 logical page held by a staging page or -1.
+        self.stage_owner = torch.full((num_staging_pages,), -1, dtype=torch.long)
+        self.free_stage: list[int] = list(range(num_staging_pages - 1, -1, -1))
+        # sealed: [num_pages] bool, the page's rows hold its compressed KV.
+        self.sealed = torch.zeros(num_pages, dtype=torch.bool)
+        # chunk_final: req pool index -> whether its next extend is its last prefill chunk
+        # (set by the scheduler hook, consumed by the next forward's plan).
+        self.chunk_final: dict[int, bool] = {}
+        self.counters = SealCounters()
+
+    def _zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+
+    # ---- sizes ------------------------------------------------------------------------------
+
+    @property
+    def num_staging_pages(self) -> int:
+        return self.stage_owner.numel()
+
+    @property
+    def staging_in_use(self) -> int:
+        return self.num_staging_pages - len(self.free_stage)
+
+    def nbytes(self) -> int:
+        tensors = [t for rows in (self.rows_k, self.rows_v) for layer in rows for t in layer]
+        tensors += self.stage_k + self.stage_v + [self.stage_attn, self.stage_obs]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # ---- staging pages ----------------------------------------------------------------------
+
+    def stage(self, page: int) -> int:
+        """Give logical page `page` a zeroed staging page; returns the staging page."""
+        if self.page_to_stage[page] >= 0:
+            raise RuntimeError(f"logical page {page} is already staged")
+        if not self.free_stage:
+            raise StagingExhaustedError(
+                f"all {self.num_staging_pages} staging pages are in use; lower "
+                "--max-running-requests or --ragged-window-pages"
+            )
+        s = self.free_stage.pop()
+        self.stage_owner[s] = page
+        self.page_to_stage[page] = s
+        self.sealed[page] = False
+        self.stage_attn[s].zero_()
+        self.stage_obs[s].zero_()
+        return s
+
+    def unstage(self, pages: torch.Tensor) -> None:
+        """Return the staging pages of these logical pages (those that have one)."""
+        stages = self.page_to_stage[pages]
+        held = stages >= 0
+        for s in stages[held].tolist():
+            self.stage_owner[s] = -1
+            self.free_stage.append(s)
+        self.page_to_stage[pages[held]] = -1
+
+    def on_pages_freed(self, pages: torch.Tensor) -> None:
+        """SGLang's allocator freed these logical pages: drop what they held."""
+        pages = pages.to("cpu", torch.long)
+        self.unstage(pages)
+        self.sealed[pages] = False
+
+    def reset(self) -> None:
+        """Everything free again (the allocator was cleared, e.g. a cache flush)."""
+        self.page_to_stage.fill_(-1)
+        self.stage_owner.fill_(-1)
+        self.free_stage = list(range(self.num_staging_pages - 1, -1, -1))
+        self.sealed.zero_()
+
+    # ---- sealing ----------------------------------------------------------------------------
+
+    def write_rows(
+        self,
+        layer: int,
+        pages: torch.Tensor,
+        k_tok: torch.Tensor,
+        v_tok: torch.Tensor,
+        scores: torch.Tensor,
+        page_start_pos: torch.Tensor,
+    ) -> None:
+        """Compress full pages of one layer into their rows.
+
+        pages: [N] int64 logical pages; k_tok, v_tok: [N, P, H, D] their full K/V (post-RoPE);
+        scores: [N, H, P] float32 token scores; page_start_pos: [N] int64 sequence position of
+        each page's first token (sinks are the first tokens of a sequence).
+        """
+        sinks = sink_mask(page_start_pos, self.layout.page_size)
+        for g, k in enumerate(self.layout.slots[layer]):
+            heads = self.head_index[layer][g]
+            keep = select_top_k(scores[:, heads], k, sinks)  # [N, H_p, k] token offsets
+            idx = keep.transpose(1, 2).unsqueeze(-1).expand(-1, -1, -1, k_tok.shape[-1])
+            self.rows_k[layer][g][pages] = torch.gather(k_tok[:, :, heads], 1, idx).to(self.dtype)
+            self.rows_v[layer][g][pages] = torch.gather(v_tok[:, :, heads], 1, idx).to(self.dtype)
+            self.counters.entries_kept += pages.numel() * k * heads.numel()
+        self.counters.entries_seen += pages.numel() * self.layout.page_size * self.layout.num_kv_heads
+
+    def seal_staged_layer(self, layer: int, pages: torch.Tensor, page_start_pos: torch.Tensor) -> None:
+        """Compress staged pages of one layer from their staging copies and scores."""
+        stages = self.page_to_stage[pages].to(self.device)
+        scores = self.scorer.page_scores(self.stage_attn[stages, layer], self.stage_obs[stages])
+        self.write_rows(layer, pages.to(self.device), self.stage_k[layer][stages],
+                        self.stage_v[layer][stages], scores, page_start_pos)
+
+    def mark_sealed(self, pages: torch.Tensor) -> None:
+        """All layers of these pages are written: release their staging and count them."""
+        pages = pages.to("cpu", torch.long)
+        self.unstage(pages)
+        self.sealed[pages] = True
+        self.counters.pages_sealed += pages.numel()
+        self.counters.tokens_sealed += pages.numel() * self.layout.page_size
+
+    def seal_staged(self, pages: torch.Tensor, page_start_pos: torch.Tensor) -> None:
+        """Seal staged pages in every layer (used outside a forward pass, e.g. at finish)."""
+        if pages.numel() == 0:
+            return
+        for layer in range(self.layout.num_layers):
+            self.seal_staged_layer(layer, pages, page_start_pos.to(self.device))
+        self.mark_sealed(pages)
+
+    # ---- reading ----------------------------------------------------------------------------
+
+    def sealed_kv(self, layer: int, group: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of sealed pages for one group: each [N * k, H_p, D], in page then slot order."""
+        k = self.rows_k[layer][group][pages]
+        v = self.rows_v[layer][group][pages]
+        return k.flatten(0, 1), v.flatten(0, 1)
+
+    def staged_kv(self, layer: int, stages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of staged pages, all heads: each [N * P, H, D] in position order."""
+        return self.stage_k[layer][stages].flatten(0, 1), self.stage_v[layer][stages].flatten(0, 1)
+
+    # ---- integrity --------------------------------------------------------------------------
+
+    def check_integrity(self, free_pages: torch.Tensor) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent.
+
+        free_pages: [F] int64 logical pages the allocator holds as free (incl. staged frees).
+        Checks: no page is free twice; staging ownership is a bijection between used staging
+        pages and staged logical pages; no free page holds a staging page or is sealed; the
+        padding page 0 is neither free, staged nor sealed.
+        """
+        free = free_pages.to("cpu", torch.long)
+        assert free.unique().numel() == free.numel(), "a logical page is free twice (double free)"
+        assert not (free == 0).any(), "the padding page 0 was freed"
+        owners = self.stage_owner[self.stage_owner >= 0]
+        assert owners.unique().numel() == owners.numel(), "two staging pages own one logical page"
+        used = sorted(s for s in range(self.num_staging_pages) if self.stage_owner[s] >= 0)
+        assert sorted(set(range(self.num_staging_pages)) - set(self.free_stage)) == used, (
+            "staging free list disagrees with staging owners"
+        )
+        assert len(set(self.free_stage)) == len(self.free_stage), "a staging page is free twice"
+        for s in used:
+            assert self.page_to_stage[self.stage_owner[s]] == s, f"staging page {s} lost its page"
+        staged = (self.page_to_stage >= 0).nonzero().flatten()
+        assert staged.numel() == len(used), "a logical page points at a staging page it does not own"
+        assert not (self.sealed & (self.page_to_stage >= 0)).any(), "a page is both sealed and staged"
+        assert not (self.page_to_stage[free] >= 0).any(), "a free page still holds a staging page"
+        assert not self.sealed[free].any(), "a free page is still marked sealed"
+        assert not self.sealed[0] and self.page_to_stage[0] < 0, "the padding page is in use"

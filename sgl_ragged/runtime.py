@@ -1,0 +1,44 @@
+"""Per-process state of the ragged backend: its settings and, once the model is known, its layout.
+
+SGLang builds pools, allocator and attention backend in the scheduler process through
+separate factories; they meet here instead of through attributes stashed on SGLang objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sgl_ragged.config import RaggedConfig
+from sgl_ragged.mem_pool.layout import RaggedLayout
+
+
+@dataclass
+class RaggedRuntime:
+    config: RaggedConfig
+    layout: RaggedLayout | None = None
+    num_staging_pages: int = 0
+
+    def require_layout(self) -> RaggedLayout:
+        if self.layout is None:
+            raise RuntimeError(
+                "the ragged layout is not resolved yet: the KV pool was built before SGLang "
+                "sized it (is another plugin replacing DefaultPoolConfigurator?)"
+            )
+        return self.layout
+
+
+_runtime: RaggedRuntime | None = None
+
+
+def get_runtime() -> RaggedRuntime:
+    """The ragged runtime of this process, read from the environment on first use."""
+    global _runtime
+    if _runtime is None:
+        _runtime = RaggedRuntime(config=RaggedConfig.from_env())
+    return _runtime
+
+
+def reset_runtime() -> None:
+    """Forget the process state (tests build several layouts in one process)."""
+    global _runtime
+    _runtime = None

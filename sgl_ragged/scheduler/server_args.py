@@ -1,0 +1,132 @@
+"""Launch-time checks and defaults for `--attention-backend ragged` (main process).
+
+Runs inside SGLang's argument resolution, before any child process is spawned, so every error
+here reaches the user as one clear message on the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from sgl_ragged.config import (
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    DEFAULT_PAGE_SIZE,
+    SUPPORTED_ARCHITECTURES,
+    RaggedConfig,
+    add_cli_args,
+    move_cli_args_to_env,
+)
+from sgl_ragged.profile import ModelShape, resolve_profile
+
+logger = logging.getLogger(__name__)
+
+ACTIVE_ENV = "RAGGED_ACTIVE"
+
+
+def is_active() -> bool:
+    """Whether this process serves with the ragged backend (set at resolution, inherited)."""
+    return os.environ.get(ACTIVE_ENV) == "1"
+
+
+def after_add_cli_args(result: Any, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook on ServerArgs.add_cli_args."""
+    if not any(a.dest == "ragged_profile" for a in parser._actions):
+        add_cli_args(parser)
+
+
+def before_from_cli_args(*args: Any, **kwargs: Any) -> None:
+    """BEFORE hook on ServerArgs.from_cli_args: our flags leave the namespace for the env."""
+    for arg in (*args, *kwargs.values()):
+        if isinstance(arg, argparse.Namespace):
+            move_cli_args_to_env(arg)
+
+
+def model_shape(model_path: str, trust_remote_code: bool = False) -> ModelShape:
+    """Architecture and KV geometry of a local HF checkpoint."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    cfg = getattr(cfg, "text_config", cfg)
+    heads = cfg.num_attention_heads
+    return ModelShape(
+        architecture=(cfg.architectures or ["unknown"])[0],
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+    )
+
+
+def resolve_ragged_args(server_args: Any, previous: Any) -> None:
+    """Resolution hook around handle_attention_backend_compatibility."""
+    previous(server_args)
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    cfg = resolving_view(server_args)
+    if "ragged" not in (cfg.attention_backend, cfg.prefill_attention_backend, cfg.decode_attention_backend):
+        os.environ.pop(ACTIVE_ENV, None)
+        return
+    config = RaggedConfig.from_env()
+    _check_unsupported(cfg)
+    shape = model_shape(cfg.model_path, bool(cfg.trust_remote_code))
+    _check_model(shape, config)
+    declare_resolution(
+        server_args,
+        "sgl_ragged",
+        attention_backend="ragged",
+        prefill_attention_backend="ragged",
+        decode_attention_backend="ragged",
+        page_size=cfg.page_size or DEFAULT_PAGE_SIZE,
+        max_running_requests=cfg.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
+        # Finish-time sealing runs on the scheduler thread; without overlap it cannot race
+        # with the next forward (DESIGN.md section 4).
+        disable_overlap_schedule=True,
+        disable_cuda_graph=True,
+    )
+    os.environ[ACTIVE_ENV] = "1"
+    logger.info("ragged backend: profile %s, scorer %s, window %d page(s)",
+                config.profile, config.scorer, config.window_pages)
+
+
+def validate_ragged_args(server_args: Any, previous: Any) -> None:
+    """Resolution hook around handle_other_validations: checks needing final values."""
+    previous(server_args)
+    if not is_active():
+        return
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    cfg = resolving_view(server_args)
+    chunk = cfg.chunked_prefill_size
+    if chunk is not None and chunk > 0 and chunk % cfg.page_size != 0:
+        raise ValueError(
+            f"--chunked-prefill-size {chunk} is not a multiple of --page-size {cfg.page_size}: "
+            "the ragged backend compresses whole pages, so every prefill chunk must end on a page "
+            f"boundary; use e.g. --chunked-prefill-size {max(1, chunk // cfg.page_size) * cfg.page_size}"
+        )
+
+
+def _check_unsupported(cfg: Any) -> None:
+    if cfg.speculative_algorithm:
+        raise ValueError("--attention-backend ragged does not support speculative decoding yet")
+    if (cfg.tp_size or 1) > 1:
+        raise ValueError(
+            "--attention-backend ragged supports --tp-size 1 only for now (profiles are not "
+            "yet sliced per rank); use data parallelism (--dp-size) to scale out"
+        )
+    if cfg.page_size is not None and cfg.page_size < 4:
+        raise ValueError(
+            f"--page-size {cfg.page_size} is too small for the ragged backend: a page is the "
+            "compression block and must hold the 4 sink tokens; use --page-size 64 (default)"
+        )
+
+
+def _check_model(shape: ModelShape, config: RaggedConfig) -> None:
+    if shape.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"--attention-backend ragged does not support {shape.architecture} yet; supported "
+            f"architectures (dense attention): {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    resolve_profile(config.profile, shape, config.heads_per_group)

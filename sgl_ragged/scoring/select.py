@@ -1,0 +1,30 @@
+"""Per-head top-k selection inside one page, kept in position order."""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_ragged.scoring.base import SINK_TOKENS
+
+
+def sink_mask(page_start_pos: torch.Tensor, page_size: int) -> torch.Tensor:
+    """page_start_pos: [N] int64 sequence position of each page's first token.
+    Returns [N, P] bool, True for the sink tokens (sequence positions < SINK_TOKENS)."""
+    offsets = torch.arange(page_size, device=page_start_pos.device)
+    return (page_start_pos[:, None] + offsets[None, :]) < SINK_TOKENS
+
+
+def select_top_k(scores: torch.Tensor, k: int, sinks: torch.Tensor) -> torch.Tensor:
+    """Per (page, head) indices of the k best tokens, sinks forced in, ascending positions.
+
+    scores: [N, H, P] float32 token scores of N pages; sinks: [N, P] bool.
+    Returns [N, H, k] int64 token offsets within each page, sorted ascending so that kept slots
+    stay in position order (deterministic layouts; identity when k == P).
+    """
+    page_size = scores.shape[-1]
+    if k >= page_size:
+        return torch.arange(page_size, device=scores.device).expand(*scores.shape[:-1], page_size)
+    forced = scores.masked_fill(sinks[:, None, :], float("inf"))
+    # A stable descending sort breaks ties towards earlier positions, deterministically.
+    order = torch.sort(forced, dim=-1, descending=True, stable=True).indices
+    return order[..., :k].sort(dim=-1).values

@@ -1,0 +1,219 @@
+"""Start a real ``sglang.launch_server`` in its own process group and wait until it serves.
+
+Typical use (tests, benchmarks)::
+
+    with ServerProcess(["--model-path", model, "--device", "cpu"]) as server:
+        requests.post(f"{server.base_url}/generate", json=...)
+
+The server runs on 127.0.0.1 and a free port, with ``SGLANG_USE_CPU_ENGINE=1``; its
+output goes to a log file. On exit every process of the group (SGLang spawns a
+scheduler and a detokenizer) is terminated, then killed if it lingers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import psutil
+
+HOST = "127.0.0.1"
+
+
+class ServerError(RuntimeError):
+    """The server died or did not become healthy in time; the message carries the log tail."""
+
+
+def free_port(host: str = HOST) -> int:
+    """Return a TCP port on ``host`` that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _http_status(url: str, timeout: float) -> int | None:
+    """HTTP status of a GET of ``url``, or None if nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return None
+
+
+class ServerProcess:
+    """A ``python -m sglang.launch_server`` child process, usable as a context manager.
+
+    ``args`` are passed to ``launch_server`` as given; ``--host`` and ``--port`` are added
+    (do not pass them). ``env`` entries override the inherited environment.
+    """
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        port: int | None = None,
+        env: Mapping[str, str] | None = None,
+        log_path: Path | None = None,
+        startup_timeout: float = 600.0,
+        python: str = sys.executable,
+    ) -> None:
+        self.args = list(args)
+        self.port = port if port is not None else free_port()
+        self.extra_env = dict(env or {})
+        self.log_path = log_path or self._default_log_path()
+        self.startup_timeout = startup_timeout
+        self.python = python
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.startup_seconds: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:<port>``."""
+        return f"http://{HOST}:{self.port}"
+
+    @property
+    def command(self) -> list[str]:
+        """The full command line that is (or will be) run."""
+        return [
+            self.python,
+            "-m",
+            "sglang.launch_server",
+            *self.args,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+        ]
+
+    def _default_log_path(self) -> Path:
+        fd, name = tempfile.mkstemp(prefix="sglang-server-", suffix=".log")
+        os.close(fd)
+        return Path(name)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        env.update(self.extra_env)
+        return env
+
+    def start(self) -> ServerProcess:
+        """Launch the server and block until it is healthy; raise ServerError otherwise."""
+        if self.proc is not None:
+            raise RuntimeError("ServerProcess.start() called twice")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self._env(),
+                start_new_session=True,
+            )
+        try:
+            self._wait_healthy(t0)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - t0
+        return self
+
+    def _wait_healthy(self, t0: float) -> None:
+        """Poll the health endpoints until one answers, the process dies, or time runs out."""
+        assert self.proc is not None
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerError(self._failure(f"server exited with code {self.proc.returncode}"))
+            if self._healthy():
+                return
+            if time.monotonic() - t0 > self.startup_timeout:
+                raise ServerError(
+                    self._failure(f"server not healthy after {self.startup_timeout:.0f} s")
+                )
+            time.sleep(1.0)
+
+    def _healthy(self) -> bool:
+        """``/health_generate`` answers 200 (runs one token); ``/health`` if it does not exist."""
+        status = _http_status(self.base_url + "/health_generate", timeout=60.0)
+        if status == 404:
+            status = _http_status(self.base_url + "/health", timeout=30.0)
+        return status == 200
+
+    def _failure(self, what: str) -> str:
+        return (
+            f"{what}\ncommand: {' '.join(self.command)}\nlog: {self.log_path}\n"
+            f"--- last lines of the log ---\n{self.log_tail()}"
+        )
+
+    def log_text(self) -> str:
+        """Everything the server has written to its log so far."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        """The last ``lines`` lines of the log."""
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def stop(self, grace: float = 15.0) -> None:
+        """Terminate the whole process tree (SIGTERM, then SIGKILL after ``grace`` seconds)."""
+        if self.proc is None:
+            return
+        procs = self._tree()
+        self._signal_group(signal.SIGTERM)
+        for p in procs:
+            _send(p, signal.SIGTERM)
+        _, alive = psutil.wait_procs(procs, timeout=grace)
+        self._signal_group(signal.SIGKILL)
+        for p in alive:
+            _send(p, signal.SIGKILL)
+        psutil.wait_procs(alive, timeout=5.0)
+        self.proc.wait(timeout=5.0)
+
+    def _tree(self) -> list[psutil.Process]:
+        """The server process and all its descendants (some may have left the group)."""
+        assert self.proc is not None
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _send(proc: psutil.Process, sig: signal.Signals) -> None:
+    try:
+        proc.send_signal(sig)
+    except psutil.NoSuchProcess:
+        pass

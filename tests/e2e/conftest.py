@@ -1,0 +1,80 @@
+"""Real SGLang servers, started once per test session (each start takes a minute or more)."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sgl_ragged.models.smollm2 import ensure_smollm2
+from sgl_ragged.testing.server import ServerProcess
+
+PAGE = 64
+CHUNK = 256
+COMMON = ["--device", "cpu", "--page-size", str(PAGE), "--chunked-prefill-size", str(CHUNK),
+          "--log-level", "info", "--enable-cache-report"]
+# Every forward pass of a test server runs the pool's integrity check; a violation kills the
+# scheduler, which the next request (and the health check) notices.
+INTEGRITY_ENV = {"RAGGED_CHECK_INTEGRITY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    return str(os.environ.get("SGL_RAGGED_MODEL") or ensure_smollm2())
+
+
+def _start(request: pytest.FixtureRequest, args: list[str], name: str,
+           env: dict[str, str] | None = None) -> ServerProcess:
+    log_dir = Path(os.environ.get("SGL_RAGGED_TEST_LOGS", "/tmp/sgl-ragged-test-logs"))
+    server = ServerProcess(args, env={**INTEGRITY_ENV, **(env or {})},
+                           log_path=log_dir / f"{name}.log", startup_timeout=900)
+    server.start()
+    request.addfinalizer(server.stop)
+    return server
+
+
+@pytest.fixture(scope="session")
+def ragged_server(request: pytest.FixtureRequest, model_path: str) -> ServerProcess:
+    """The ragged backend at 30% uniform retention, with a small pool so that memory pressure
+    (eviction, retraction) is reachable by a test."""
+    return _start(request, ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
+                            "--ragged-profile", "uniform:0.3", "--max-total-tokens", "12288",
+                            "--max-running-requests", "8", "--enable-metrics"], "ragged")
+
+
+@pytest.fixture(scope="session")
+def oracle_pair(request: pytest.FixtureRequest, model_path: str) -> tuple[ServerProcess, ServerProcess]:
+    """float32 servers for the ratio-1.0 oracle: ragged uniform:1.0 and stock torch_native."""
+    f32 = ["--model-path", model_path, *COMMON, "--dtype", "float32", "--max-total-tokens", "8192",
+           "--max-running-requests", "4", "--disable-radix-cache"]
+    ragged = _start(request, [*f32, "--attention-backend", "ragged", "--ragged-profile", "uniform:1.0"],
+                    "oracle-ragged")
+    native = _start(request, [*f32, "--attention-backend", "torch_native"], "oracle-native")
+    return ragged, native
+
+
+def post(base_url: str, path: str, payload: dict[str, Any], timeout: float = 300) -> dict[str, Any]:
+    req = urllib.request.Request(base_url + path, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def get(base_url: str, path: str, timeout: float = 60) -> str:
+    with urllib.request.urlopen(base_url + path, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+def stream_lines(base_url: str, path: str, payload: dict[str, Any]) -> Iterator[str]:
+    req = urllib.request.Request(base_url + path, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data:"):
+                yield line[5:].strip()
