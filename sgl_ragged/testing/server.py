@@ -169,18 +169,20 @@ class ServerProcess:
         """The last ``lines`` lines of the log."""
         return "\n".join(self.log_text().splitlines()[-lines:])
 
-    def stop(self, grace: float = 15.0) -> None:
-        """Terminate the whole process tree (SIGTERM, then SIGKILL after ``grace`` seconds)."""
+    def stop(self, grace: float = 20.0) -> None:
+        """Stop the server and every process it spawned; no orphans are left behind.
+
+        SIGTERM goes to the launcher first (SGLang then shuts its children down itself;
+        signalling them too makes it report a crash and linger); whatever is still alive
+        after ``grace`` seconds, in the process group or the process tree, gets SIGKILL.
+        """
         if self.proc is None:
             return
         procs = self._tree()
-        self._signal_group(signal.SIGTERM)
-        for p in procs:
-            _send(p, signal.SIGTERM)
+        _send(procs[:1], signal.SIGTERM)
         _, alive = psutil.wait_procs(procs, timeout=grace)
         self._signal_group(signal.SIGKILL)
-        for p in alive:
-            _send(p, signal.SIGKILL)
+        _send(alive, signal.SIGKILL)
         psutil.wait_procs(alive, timeout=5.0)
         self.proc.wait(timeout=5.0)
 
@@ -212,8 +214,9 @@ class ServerProcess:
         self.stop()
 
 
-def _send(proc: psutil.Process, sig: signal.Signals) -> None:
-    try:
-        proc.send_signal(sig)
-    except psutil.NoSuchProcess:
-        pass
+def _send(procs: list[psutil.Process], sig: signal.Signals) -> None:
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass

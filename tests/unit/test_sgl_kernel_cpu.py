@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,52 +278,64 @@ def test_amx_detection_stays_off(real_import_fails: None) -> None:
     assert not hasattr(torch.ops.sgl_kernel, "convert_weight_packed")
 
 
-# --- startup import hook ----------------------------------------------------------------
+# --- startup import hook (.pth) --------------------------------------------------------
 
 
-def _fake_sgl_kernel(root, body: str) -> str:
+def _fake_sgl_kernel(root: Path, body: str) -> str:
     """A fake ``sgl_kernel`` package under ``root`` whose ``__init__`` runs ``body``."""
     pkg = root / "sgl_kernel"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text(body)
+    counter = root / "executions"
+    (pkg / "__init__.py").write_text(f"open({str(counter)!r}, 'a').write('x')\n{body}")
     (pkg / "scalar_type.py").write_text("ScalarType = int\n")
     return str(root)
 
 
-def _run_with_hook(pythonpath: str, check: str) -> None:
-    """Run ``check`` in a fresh interpreter where PTH_LINE ran first (as the .pth does)."""
-    code = f"exec({sk.PTH_LINE!r})\n{check}"
-    env = {"PYTHONPATH": pythonpath, "PATH": "/usr/bin:/bin"}
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=env)
-
-
-def test_hook_uses_standin_when_real_package_fails(tmp_path) -> None:
-    path = _fake_sgl_kernel(
-        tmp_path, "import sgl_kernel.scalar_type\nraise ImportError('no cuda')\n"
+def _run_with_hook(root: Path, check: str) -> None:
+    """Run ``check`` in a fresh interpreter after site.py processed the hook's .pth twice."""
+    site_dir = root / "site"
+    site_dir.mkdir()
+    sk.write_import_hook(site_dir)
+    code = (
+        "import site, sys\n"
+        f"site.addsitedir({str(site_dir)!r}); site.addsitedir({str(site_dir)!r})\n"
+        f"assert [type(f).__name__ for f in sys.meta_path].count({sk._HOOK!r}) == 1\n"
+        "from sgl_ragged.compat import sgl_kernel_cpu as sk\n"
     )
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+    subprocess.run([sys.executable, "-c", code + check], check=True, timeout=120, env=env)
+
+
+def test_hook_falls_back_to_standin(tmp_path: Path) -> None:
+    _fake_sgl_kernel(tmp_path, "import sgl_kernel.scalar_type\nraise ImportError('no cuda')\n")
     _run_with_hook(
-        path,
-        "import sys, sgl_kernel\n"
-        f"assert getattr(sgl_kernel, {sk.STANDIN_FLAG!r})\n"
-        "from sgl_kernel import copy_all_layer_kv_cache_cpu, rmsnorm\n"
+        tmp_path,
+        "import sgl_kernel\n"
+        "assert sk.is_standin_installed() and sgl_kernel.rmsnorm is sk.rmsnorm\n"
+        "from sgl_kernel import copy_all_layer_kv_cache_cpu\n"
         "from sgl_kernel.mamba import causal_conv1d_fn_cpu\n"
         "assert 'sgl_kernel.scalar_type' not in sys.modules\n"
         "try:\n    import sgl_kernel.scalar_type\nexcept ImportError:\n    pass\n"
         "else:\n    raise AssertionError('half-imported real submodule is reachable')\n"
-        "from sgl_ragged.compat.sgl_kernel_cpu import install_if_needed\n"
-        "assert install_if_needed() is True\n",
+        "assert sk.install_if_needed() is True\n",
     )
+    assert (tmp_path / "executions").read_text() == "x"
 
 
-def test_hook_keeps_real_package_when_it_loads(tmp_path) -> None:
-    path = _fake_sgl_kernel(tmp_path, "REAL = True\n")
+def test_install_if_needed_reports_standin_loaded_by_hook(tmp_path: Path) -> None:
+    _fake_sgl_kernel(tmp_path, "raise ImportError('no cuda')\n")
+    _run_with_hook(tmp_path, "assert sk.install_if_needed() is True\n")
+
+
+def test_hook_loads_real_package_once(tmp_path: Path) -> None:
+    _fake_sgl_kernel(tmp_path, "REAL = True\n")
     _run_with_hook(
-        path,
+        tmp_path,
         "import sgl_kernel, sgl_kernel.scalar_type\n"
-        f"assert sgl_kernel.REAL and not hasattr(sgl_kernel, {sk.STANDIN_FLAG!r})\n"
-        "from sgl_ragged.compat.sgl_kernel_cpu import install_if_needed\n"
-        "assert install_if_needed() is False\n",
+        "assert sgl_kernel.REAL and not sk.is_standin_installed()\n"
+        "assert sk.install_if_needed() is False\n",
     )
+    assert (tmp_path / "executions").read_text() == "x"
 
 
 def test_find_spec_ignores_other_names() -> None:
@@ -330,8 +343,7 @@ def test_find_spec_ignores_other_names() -> None:
     assert sk.find_spec("torch") is None
 
 
-def test_write_import_hook(tmp_path) -> None:
+def test_pth_line_is_one_import_line(tmp_path: Path) -> None:
     path = sk.write_import_hook(tmp_path)
-    assert path.name == sk.PTH_NAME
-    assert path.read_text() == sk.PTH_LINE + "\n"
-    assert sk.PTH_LINE.startswith("import ") and "\n" not in sk.PTH_LINE  # .pth rules
+    assert path.name == sk.PTH_NAME and path.read_text() == sk.PTH_LINE + "\n"
+    assert sk.PTH_LINE.startswith("import ") and "\n" not in sk.PTH_LINE
