@@ -22,7 +22,10 @@ _TREES = (
 def register() -> None:
     """Add `ragged` to --attention-backend and install the hooks it needs."""
     install_if_needed()  # pure-torch CPU ops where the real sgl_kernel cannot load
-    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.arg_groups.choices import (
+        ATTENTION_BACKEND_CHOICES,
+        add_attention_backend_choices,
+    )
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
 

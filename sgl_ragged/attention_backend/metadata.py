@@ -77,7 +77,7 @@ def build_metadata(
         prefixes = list(forward_batch.extend_prefix_lens_cpu)
     pool_idx = forward_batch.req_pool_indices.tolist()
     plans, q_start = [], 0
-    for r, prefix, seq_len in zip(pool_idx, prefixes, seq_lens):
+    for r, prefix, seq_len in zip(pool_idx, prefixes, seq_lens, strict=True):
         final = storage.chunk_final.pop(r, True)
         window = window_pages if final else 0
         plans.append(_plan_request(req_to_token[r], storage, q_start, prefix, seq_len, window, obs_window))

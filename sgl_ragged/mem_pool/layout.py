@@ -54,8 +54,8 @@ class RaggedLayout:
         """Bytes of K+V rows one logical page occupies across all layers and groups."""
         return sum(
             2 * k * len(heads) * self.head_dim * self.dtype_bytes
-            for layer_groups, layer_slots in zip(self.groups, self.slots)
-            for heads, k in zip(layer_groups, layer_slots)
+            for layer_groups, layer_slots in zip(self.groups, self.slots, strict=True)
+            for heads, k in zip(layer_groups, layer_slots, strict=True)
         )
 
     @property

@@ -56,10 +56,10 @@ class RaggedStorage:
         self.scorer = scorer
         P, H, D = layout.page_size, layout.num_kv_heads, layout.head_dim
         # rows_k[l][g]: [num_pages, k[l][g], H_p, D], indexed by logical page.
-        self.rows_k = [[self._zeros(num_pages, k, len(heads), D) for heads, k in zip(gs, ks)]
-                       for gs, ks in zip(layout.groups, layout.slots)]
-        self.rows_v = [[self._zeros(num_pages, k, len(heads), D) for heads, k in zip(gs, ks)]
-                       for gs, ks in zip(layout.groups, layout.slots)]
+        self.rows_k = [[self._zeros(num_pages, k, len(heads), D) for heads, k in zip(gs, ks, strict=True)]
+                       for gs, ks in zip(layout.groups, layout.slots, strict=True)]
+        self.rows_v = [[self._zeros(num_pages, k, len(heads), D) for heads, k in zip(gs, ks, strict=True)]
+                       for gs, ks in zip(layout.groups, layout.slots, strict=True)]
         # head_index[l][g]: [H_p] int64 KV-head indices of group g.
         self.head_index = [[torch.tensor(h, dtype=torch.long, device=self.device) for h in gs]
                            for gs in layout.groups]

@@ -43,7 +43,7 @@ def ragged_server(request: pytest.FixtureRequest, model_path: str) -> ServerProc
     """The ragged backend at 30% uniform retention, with a small pool so that memory pressure
     (eviction, retraction) is reachable by a test."""
     return _start(request, ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
-                            "--ragged-profile", "uniform:0.3", "--max-total-tokens", "12288",
+                            "--ragged-profile", "uniform:0.3", "--max-total-tokens", "4096",
                             "--max-running-requests", "8", "--enable-metrics"], "ragged")
 
 

@@ -32,4 +32,4 @@ def test_ratio_one_matches_torch_native(oracle_pair, prompt):
     ids_r, lp_r = _greedy(ragged.base_url, prompt)
     ids_n, lp_n = _greedy(native.base_url, prompt)
     assert ids_r == ids_n
-    assert max(abs(a - b) for a, b in zip(lp_r, lp_n)) < 1e-3
+    assert max(abs(a - b) for a, b in zip(lp_r, lp_n, strict=True)) < 1e-3

@@ -44,7 +44,7 @@ def test_sinks_only_in_first_page():
 def _brute_snapkv(attn_sum: list[list[float]], obs: list[float], kernel: int) -> list[list[float]]:
     out = []
     for row in attn_sum:
-        mean = [a / max(o, 1.0) for a, o in zip(row, obs)]
+        mean = [a / max(o, 1.0) for a, o in zip(row, obs, strict=True)]
         r = kernel // 2
         out.append([max(mean[max(0, i - r) : i + r + 1]) for i in range(len(mean))])
     return out
