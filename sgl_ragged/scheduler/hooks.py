@@ -49,11 +49,10 @@ def compute_cell_size(original: Any, configurator: Any, kvc: Any, num_layers: in
     )
     runtime.num_staging_pages = (schedule.max_running_requests + 1) * (runtime.config.window_pages + 1)
     layout = runtime.layout
-    logger.info(
-        "ragged capacity: %d bytes per logical token instead of %d (retention %.3f)",
-        -(-layout.row_bytes_per_page // layout.page_size), full, layout.retention,
-    )
-    return -(-layout.row_bytes_per_page // layout.page_size)
+    cell = -(-layout.row_bytes_per_page // layout.page_size)  # ceil: never over-admit
+    logger.info("ragged capacity: %d bytes per logical token instead of %d (retention %.3f)",
+                cell, full, layout.retention)
+    return cell
 
 
 def calculate_pool_sizes(original: Any, configurator: Any, available_bytes: int, page_size: int) -> Any:
