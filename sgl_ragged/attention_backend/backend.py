@@ -76,6 +76,7 @@ class RaggedAttnBackend(AttentionBackend):
         k3 = k.reshape(-1, h_kv, d)
         v3 = v.reshape(-1, h_kv, layer.v_head_dim)
         out = torch.empty_like(q3)
+        self.storage.scale = layer.scaling  # scorers that model attention logits need it
         for plan in meta.requests:
             rows = slice(plan.q_start, plan.q_start + plan.q_len)
             out[rows] = request_forward(self.storage, layer.layer_id, plan, q3[rows], k3[rows],

@@ -13,6 +13,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_ragged.attention_backend.metadata import RequestPlan
 from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.scoring import PageStats
 
 
 def query_heads(kv_heads: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -54,8 +55,16 @@ def request_forward(
         tail_attn[heads] = probs[:, :, sealed_k.shape[0] :].view(
             plan.obs_queries, heads.numel(), gsize, -1).amax(2).sum(0)
     # 2. Compress pages that leave the window; keep the rest staged.
-    _store_tail(storage, layer, plan, tail_k, tail_v, tail_attn)
+    q_stats = _window_query_stats(q[-plan.obs_queries :], h_kv)
+    _store_tail(storage, layer, plan, tail_k, tail_v, tail_attn, q_stats, scale)
     return out
+
+
+def _window_query_stats(q_win: torch.Tensor, h_kv: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """q_win [w, H_q, D] -> (sum [H_kv, D], sum of squares [H_kv, D], count) per KV head."""
+    w, h_q, d = q_win.shape
+    grouped = q_win.float().view(w, h_kv, h_q // h_kv, d)
+    return grouped.sum((0, 2)), grouped.square().sum((0, 2)), float(w * (h_q // h_kv))
 
 
 def _tail_kv(
@@ -113,6 +122,7 @@ def _window_probs(q_win: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | Non
 def _store_tail(
     storage: RaggedStorage, layer: int, plan: RequestPlan, tail_k: torch.Tensor,
     tail_v: torch.Tensor, tail_attn: torch.Tensor,
+    q_stats: tuple[torch.Tensor, torch.Tensor, float], scale: float,
 ) -> None:
     """Seal the first `num_seal` tail pages, write the rest into their staging pages."""
     P = storage.layout.page_size
@@ -122,6 +132,7 @@ def _store_tail(
     if staged:
         tail_attn[:, :staged] += storage.stage_attn[plan.prior_stages, layer].transpose(0, 1).flatten(1)[:, :staged]
     n_pages = plan.tail_pages.numel()
+    q_sum, q_sq, q_cnt = _page_query_stats(storage, layer, plan, q_stats, n_pages)
     pad = n_pages * P - T
     k_pages = _pad_pages(tail_k, pad, P)  # [n_pages, P, H, D]
     v_pages = _pad_pages(tail_v, pad, P)
@@ -131,13 +142,38 @@ def _store_tail(
     if n:
         pages = plan.tail_pages[:n].to(storage.device)
         start = plan.tail_start + P * torch.arange(n, device=storage.device)
-        scores = storage.scorer.page_scores(attn_pages[:n], obs_pages[:n])
-        storage.write_rows(layer, pages, k_pages[:n], v_pages[:n], scores, start)
+        stats = PageStats(attn_sum=attn_pages[:n], obs_count=obs_pages[:n], keys=k_pages[:n],
+                          values=v_pages[:n], q_sum=q_sum[:n], q_sq_sum=q_sq[:n],
+                          q_count=q_cnt[:n], scale=scale)
+        storage.write_rows(layer, pages, k_pages[:n], v_pages[:n], storage.scorer.page_scores(stats), start)
     if n < n_pages:
         stages = plan.after_stages
         storage.stage_k[layer][stages] = k_pages[n:].to(storage.dtype)
         storage.stage_v[layer][stages] = v_pages[n:].to(storage.dtype)
         storage.stage_attn[stages, layer] = attn_pages[n:]
+        storage.stage_q_sum[stages, layer] = q_sum[n:]
+        storage.stage_q_sq_sum[stages, layer] = q_sq[n:]
+        storage.stage_q_count[stages, layer] = q_cnt[n:]
+
+
+def _page_query_stats(
+    storage: RaggedStorage, layer: int, plan: RequestPlan,
+    q_stats: tuple[torch.Tensor, torch.Tensor, float], n_pages: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per tail page: this forward's window-query statistics plus what its staging page held.
+
+    Returns q_sum, q_sq_sum [n_pages, H, D] float32 and q_count [n_pages] float32.
+    """
+    q_sum, q_sq, count = q_stats
+    sums = q_sum.expand(n_pages, *q_sum.shape).clone()
+    squares = q_sq.expand(n_pages, *q_sq.shape).clone()
+    counts = torch.full((n_pages,), count, device=q_sum.device)
+    held = plan.prior_stages.numel()  # the tail's first pages were staged before
+    if held:
+        sums[:held] += storage.stage_q_sum[plan.prior_stages, layer]
+        squares[:held] += storage.stage_q_sq_sum[plan.prior_stages, layer]
+        counts[:held] += storage.stage_q_count[plan.prior_stages, layer]
+    return sums, squares, counts
 
 
 def _pad_pages(x: torch.Tensor, pad: int, P: int) -> torch.Tensor:

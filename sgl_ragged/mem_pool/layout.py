@@ -73,7 +73,8 @@ class RaggedLayout:
         kv = self.full_bytes_per_page
         scores = self.num_layers * self.num_kv_heads * self.page_size * 4
         observed = self.page_size * 4
-        return kv + scores + observed
+        queries = self.num_layers * (2 * self.num_kv_heads * self.head_dim + 1) * 4
+        return kv + scores + observed + queries
 
     def num_logical_pages(self, available_bytes: int, num_staging_pages: int) -> int:
         """Logical pages that fit in `available_bytes` once the staging pool is taken out."""

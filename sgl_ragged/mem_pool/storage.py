@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_ragged.mem_pool.layout import RaggedLayout
-from sgl_ragged.scoring import Scorer
+from sgl_ragged.scoring import PageStats, Scorer
 from sgl_ragged.scoring.select import select_top_k, sink_mask
 
 
@@ -70,6 +70,13 @@ class RaggedStorage:
         self.stage_attn = torch.zeros(num_staging_pages, layout.num_layers, H, P, device=self.device)
         # stage_obs: [S, P] float32 number of queries that observed each token.
         self.stage_obs = torch.zeros(num_staging_pages, P, device=self.device)
+        # stage_q_sum, stage_q_sq_sum: [S, L, H, D] float32 sums of the queries (and squares)
+        # observed while staged, pooled per KV head; stage_q_count: [S, L] float32 their count.
+        self.stage_q_sum = torch.zeros(num_staging_pages, layout.num_layers, H, D, device=self.device)
+        self.stage_q_sq_sum = torch.zeros_like(self.stage_q_sum)
+        self.stage_q_count = torch.zeros(num_staging_pages, layout.num_layers, device=self.device)
+        # scale: the model's attention softmax scale (the backend sets it from its layers).
+        self.scale = D**-0.5
         # page_to_stage: [num_pages] int64, staging page of a logical page or -1 (CPU bookkeeping).
         self.page_to_stage = torch.full((num_pages,), -1, dtype=torch.long)
         # stage_owner: [S] int64 logical page held by a staging page or -1.
@@ -97,7 +104,8 @@ class RaggedStorage:
 
     def nbytes(self) -> int:
         tensors = [t for rows in (self.rows_k, self.rows_v) for layer in rows for t in layer]
-        tensors += self.stage_k + self.stage_v + [self.stage_attn, self.stage_obs]
+        tensors += self.stage_k + self.stage_v + [self.stage_attn, self.stage_obs, self.stage_q_sum,
+                                                  self.stage_q_sq_sum, self.stage_q_count]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- staging pages ----------------------------------------------------------------------
@@ -115,8 +123,9 @@ class RaggedStorage:
         self.stage_owner[s] = page
         self.page_to_stage[page] = s
         self.sealed[page] = False
-        self.stage_attn[s].zero_()
-        self.stage_obs[s].zero_()
+        for stats in (self.stage_attn, self.stage_obs, self.stage_q_sum, self.stage_q_sq_sum,
+                      self.stage_q_count):
+            stats[s].zero_()
         return s
 
     def unstage(self, pages: torch.Tensor) -> None:
@@ -171,9 +180,22 @@ class RaggedStorage:
     def seal_staged_layer(self, layer: int, pages: torch.Tensor, page_start_pos: torch.Tensor) -> None:
         """Compress staged pages of one layer from their staging copies and scores."""
         stages = self.page_to_stage[pages].to(self.device)
-        scores = self.scorer.page_scores(self.stage_attn[stages, layer], self.stage_obs[stages])
+        scores = self.scorer.page_scores(self.staged_stats(layer, stages))
         self.write_rows(layer, pages.to(self.device), self.stage_k[layer][stages],
                         self.stage_v[layer][stages], scores, page_start_pos)
+
+    def staged_stats(self, layer: int, stages: torch.Tensor) -> PageStats:
+        """What staged pages accumulated so far in one layer; stages: [N] int64 staging pages."""
+        return PageStats(
+            attn_sum=self.stage_attn[stages, layer],
+            obs_count=self.stage_obs[stages],
+            keys=self.stage_k[layer][stages],
+            values=self.stage_v[layer][stages],
+            q_sum=self.stage_q_sum[stages, layer],
+            q_sq_sum=self.stage_q_sq_sum[stages, layer],
+            q_count=self.stage_q_count[stages, layer],
+            scale=self.scale,
+        )
 
     def mark_sealed(self, pages: torch.Tensor) -> None:
         """All layers of these pages are written: release their staging and count them."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sgl_ragged.scoring.base import SINK_TOKENS, Scorer
+from sgl_ragged.scoring.base import SINK_TOKENS, PageStats, Scorer
 from sgl_ragged.scoring.snapkv import SnapKVScorer
 
 SCORERS: dict[str, type[Scorer]] = {SnapKVScorer.name: SnapKVScorer}
@@ -15,4 +15,4 @@ def make_scorer(name: str) -> Scorer:
     return SCORERS[name]()
 
 
-__all__ = ["SCORERS", "SINK_TOKENS", "Scorer", "SnapKVScorer", "make_scorer"]
+__all__ = ["SCORERS", "SINK_TOKENS", "PageStats", "Scorer", "SnapKVScorer", "make_scorer"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -10,19 +11,39 @@ SINK_TOKENS = 4
 """The first tokens of every sequence are always kept (StreamingLLM's attention sinks)."""
 
 
-class Scorer(ABC):
-    """Turns attention statistics of a page into per-KV-head importance scores.
+@dataclass(frozen=True)
+class PageStats:
+    """Everything a scorer may use about N pages of one layer (all on one device).
 
-    The serving path accumulates, per window page and KV head, the attention mass its tokens
-    received from the queries seen while the page was in the recent window (prefill: the
-    chunk's observation window; decode: every decode step). A scorer reduces those statistics
-    to scores `[H_kv, P]`; higher means keep. Sink tokens are handled by the selector, not here.
+    Serving accumulates these while a page sits in the recent window (prefill: the chunk's
+    observation window; decode: every decode query); calibration builds them per chunk the
+    same way. Query statistics are pooled over the query heads that share a KV head.
+    """
+
+    attn_sum: torch.Tensor  # [N, H_kv, P] float32 summed GQA-reduced (max) attention probs
+    obs_count: torch.Tensor  # [N, P] float32 how many queries observed each token
+    keys: torch.Tensor  # [N, P, H_kv, D] post-RoPE keys (any float dtype)
+    values: torch.Tensor  # [N, P, H_kv, D] values
+    q_sum: torch.Tensor  # [N, H_kv, D] float32 sum of observing queries (post-RoPE, unscaled)
+    q_sq_sum: torch.Tensor  # [N, H_kv, D] float32 sum of their squares
+    q_count: torch.Tensor  # [N] float32 query vectors summed (queries x query heads per KV head)
+    scale: float  # the attention softmax scale (1/sqrt(D) unless the model says otherwise)
+
+    @property
+    def page_size(self) -> int:
+        return self.attn_sum.shape[-1]
+
+
+class Scorer(ABC):
+    """Turns the statistics of N pages into per-KV-head importance scores `[N, H_kv, P]`.
+
+    Higher means keep. Scores must be comparable across the heads of a layer: calibration ranks
+    all heads' tokens together (TANGRAM Eq. 3). Sink tokens are handled by the selector.
+    Adding a method is one subclass with a `name` and `page_scores` (kvpress's shape).
     """
 
     name: str
 
     @abstractmethod
-    def page_scores(self, attn_sum: torch.Tensor, obs_count: torch.Tensor) -> torch.Tensor:
-        """attn_sum: [..., H_kv, P] float32, summed GQA-reduced attention probabilities.
-        obs_count: [..., P] float32, how many queries contributed to each token.
-        Returns scores [..., H_kv, P] float32."""
+    def page_scores(self, stats: PageStats) -> torch.Tensor:
+        """Returns scores [N, H_kv, P] float32."""

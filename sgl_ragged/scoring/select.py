@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sgl_ragged.scoring.base import SINK_TOKENS
@@ -28,3 +30,22 @@ def select_top_k(scores: torch.Tensor, k: int, sinks: torch.Tensor) -> torch.Ten
     # A stable descending sort breaks ties towards earlier positions, deterministically.
     order = torch.sort(forced, dim=-1, descending=True, stable=True).indices
     return order[..., :k].sort(dim=-1).values
+
+
+def select_flat_top(scores: torch.Tensor, rho: float, sinks: torch.Tensor) -> torch.Tensor:
+    """TANGRAM Eq. 3: one layer's tokens kept by a global top-ceil(rho * H * N) over all heads.
+
+    scores: [H, N] float32 token scores of every KV head over the same N tokens (comparable
+    across heads); sinks: [N] bool tokens always kept (they count towards the budget).
+    Returns keep [H, N] bool; keep.float().mean(1) is each head's implicit retention ratio.
+    Ties break towards lower (head, token) flat index, deterministically.
+    """
+    if not 0.0 < rho <= 1.0:
+        raise ValueError(f"target retention rho must be in (0, 1], got {rho}")
+    h, n = scores.shape
+    budget = min(h * n, max(math.ceil(rho * h * n), int(sinks.sum()) * h))
+    forced = scores.masked_fill(sinks[None, :], float("inf")).flatten()
+    order = torch.sort(forced, descending=True, stable=True).indices[:budget]
+    keep = torch.zeros(h * n, dtype=torch.bool, device=scores.device)
+    keep[order] = True
+    return keep.view(h, n)

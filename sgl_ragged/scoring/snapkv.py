@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sgl_ragged.scoring.base import Scorer
+from sgl_ragged.scoring.base import PageStats, Scorer
 
 
 def gqa_reduce(probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -46,8 +46,8 @@ class SnapKVScorer(Scorer):
             raise ValueError(f"snapkv pool kernel must be odd and >= 1, got {pool_kernel}")
         self.pool_kernel = pool_kernel
 
-    def page_scores(self, attn_sum: torch.Tensor, obs_count: torch.Tensor) -> torch.Tensor:
-        mean = attn_sum / obs_count.clamp(min=1.0).unsqueeze(-2)
+    def page_scores(self, stats: PageStats) -> torch.Tensor:
+        mean = stats.attn_sum / stats.obs_count.clamp(min=1.0).unsqueeze(-2)
         if self.pool_kernel == 1:
             return mean
         flat = mean.reshape(-1, 1, mean.shape[-1])

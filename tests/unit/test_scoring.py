@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_ragged.scoring import SINK_TOKENS, SnapKVScorer
+from sgl_ragged.scoring import SINK_TOKENS, PageStats, SnapKVScorer
 from sgl_ragged.scoring.select import select_top_k, sink_mask
 from sgl_ragged.scoring.snapkv import gqa_reduce, window_attention_probs
 
@@ -56,8 +56,17 @@ def test_snapkv_page_scores_match_brute_force(data):
     h, p = data.draw(st.integers(1, 3)), data.draw(st.integers(4, 10))
     attn = data.draw(st.lists(st.lists(st.floats(0, 4), min_size=p, max_size=p), min_size=h, max_size=h))
     obs = data.draw(st.lists(st.integers(0, 5).map(float), min_size=p, max_size=p))
-    got = SnapKVScorer(7).page_scores(torch.tensor(attn), torch.tensor(obs))
-    torch.testing.assert_close(got, torch.tensor(_brute_snapkv(attn, obs, 7)))
+    got = SnapKVScorer(7).page_scores(_stats(torch.tensor([attn]), torch.tensor([obs])))
+    torch.testing.assert_close(got[0], torch.tensor(_brute_snapkv(attn, obs, 7)))
+
+
+def _stats(attn_sum: torch.Tensor, obs: torch.Tensor, d: int = 4) -> PageStats:
+    """PageStats around given attention sums [N, H, P]; keys, values and queries random."""
+    n, h, p = attn_sum.shape
+    g = torch.Generator().manual_seed(1)
+    return PageStats(attn_sum=attn_sum, obs_count=obs, keys=torch.randn(n, p, h, d, generator=g),
+                     values=torch.randn(n, p, h, d, generator=g), q_sum=torch.randn(n, h, d, generator=g),
+                     q_sq_sum=torch.rand(n, h, d, generator=g) + 1, q_count=torch.ones(n), scale=d**-0.5)
 
 
 def test_window_probs_and_gqa_reduce_match_loops():
@@ -72,3 +81,21 @@ def test_window_probs_and_gqa_reduce_match_loops():
         torch.testing.assert_close(probs[qi, hq], torch.tensor([x / sum(e) for x in e]))
     red = gqa_reduce(probs, 2)
     torch.testing.assert_close(red[:, 1], torch.maximum(probs[:, 2], probs[:, 3]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_select_flat_top_matches_brute_force(data):
+    from sgl_ragged.scoring.select import select_flat_top
+
+    h, n = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 12))
+    rho = data.draw(st.sampled_from([0.1, 0.3, 0.5, 0.7, 1.0]))
+    scores = data.draw(st.lists(st.sampled_from([0.0, 0.2, 0.5, 1.0]), min_size=h * n, max_size=h * n))
+    sinks = [i < data.draw(st.integers(0, 2)) for i in range(n)]
+    keep = select_flat_top(torch.tensor(scores).view(h, n), rho, torch.tensor(sinks))
+    # Brute force: rank (head, token) pairs by (not sink, -score, flat index), take the budget.
+    budget = min(h * n, max(math.ceil(rho * h * n), sum(sinks) * h))
+    ranked = sorted(range(h * n), key=lambda i: (not sinks[i % n], -scores[i], i))
+    want = torch.zeros(h * n, dtype=torch.bool)
+    want[ranked[:budget]] = True
+    assert torch.equal(keep.flatten(), want)
