@@ -1,11 +1,12 @@
-"""Logical token capacity of `ragged uniform:<rho>` over stock `torch_native` at the same KV budget,
+"""Logical token capacity of `ragged <profile>` over stock `torch_native` at the same KV budget,
 plus the share of prefill attention time spent scoring and sealing.
 
-    python -m bench.capacity --ratio 0.3 --out results/capacity
+    python -m bench.capacity --profile uniform:0.3 --out results/capacity
 
-Both servers get the same --mem-fraction-static, so SGLang profiles the same KV byte budget;
-each reports its max_total_num_tokens. The physical limit of the ratio is 1/rho (less the
-staging pool and the k >= 4 sink floor). Writes capacity.json and capacity.md.
+Every server gets the same --mem-fraction-static, so SGLang profiles the same KV byte budget;
+each reports its max_total_num_tokens. The physical limit of a profile is 1/retention (1/rho for
+uniform:<rho>), less the staging pool and the k >= 4 sink floor. Writes capacity.json and
+capacity.md.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from sgl_ragged.testing.server import ServerProcess
 
 def server_capacity(model: str, backend_args: list[str], mem_fraction: float) -> int:
     args = ["--model-path", model, "--device", "cpu", "--page-size", "64",
-            "--mem-fraction-static", str(mem_fraction), *backend_args]
+            "--mem-fraction-static", str(mem_fraction), "--sleep-on-idle", *backend_args]
     with ServerProcess(args) as server:
         with urllib.request.urlopen(server.base_url + "/get_server_info", timeout=60) as resp:
             return int(json.loads(resp.read())["max_total_num_tokens"])
@@ -42,8 +43,8 @@ def sealing_share(ratio: float, chunk: int = 1024, repeats: int = 5) -> dict[str
     and without the pages being sealed (sealing includes scoring and the row writes)."""
     P, H, G, D = 64, 3, 3, 64
     layout = RaggedLayout.from_profile(uniform_profile(ratio, 1, H), P, D, 2)
-    storage = RaggedStorage(layout, chunk // P + 2, 4, torch.bfloat16, "cpu", SnapKVScorer())
     pages = torch.arange(1, chunk // P + 1)
+    storage = RaggedStorage(layout, chunk // P + 2, len(pages), torch.bfloat16, "cpu", SnapKVScorer())
 
     def plan(num_seal: int) -> RequestPlan:
         return RequestPlan(q_start=0, prefix=0, seq_len=chunk, tail_start=0,
@@ -55,9 +56,6 @@ def sealing_share(ratio: float, chunk: int = 1024, repeats: int = 5) -> dict[str
     q = torch.randn(chunk, H * G, D, dtype=torch.bfloat16)
     k = torch.randn(chunk, H, D, dtype=torch.bfloat16)
     v = torch.randn(chunk, H, D, dtype=torch.bfloat16)
-    storage.stage_k[0] = torch.zeros(len(pages), P, H, D, dtype=torch.bfloat16)
-    storage.stage_v[0] = torch.zeros(len(pages), P, H, D, dtype=torch.bfloat16)
-    storage.stage_attn = torch.zeros(len(pages), 1, H, P)
 
     def timed(p: RequestPlan) -> float:
         samples = []
@@ -72,33 +70,55 @@ def sealing_share(ratio: float, chunk: int = 1024, repeats: int = 5) -> dict[str
             "sealing_share": max(0.0, seal_all - seal_none) / seal_all}
 
 
+def physical_limit(spec: str, model: str) -> float:
+    """1 / retention of the profile's layout at page size 64 (what the bytes allow)."""
+    from transformers import AutoConfig
+
+    from sgl_ragged.profile import ModelShape, resolve_profile
+
+    cfg = AutoConfig.from_pretrained(model)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = ModelShape(cfg.architectures[0], cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
+    layout = RaggedLayout.from_profile(resolve_profile(spec, shape), 64, head_dim, 2)
+    return 1 / layout.retention
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ratio", type=float, default=0.3)
+    parser.add_argument("--profile", action="append", default=None,
+                        help="ragged profile spec or file (repeatable; default uniform:0.3)")
+    parser.add_argument("--seal-ratio", type=float, default=0.3, help="rho of the sealing microbench")
     parser.add_argument("--mem-fraction-static", type=float, default=0.3)
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", type=Path, default=Path("results/capacity"))
     args = parser.parse_args()
+    profiles = args.profile or ["uniform:0.3"]
     model = args.model or str(ensure_smollm2())
-    print(f"[1/3] torch_native at mem-fraction {args.mem_fraction_static} ...", flush=True)
+    steps = len(profiles) + 2
+    print(f"[1/{steps}] torch_native at mem-fraction {args.mem_fraction_static} ...", flush=True)
     base = server_capacity(model, ["--attention-backend", "torch_native"], args.mem_fraction_static)
-    print(f"[2/3] ragged uniform:{args.ratio} ...", flush=True)
-    ragged = server_capacity(model, ["--attention-backend", "ragged", "--ragged-profile",
-                                     f"uniform:{args.ratio}"], args.mem_fraction_static)
-    print("[3/3] sealing share of prefill attention ...", flush=True)
-    share = sealing_share(args.ratio)
-    result = {"ratio": args.ratio, "torch_native_tokens": base, "ragged_tokens": ragged,
-              "capacity_ratio": ragged / base, "limit": 1 / args.ratio, **share}
+    rows = []
+    for i, spec in enumerate(profiles, start=2):
+        print(f"[{i}/{steps}] ragged {spec} ...", flush=True)
+        tokens = server_capacity(model, ["--attention-backend", "ragged", "--ragged-profile", spec],
+                                 args.mem_fraction_static)
+        rows.append({"profile": spec, "ragged_tokens": tokens, "capacity_ratio": tokens / base,
+                     "limit": physical_limit(spec, model)})
+    print(f"[{steps}/{steps}] sealing share of prefill attention ...", flush=True)
+    share = sealing_share(args.seal_ratio)
+    result = {"torch_native_tokens": base, "mem_fraction_static": args.mem_fraction_static,
+              "profiles": rows, "seal_ratio": args.seal_ratio, **share}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "capacity.json").write_text(json.dumps(result, indent=2))
-    table = "\n".join([
-        "| backend | logical tokens | ratio | limit 1/rho |", "|---|---|---|---|",
-        f"| torch_native | {base} | 1.00 | |",
-        f"| ragged uniform:{args.ratio} | {ragged} | {ragged / base:.2f} | {1 / args.ratio:.2f} |",
-        "", f"Sealing (scoring + row writes) share of one layer's 1024-token extend: "
-        f"{share['sealing_share']:.1%} (median {share['extend_with_sealing_s'] * 1e3:.1f} ms with, "
-        f"{share['extend_without_sealing_s'] * 1e3:.1f} ms without)",
-    ])
+    lines = ["| backend | logical tokens | ratio | physical limit (1/retention) |", "|---|---|---|---|",
+             f"| torch_native | {base} | 1.00 | |"]
+    lines += [f"| ragged {r['profile']} | {r['ragged_tokens']} | {r['capacity_ratio']:.2f} | "
+              f"{r['limit']:.2f} |" for r in rows]
+    lines += ["", f"Sealing (scoring + row writes) share of one layer's 1024-token extend at rho "
+              f"{args.seal_ratio}: {share['sealing_share']:.1%} (median "
+              f"{share['extend_with_sealing_s'] * 1e3:.1f} ms with, "
+              f"{share['extend_without_sealing_s'] * 1e3:.1f} ms without)"]
+    table = "\n".join(lines)
     (args.out / "capacity.md").write_text(table + "\n")
     print(table)
 

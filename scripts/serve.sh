@@ -8,6 +8,7 @@ export SGL_RAGGED_MODEL
 exec python -m sglang.launch_server \
   --model-path "$SGL_RAGGED_MODEL" \
   --device cpu \
+  --sleep-on-idle \
   --attention-backend ragged \
   --ragged-profile "${SGL_RAGGED_PROFILE:-uniform:0.3}" \
   --host 127.0.0.1 \

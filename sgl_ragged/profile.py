@@ -20,8 +20,13 @@ import sgl_ragged.budgets as budget_math
 PROFILE_FORMAT = "sgl-ragged-profile"
 PROFILE_VERSION = 1
 # Budget sources whose profiles fit any model and therefore record none.
-MODEL_FREE_KINDS = frozenset({"uniform"})
+MODEL_FREE_KINDS = frozenset({"uniform", "dynamic"})
 UNIFORM_SPEC_HELP = "expected uniform:<ratio in (0,1]>"
+# Schema of the calibrator's entries in the open ``stats`` object (version 1 files carry any
+# JSON there; these keys are checked on load when present). stats["samples"] holds the
+# per-sample retention the budgets were derived from: {"tasks": [S], "tokens": [S],
+# "retention": [S][L][H]}.
+STATS_SCHEMA = 1
 CALIBRATE_HINT = (
     "calibrate one for this model with `python -m sgl_ragged.calibrate --model ...` "
     "or use `uniform:<ratio>`"
@@ -81,6 +86,42 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class SampleRetention:
+    """Per-sample retention recorded by calibration (``stats["samples"]``)."""
+
+    tasks: tuple[str, ...]  # [S] task type of each sample
+    tokens: tuple[int, ...]  # [S] sample length in tokens
+    retention: tuple[tuple[tuple[float, ...], ...], ...]  # [S][L][H] kept / offered
+
+    @classmethod
+    def from_stats(cls, data: Any, num_layers: int, num_heads: int) -> SampleRetention:
+        """Parse and check ``stats["samples"]`` against the profile's [L][H] shape."""
+        if not isinstance(data, dict) or sorted(data) != ["retention", "tasks", "tokens"]:
+            raise ProfileError(
+                "stats.samples must be an object with exactly the keys "
+                f"['retention', 'tasks', 'tokens'], got {data!r:.80}"
+            )
+        tasks, tokens, retention = data["tasks"], data["tokens"], data["retention"]
+        if not _is_sequence(retention) or not retention:
+            raise ProfileError("stats.samples.retention must be a non-empty list [S][L][H]")
+        count = len(retention)
+        if not (_is_sequence(tasks) and len(tasks) == count and all(isinstance(t, str) for t in tasks)):
+            raise ProfileError(f"stats.samples.tasks must be {count} strings, one per sample")
+        if not (_is_sequence(tokens) and len(tokens) == count
+                and all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in tokens)):  # fmt: skip
+            raise ProfileError(f"stats.samples.tokens must be {count} positive ints, one per sample")
+        matrices = []
+        for i, sample in enumerate(retention):
+            name = f"stats.samples.retention[{i}]"
+            matrix = _float_matrix(name, sample)
+            _check_shape(name, matrix, num_layers, num_heads)
+            if any(not 0.0 <= x <= 1.0 for row in matrix for x in row):
+                raise ProfileError(f"{name} has a retention outside [0, 1]")
+            matrices.append(matrix)
+        return cls(tuple(tasks), tuple(tokens), tuple(matrices))
+
+
+@dataclass(frozen=True)
 class BudgetProfile:
     """Static retention budgets B[l][h] and head groups of one model (TANGRAM sections 4.1, 4.2).
 
@@ -134,6 +175,14 @@ class BudgetProfile:
         return math.fsum(b for layer in self.budgets for b in layer) / (
             self.num_layers * self.num_kv_heads
         )
+
+    @property
+    def sample_retention(self) -> SampleRetention | None:
+        """The per-sample retention calibration recorded, if the profile carries it."""
+        data = self.stats.get("samples")
+        if data is None:
+            return None
+        return SampleRetention.from_stats(data, self.num_layers, self.num_kv_heads)
 
     @property
     def group_budgets(self) -> tuple[tuple[float, ...], ...]:
@@ -301,6 +350,9 @@ class BudgetProfile:
             )
         for name in ("source", "stats"):
             _check_jsonable(name, getattr(self, name))
+        if not isinstance(self.stats, dict):
+            raise ProfileError(f"stats must be an object, got {self.stats!r:.80}")
+        self.sample_retention  # noqa: B018 -- validates stats["samples"] when present
         kind = self.source["kind"]
         if self.model is None:
             if kind not in MODEL_FREE_KINDS:
@@ -470,6 +522,31 @@ def uniform_profile(
     )  # fmt: skip
 
 
+def dynamic_profile(
+    rho: float, num_layers: int, num_kv_heads: int, heads_per_group: int | None = None
+) -> BudgetProfile:
+    """The dynamic reference mode ("w/o TANGRAM"): full-size pages (B = 1 for every head) and
+    per-input Eq. 3 selection at rho when pages are sealed; dropped tokens are masked, not freed.
+    """
+    full = uniform_profile(1.0, num_layers, num_kv_heads, heads_per_group)
+    return BudgetProfile(None, full.budgets, full.groups, {"kind": "dynamic", "rho": float(rho)},
+                         split_ratios=full.split_ratios)
+
+
+def parse_dynamic_spec(spec: str) -> float:
+    """The target ratio rho of a "dynamic:<rho>" spec; ProfileError for anything else."""
+    prefix, sep, rest = spec.partition(":")
+    try:
+        rho = float(rest)
+    except ValueError:
+        rho = math.nan
+    if prefix.strip().lower() != "dynamic" or not sep or not 0.0 < rho <= 1.0:
+        raise ProfileError(
+            f"a dynamic profile is 'dynamic:<rho>' with rho in (0, 1], e.g. dynamic:0.3; got {spec!r}"
+        )
+    return rho
+
+
 def parse_uniform_spec(spec: str) -> float:
     """The ratio of a "uniform:<ratio>" spec; ProfileError for anything else."""
     prefix, sep, rest = spec.partition(":")
@@ -493,9 +570,13 @@ def resolve_profile(
     """
     if heads_per_group is not None:
         _check_heads_per_group(shape.num_kv_heads, heads_per_group)
-    if spec.partition(":")[0].strip().lower() == "uniform":
+    kind = spec.partition(":")[0].strip().lower()
+    if kind == "uniform":
         ratio = parse_uniform_spec(spec)
         return uniform_profile(ratio, shape.num_layers, shape.num_kv_heads, heads_per_group)
+    if kind == "dynamic":
+        return dynamic_profile(parse_dynamic_spec(spec), shape.num_layers, shape.num_kv_heads,
+                               heads_per_group)
     if not spec.strip():
         raise ProfileError("empty profile spec; pass a profile file or uniform:<ratio in (0,1]>")
     profile = BudgetProfile.load(spec)

@@ -10,13 +10,22 @@ from dataclasses import dataclass
 
 from sgl_ragged.config import RaggedConfig
 from sgl_ragged.mem_pool.layout import RaggedLayout
+from sgl_ragged.profile import BudgetProfile
 
 
 @dataclass
 class RaggedRuntime:
     config: RaggedConfig
     layout: RaggedLayout | None = None
+    profile: BudgetProfile | None = None  # the resolved profile the layout was built from
     num_staging_pages: int = 0
+
+    @property
+    def dynamic_rho(self) -> float | None:
+        """rho of the dynamic reference mode (profile dynamic:<rho>), else None."""
+        if self.profile is None or self.profile.source.get("kind") != "dynamic":
+            return None
+        return float(self.profile.source["rho"])
 
     def require_layout(self) -> RaggedLayout:
         if self.layout is None:

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from sgl_ragged.attention_backend.impl import make_attention_impl
 from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata, build_metadata
-from sgl_ragged.attention_backend.torch_ref import request_forward
 from sgl_ragged.mem_pool.pool import RaggedKVPool
 from sgl_ragged.runtime import get_runtime
 from sgl_ragged.scheduler.metrics import make_metrics
@@ -24,7 +24,8 @@ class RaggedAttnBackend(AttentionBackend):
 
     Every forward: plan the batch (init_forward_metadata); per layer, attend over sealed rows +
     staged pages + the new tokens, then seal the pages leaving the recent window and stage the
-    rest; after the last layer, mark the sealed pages and release their staging pages.
+    rest; after the last layer, mark the sealed pages and release their staging pages. The
+    per-layer work is an `AttentionImpl`: Triton kernels on CUDA, the torch reference elsewhere.
     """
 
     def __init__(self, model_runner: ModelRunner) -> None:
@@ -39,7 +40,9 @@ class RaggedAttnBackend(AttentionBackend):
         self.token_to_kv_pool = pool
         self.allocator = model_runner.token_to_kv_pool_allocator
         self.storage = pool.storage
-        self.config = get_runtime().config
+        runtime = get_runtime()
+        self.config = runtime.config
+        self.impl = make_attention_impl(self.storage, runtime.profile)
         self.num_layers = self.storage.layout.num_layers
         self.forward_metadata: RaggedForwardMetadata | None = None
         self.metrics = make_metrics()
@@ -58,29 +61,26 @@ class RaggedAttnBackend(AttentionBackend):
             window_pages=self.config.window_pages,
             obs_window=self.config.obs_window,
         )
+        self.impl.prepare(self.forward_metadata)
 
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True, **kwargs) -> torch.Tensor:
-        return self._forward(q, k, v, layer)
+        return self._forward(q, k, v, layer, decode=False)
 
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True, **kwargs) -> torch.Tensor:
-        return self._forward(q, k, v, layer)
+        return self._forward(q, k, v, layer, decode=True)
 
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 layer: RadixAttention) -> torch.Tensor:
+                 layer: RadixAttention, decode: bool) -> torch.Tensor:
         meta = self.forward_metadata
         assert meta is not None, "init_forward_metadata did not run for this forward"
         h_q, h_kv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
         q3 = q.reshape(-1, h_q, d)
         k3 = k.reshape(-1, h_kv, d)
         v3 = v.reshape(-1, h_kv, layer.v_head_dim)
-        out = torch.empty_like(q3)
         self.storage.scale = layer.scaling  # scorers that model attention logits need it
-        for plan in meta.requests:
-            rows = slice(plan.q_start, plan.q_start + plan.q_len)
-            out[rows] = request_forward(self.storage, layer.layer_id, plan, q3[rows], k3[rows],
-                                        v3[rows], layer.scaling)
+        out = self.impl.forward(layer.layer_id, meta, q3, k3, v3, layer.scaling, decode)
         if layer.layer_id == self.num_layers - 1:
             self._finish_forward(meta)
         return out.reshape(q.shape[0], h_q * d)

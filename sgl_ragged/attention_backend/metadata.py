@@ -27,6 +27,8 @@ from sgl_ragged.mem_pool.storage import RaggedStorage
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
+    from sgl_ragged.kernels.batch import KernelBatch
+
 
 @dataclass
 class RequestPlan:
@@ -60,6 +62,7 @@ class RaggedForwardMetadata:
     requests: list[RequestPlan]
     pages_to_seal: torch.Tensor  # [M] int64 logical pages sealed by this forward (CPU)
     seal_start_pos: list[torch.Tensor] = field(default_factory=list)  # per request, device
+    kernel: KernelBatch | None = None  # page tables for the Triton kernels (CUDA path only)
 
 
 def build_metadata(

@@ -13,7 +13,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_ragged.attention_backend.metadata import RequestPlan
 from sgl_ragged.mem_pool.storage import RaggedStorage
-from sgl_ragged.scoring import PageStats
+from sgl_ragged.scoring import PageStats, page_query_stats
 
 
 def query_heads(kv_heads: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -50,21 +50,16 @@ def request_forward(
         keys = torch.cat([sealed_k, tail_k[:, heads].to(sealed_k.dtype)])
         values = torch.cat([sealed_v, tail_v[:, heads].to(sealed_v.dtype)])
         full_mask = _with_sealed(mask, sealed_k.shape[0])
+        keep = storage.sealed_keep(layer, g, plan.sealed_pages)  # dynamic mode: [N_s, H_p]
+        if keep is not None:
+            full_mask = _per_head_mask(full_mask, keep, gsize, plan.q_len, keys.shape[0])
         out[:, qh] = _sdpa(q[:, qh], keys, values, full_mask, scale)
         probs = _window_probs(q[-plan.obs_queries :, qh], keys, full_mask, scale, plan.obs_queries)
         tail_attn[heads] = probs[:, :, sealed_k.shape[0] :].view(
             plan.obs_queries, heads.numel(), gsize, -1).amax(2).sum(0)
     # 2. Compress pages that leave the window; keep the rest staged.
-    q_stats = _window_query_stats(q[-plan.obs_queries :], h_kv)
-    _store_tail(storage, layer, plan, tail_k, tail_v, tail_attn, q_stats, scale)
+    _store_tail(storage, layer, plan, tail_k, tail_v, tail_attn, q[-plan.obs_queries :], scale)
     return out
-
-
-def _window_query_stats(q_win: torch.Tensor, h_kv: int) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """q_win [w, H_q, D] -> (sum [H_kv, D], sum of squares [H_kv, D], count) per KV head."""
-    w, h_q, d = q_win.shape
-    grouped = q_win.float().view(w, h_kv, h_q // h_kv, d)
-    return grouped.sum((0, 2)), grouped.square().sum((0, 2)), float(w * (h_q // h_kv))
 
 
 def _tail_kv(
@@ -94,9 +89,21 @@ def _with_sealed(mask: torch.Tensor | None, num_sealed: int) -> torch.Tensor | N
     return torch.cat([visible, mask], dim=1)
 
 
+def _per_head_mask(mask: torch.Tensor | None, keep: torch.Tensor, gsize: int, q_len: int,
+                   n_keys: int) -> torch.Tensor:
+    """Dynamic mode: [Hq_g, Lq, N] bool, the shared mask [Lq, N] (None = all visible) with each
+    head's dropped sealed tokens (keep [N_s, H_p] False) hidden from its query heads."""
+    if mask is None:
+        mask = torch.ones(q_len, n_keys, dtype=torch.bool, device=keep.device)
+    head_mask = mask.expand(keep.shape[1] * gsize, -1, -1).clone()
+    n_sealed = keep.shape[0]
+    head_mask[:, :, :n_sealed] &= keep.T.repeat_interleave(gsize, dim=0)[:, None, :]
+    return head_mask
+
+
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
           scale: float) -> torch.Tensor:
-    """q: [Lq, Hq, D]; k, v: [N, H_p, D]; mask [Lq, N] or None. Returns [Lq, Hq, D]."""
+    """q: [Lq, Hq, D]; k, v: [N, H_p, D]; mask [Lq, N], [Hq, Lq, N] or None. Returns [Lq, Hq, D]."""
     out = scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),
         k.to(q.dtype).transpose(0, 1).unsqueeze(0),
@@ -114,17 +121,21 @@ def _window_probs(q_win: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | Non
     gsize = q_win.shape[1] // k.shape[1]
     k_rep = k.float().repeat_interleave(gsize, dim=1)
     logits = torch.einsum("qhd,nhd->qhn", q_win.float(), k_rep) * scale
-    if mask is not None:
+    if mask is not None and mask.dim() == 3:  # per query head: [Hq, Lq, N]
+        logits.masked_fill_(~mask[:, -w:].transpose(0, 1), float("-inf"))
+    elif mask is not None:
         logits.masked_fill_(~mask[-w:, None, :], float("-inf"))
     return torch.softmax(logits, dim=-1)
 
 
 def _store_tail(
     storage: RaggedStorage, layer: int, plan: RequestPlan, tail_k: torch.Tensor,
-    tail_v: torch.Tensor, tail_attn: torch.Tensor,
-    q_stats: tuple[torch.Tensor, torch.Tensor, float], scale: float,
+    tail_v: torch.Tensor, tail_attn: torch.Tensor, q_win: torch.Tensor, scale: float,
 ) -> None:
-    """Seal the first `num_seal` tail pages, write the rest into their staging pages."""
+    """Seal the first `num_seal` tail pages, write the rest into their staging pages.
+
+    q_win: [w, H_q, D] this forward's window queries (the last w of the forward).
+    """
     P = storage.layout.page_size
     T = plan.tail_len
     # Attention mass accumulated while staged, plus this forward's.
@@ -132,7 +143,7 @@ def _store_tail(
     if staged:
         tail_attn[:, :staged] += storage.stage_attn[plan.prior_stages, layer].transpose(0, 1).flatten(1)[:, :staged]
     n_pages = plan.tail_pages.numel()
-    q_sum, q_sq, q_cnt = _page_query_stats(storage, layer, plan, q_stats, n_pages)
+    q_sum, q_sq, q_cnt = _page_query_stats(storage, layer, plan, q_win, n_pages)
     pad = n_pages * P - T
     k_pages = _pad_pages(tail_k, pad, P)  # [n_pages, P, H, D]
     v_pages = _pad_pages(tail_v, pad, P)
@@ -157,17 +168,17 @@ def _store_tail(
 
 
 def _page_query_stats(
-    storage: RaggedStorage, layer: int, plan: RequestPlan,
-    q_stats: tuple[torch.Tensor, torch.Tensor, float], n_pages: int,
+    storage: RaggedStorage, layer: int, plan: RequestPlan, q_win: torch.Tensor, n_pages: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per tail page: this forward's window-query statistics plus what its staging page held.
+    """Per tail page: the statistics of this forward's window queries that saw it (query
+    position >= the page's first position), pooled per KV head, plus what its staging page held.
 
-    Returns q_sum, q_sq_sum [n_pages, H, D] float32 and q_count [n_pages] float32.
+    q_win: [w, H_q, D]. Returns q_sum, q_sq_sum [n_pages, H, D] float32, q_count [n_pages] float32.
     """
-    q_sum, q_sq, count = q_stats
-    sums = q_sum.expand(n_pages, *q_sum.shape).clone()
-    squares = q_sq.expand(n_pages, *q_sq.shape).clone()
-    counts = torch.full((n_pages,), count, device=q_sum.device)
+    P, w = storage.layout.page_size, q_win.shape[0]
+    q_pos = torch.arange(plan.seq_len - w, plan.seq_len, device=q_win.device)
+    page_start = plan.tail_start + P * torch.arange(n_pages, device=q_win.device)
+    sums, squares, counts = page_query_stats(q_win, q_pos, page_start, storage.layout.num_kv_heads)
     held = plan.prior_stages.numel()  # the tail's first pages were staged before
     if held:
         sums[:held] += storage.stage_q_sum[plan.prior_stages, layer]

@@ -44,6 +44,7 @@ class RaggedKVPool(NoOpMHATokenToKVPool):
             dtype=self.store_dtype,
             device=self.device,
             scorer=make_scorer(runtime.config.scorer),
+            dynamic_rho=runtime.dynamic_rho,
         )
 
     def _finalize_allocation_log(self, num_tokens: int) -> None:

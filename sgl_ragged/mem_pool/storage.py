@@ -20,7 +20,7 @@ import torch
 
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.scoring import PageStats, Scorer
-from sgl_ragged.scoring.select import select_top_k, sink_mask
+from sgl_ragged.scoring.select import select_flat_top, select_top_k, sink_mask
 
 
 class StagingExhaustedError(RuntimeError):
@@ -48,6 +48,7 @@ class RaggedStorage:
         dtype: torch.dtype,
         device: str | torch.device,
         scorer: Scorer,
+        dynamic_rho: float | None = None,
     ) -> None:
         self.layout = layout
         self.num_pages = num_pages  # logical pages incl. the padding page 0
@@ -75,6 +76,15 @@ class RaggedStorage:
         self.stage_q_sum = torch.zeros(num_staging_pages, layout.num_layers, H, D, device=self.device)
         self.stage_q_sq_sum = torch.zeros_like(self.stage_q_sum)
         self.stage_q_count = torch.zeros(num_staging_pages, layout.num_layers, device=self.device)
+        # Dynamic reference mode (profile dynamic:<rho>): full rows, Eq. 3 picks the kept tokens.
+        # row_keep[l]: [num_pages, H, P] bool, indexed by logical page; False = dropped (masked).
+        self.dynamic_rho = dynamic_rho
+        self.row_keep: list[torch.Tensor] | None = None
+        if dynamic_rho is not None:
+            if any(k != P for layer in layout.slots for k in layer):
+                raise ValueError("the dynamic reference mode needs full-size rows (budgets of 1.0)")
+            self.row_keep = [torch.zeros(num_pages, H, P, dtype=torch.bool, device=self.device)
+                             for _ in range(layout.num_layers)]
         # scale: the model's attention softmax scale (the backend sets it from its layers).
         self.scale = D**-0.5
         # page_to_stage: [num_pages] int64, staging page of a logical page or -1 (CPU bookkeeping).
@@ -104,6 +114,7 @@ class RaggedStorage:
 
     def nbytes(self) -> int:
         tensors = [t for rows in (self.rows_k, self.rows_v) for layer in rows for t in layer]
+        tensors += self.row_keep or []
         tensors += self.stage_k + self.stage_v + [self.stage_attn, self.stage_obs, self.stage_q_sum,
                                                   self.stage_q_sq_sum, self.stage_q_count]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -168,6 +179,9 @@ class RaggedStorage:
         each page's first token (sinks are the first tokens of a sequence).
         """
         sinks = sink_mask(page_start_pos, self.layout.page_size)
+        if self.row_keep is not None:
+            self._write_dynamic(layer, pages, k_tok, v_tok, scores, sinks)
+            return
         for g, k in enumerate(self.layout.slots[layer]):
             heads = self.head_index[layer][g]
             keep = select_top_k(scores[:, heads], k, sinks)  # [N, H_p, k] token offsets
@@ -176,6 +190,21 @@ class RaggedStorage:
             self.rows_v[layer][g][pages] = torch.gather(v_tok[:, :, heads], 1, idx).to(self.dtype)
             self.counters.entries_kept += pages.numel() * k * heads.numel()
         self.counters.entries_seen += pages.numel() * self.layout.page_size * self.layout.num_kv_heads
+
+    def _write_dynamic(
+        self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor, v_tok: torch.Tensor,
+        scores: torch.Tensor, sinks: torch.Tensor,
+    ) -> None:
+        """Dynamic mode: keep rows full, record TANGRAM Eq. 3's choice over these pages."""
+        n, h, p = scores.shape
+        flat = scores.transpose(0, 1).reshape(h, n * p)  # [H, N * P], every head's tokens
+        keep = select_flat_top(flat, self.dynamic_rho, sinks.flatten())
+        self.row_keep[layer][pages] = keep.view(h, n, p).transpose(0, 1)
+        for g, heads in enumerate(self.head_index[layer]):
+            self.rows_k[layer][g][pages] = k_tok[:, :, heads].to(self.dtype)
+            self.rows_v[layer][g][pages] = v_tok[:, :, heads].to(self.dtype)
+        self.counters.entries_kept += int(keep.sum())
+        self.counters.entries_seen += n * p * h
 
     def seal_staged_layer(self, layer: int, pages: torch.Tensor, page_start_pos: torch.Tensor) -> None:
         """Compress staged pages of one layer from their staging copies and scores."""
@@ -220,6 +249,13 @@ class RaggedStorage:
         k = self.rows_k[layer][group][pages]
         v = self.rows_v[layer][group][pages]
         return k.flatten(0, 1), v.flatten(0, 1)
+
+    def sealed_keep(self, layer: int, group: int, pages: torch.Tensor) -> torch.Tensor | None:
+        """Dynamic mode: [N * P, H_p] bool kept flags matching sealed_kv's order; else None."""
+        if self.row_keep is None:
+            return None
+        keep = self.row_keep[layer][pages][:, self.head_index[layer][group]]  # [N, H_p, P]
+        return keep.transpose(1, 2).flatten(0, 1)
 
     def staged_kv(self, layer: int, stages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of staged pages, all heads: each [N * P, H, D] in position order."""

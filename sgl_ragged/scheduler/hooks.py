@@ -43,6 +43,7 @@ def compute_cell_size(original: Any, configurator: Any, kvc: Any, num_layers: in
         head_dim=mc.head_dim,
     )
     profile = resolve_profile(runtime.config.profile, shape, runtime.config.heads_per_group)
+    runtime.profile = profile  # its split ratios give the decode kernel's AOT split map
     schedule = get_schedule()
     runtime.layout = RaggedLayout.from_profile(
         profile, schedule.page_size, mc.head_dim, torch._utils._element_size(kvc.kv_cache_dtype)

@@ -47,3 +47,20 @@ class Scorer(ABC):
     @abstractmethod
     def page_scores(self, stats: PageStats) -> torch.Tensor:
         """Returns scores [N, H_kv, P] float32."""
+
+
+def page_query_stats(
+    q_win: torch.Tensor, q_pos: torch.Tensor, page_start: torch.Tensor, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PageStats' query fields from one forward's window queries: per page, the queries that saw
+    it (position >= the page's first position), pooled over the query heads of each KV head.
+
+    q_win: [w, H_q, D] window queries; q_pos: [w] int64 their positions; page_start: [N] int64
+    each page's first position. Returns q_sum, q_sq_sum [N, H_kv, D] float32, q_count [N] float32.
+    """
+    w, h_q, d = q_win.shape
+    grouped = q_win.float().view(w, num_kv_heads, h_q // num_kv_heads, d)  # [w, H_kv, G, D]
+    saw = (q_pos[None, :] >= page_start[:, None]).float()  # [N, w]
+    sums = torch.einsum("pw,whgd->phd", saw, grouped)
+    squares = torch.einsum("pw,whgd->phd", saw, grouped.square())
+    return sums, squares, saw.sum(1) * (h_q // num_kv_heads)

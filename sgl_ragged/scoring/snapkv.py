@@ -4,6 +4,9 @@ Observation window = the last `window` queries of a prefill chunk (plus, here, e
 query while the page stays in the recent window); attention probabilities are reduced over the
 query heads of each KV head with max, averaged over the observing queries, and max-pooled along
 the token axis (kernel 7) so that neighbours of an important token survive with it.
+
+Scale: mean attention probabilities in [0, 1]; every head of a layer is observed by the same
+queries, so the scores are comparable across heads.
 """
 
 from __future__ import annotations

@@ -8,12 +8,7 @@ import pytest
 from tests.e2e.conftest import post
 from tests.e2e.test_serving import FACTS
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skip(reason="float32 servers on this 2-core CPU decode at ~0.2 tokens/s, too slow "
-                     "for CI; see the note on issue 2 (the ratio-1.0 oracle is covered in-process "
-                     "by tests/unit/test_ragged_attention.py)"),
-]
+pytestmark = pytest.mark.e2e
 
 PROMPTS = [
     "The three primary colors are",

@@ -43,11 +43,12 @@ class _Batch:
     req_pool_indices: torch.Tensor
 
 
-def _storage(budgets: list[list[float]], groups, window: int = 1) -> RaggedStorage:
+def _storage(budgets: list[list[float]], groups, window: int = 1,
+             dynamic_rho: float | None = None) -> RaggedStorage:
     profile = BudgetProfile(model=None, budgets=budgets, groups=groups, source={"kind": "uniform"})
     layout = RaggedLayout.from_profile(profile, P, D, 4)
     return RaggedStorage(layout, num_pages=64, num_staging_pages=8, dtype=torch.float32,
-                         device="cpu", scorer=SnapKVScorer())
+                         device="cpu", scorer=SnapKVScorer(), dynamic_rho=dynamic_rho)
 
 
 class _Request:
@@ -104,6 +105,9 @@ class _Request:
 
     def _kept_mask(self, layer: int, upto: int) -> torch.Tensor:
         """[H, upto] bool: which sealed tokens each head kept, recovered from the rows."""
+        if self.storage.row_keep is not None:  # dynamic mode: full rows + a keep mask
+            pages = self.req_to_token[0, 0:upto:P] // P
+            return self.storage.row_keep[layer][pages].transpose(0, 1).flatten(1)
         mask = torch.zeros(H_KV, upto, dtype=torch.bool)
         for page_idx in range(upto // P):
             page = int(self.req_to_token[0, page_idx * P]) // P
@@ -158,3 +162,22 @@ def test_sink_tokens_always_kept():
     req.forward(2 * P, 0, final=False)
     mask = req._kept_mask(0, 2 * P)
     assert mask[:, :4].all()
+
+
+@pytest.mark.parametrize("rho", [0.3, 0.6])
+def test_dynamic_mode_masks_eq3_choice(rho):
+    """Dynamic reference: rows stay full, attention skips what Eq. 3 dropped, and each sealing
+    keeps exactly ceil(rho * H * N) entries of a layer with sinks in, unevenly across heads."""
+    storage = _storage([[1.0] * H_KV] * LAYERS, GROUPS_2, dynamic_rho=rho)
+    req = _Request(storage, torch.Generator().manual_seed(5))
+    req.forward(3 * P, 0, final=False)  # one sealing of 3 pages per layer
+    for layer in range(LAYERS):
+        kept = req._kept_mask(layer, 3 * P)  # [H, 3P]
+        assert int(kept.sum()) == math.ceil(rho * H_KV * 3 * P)
+        assert kept[:, :4].all()
+        assert kept.float().mean(1).std() > 0, "Eq. 3 should give heads different retention"
+    req.forward(P + 2, 1)
+    for _ in range(P + 1):
+        req.forward(1, 1)
+    assert storage.counters.entries_kept < storage.counters.entries_seen
+    storage.check_integrity(torch.tensor(req.free_pages))

@@ -1,0 +1,71 @@
+"""Attention implementations behind the backend: one layer, the whole batch (DESIGN.md s. 7).
+
+`AttentionImpl` is the seam: the torch reference (any device; the CPU default and the oracle)
+and the Triton kernels (`triton_impl.TritonAttention`, the CUDA default) both attend over
+sealed rows + staged tail + new tokens, then stage and seal the tail of every request.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata
+from sgl_ragged.attention_backend.torch_ref import request_forward
+from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.profile import BudgetProfile
+
+
+class AttentionImpl(ABC):
+    """One layer's ragged attention for a planned batch, with the tail's staging and sealing."""
+
+    def __init__(self, storage: RaggedStorage) -> None:
+        self.storage = storage
+
+    @abstractmethod
+    def prepare(self, meta: RaggedForwardMetadata) -> None:
+        """Once per forward, after planning: build what every layer's call reads (into meta)."""
+
+    @abstractmethod
+    def forward(self, layer: int, meta: RaggedForwardMetadata, q: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
+        """q: [N, H_q, D]; k, v: [N, H, D] this forward's tokens (rows of the requests in
+        meta, in order). Returns [N, H_q, D] in q's dtype."""
+
+
+class TorchAttention(AttentionImpl):
+    """The torch reference, request by request (torch_ref.request_forward)."""
+
+    def prepare(self, meta: RaggedForwardMetadata) -> None:
+        """Nothing: the reference reads the request plans directly."""
+
+    def forward(self, layer: int, meta: RaggedForwardMetadata, q: torch.Tensor,
+                k: torch.Tensor, v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for plan in meta.requests:
+            rows = slice(plan.q_start, plan.q_start + plan.q_len)
+            out[rows] = request_forward(self.storage, layer, plan, q[rows], k[rows], v[rows], scale)
+        return out
+
+
+def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None) -> AttentionImpl:
+    """Triton kernels on CUDA, the torch reference elsewhere."""
+    if storage.device.type != "cuda":
+        return TorchAttention(storage)
+    from sgl_ragged.attention_backend.triton_impl import TritonAttention
+
+    return TritonAttention(storage, profile_split_ratios(storage, profile))
+
+
+def profile_split_ratios(storage: RaggedStorage,
+                         profile: BudgetProfile | None) -> tuple[tuple[float, ...], ...]:
+    """[L][G] split ratios of the profile (computed from its budgets if it stores none), or
+    the layout's slot shares without a profile."""
+    from sgl_ragged import budgets
+    from sgl_ragged.kernels.aot import layout_split_ratios
+
+    layout = storage.layout
+    if profile is None or tuple(map(tuple, profile.groups)) != tuple(map(tuple, layout.groups)):
+        return layout_split_ratios(layout.groups, layout.slots)
+    return profile.split_ratios or budgets.split_ratios(profile.budgets, profile.groups)

@@ -1,0 +1,118 @@
+"""Ahead-of-time load balancing: the static Workload Split Map S[l, g] (TANGRAM section 4.3).
+
+At server start the profile's split ratios Phi[l,g] / Omega[l] and the device's parallelism
+N_CTA (programs of the decode kernel that can be resident at once) give
+S[l,g] = max(1, round(ratio * N_CTA)) (budgets.split_map_from_ratios, = Algorithm 1). The decode
+kernel reads S and a per-layer work list; nothing is planned per step. The uniform baseline
+gives every group the same split count (FlashDecoding's num_splits), for measurement.
+
+A decode launch has batch * sum_g S[l,g] programs; program (w, b) covers split work_split[w] of
+group work_group[w] for request b: an equal share of that group's sealed tokens, all H_p heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from sgl_ragged.budgets import split_map_from_ratios
+
+CPU_PARALLELISM = 8
+"""N_CTA used on a CPU (Triton interpreter, tests): a fixed small value, no meaning for speed."""
+
+PROGRAMS_PER_SM = 2
+"""Resident programs of the split kernel per SM: its sm_80/sm_90 builds (4 warps, D = 128,
+BLOCK_N 32) use 254 registers per thread, so 65536 / (128 * 254) = 2 fit; shared memory
+(about 22 KB) is not the limit. Register counts were read with cuobjdump from builds made
+without a GPU; re-measure with the CUDA occupancy API when tuning on a device."""
+
+
+class SplitStrategy(str, Enum):
+    AOT = "aot"  # S proportional to the group's budget (Algorithm 1)
+    UNIFORM = "uniform"  # the same S for every group (FlashDecoding-style static split)
+
+
+def device_parallelism(device: torch.device | str, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """N_CTA: SM count x resident programs per SM on CUDA, CPU_PARALLELISM elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return CPU_PARALLELISM
+    return torch.cuda.get_device_properties(device).multi_processor_count * programs_per_sm
+
+
+@dataclass(frozen=True)
+class LayerSplits:
+    """One layer's slice of the split map plus its flattened work list (device tensors)."""
+
+    split_counts: torch.Tensor  # [G] int32 S[l, g]
+    work_group: torch.Tensor  # [W] int32 group of work item w, W = sum_g S[l, g]
+    work_split: torch.Tensor  # [W] int32 split index of work item w within its group
+    num_work: int  # W (host int: the grid size)
+    max_splits: int  # max_g S[l, g] (host int: the partial-result buffer width)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """The static Workload Split Map for all layers, built once at server start."""
+
+    strategy: SplitStrategy
+    num_ctas: int
+    split_map: torch.Tensor  # [L, G] int32 S[l, g] on the device
+    layers: tuple[LayerSplits, ...]
+
+    def layer(self, layer: int) -> LayerSplits:
+        return self.layers[layer]
+
+
+def aot_split_map(ratios: Sequence[Sequence[float]], num_ctas: int) -> tuple[tuple[int, ...], ...]:
+    """S[l][g] from the profile's split ratios (Algorithm 1 for this device)."""
+    return split_map_from_ratios(ratios, num_ctas)
+
+
+def uniform_split_map(num_layers: int, num_groups: int, num_ctas: int) -> tuple[tuple[int, ...], ...]:
+    """Baseline: every group of every layer gets max(1, round(N_CTA / G)) splits."""
+    n = max(1, int(num_ctas / num_groups + 0.5))
+    return tuple(tuple(n for _ in range(num_groups)) for _ in range(num_layers))
+
+
+def split_plan(ratios: Sequence[Sequence[float]], num_ctas: int, device: torch.device | str,
+               strategy: SplitStrategy = SplitStrategy.AOT) -> SplitPlan:
+    """The split map and work lists of `strategy` as device tensors."""
+    strategy = SplitStrategy(strategy)
+    if strategy is SplitStrategy.AOT:
+        smap = aot_split_map(ratios, num_ctas)
+    else:
+        smap = uniform_split_map(len(ratios), len(ratios[0]), num_ctas)
+    split_map = torch.tensor(smap, dtype=torch.int32, device=device)
+    return SplitPlan(
+        strategy=strategy,
+        num_ctas=num_ctas,
+        split_map=split_map,
+        layers=tuple(_layer_splits(row, split_map[layer]) for layer, row in enumerate(smap)),
+    )
+
+
+def _layer_splits(counts: Sequence[int], row: torch.Tensor) -> LayerSplits:
+    """Work items ordered group by group, split by split; `row` is S[l] on the device."""
+    groups = [g for g, n in enumerate(counts) for _ in range(n)]
+    splits = [s for n in counts for s in range(n)]
+
+    def i32(values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=row.device)
+
+    return LayerSplits(split_counts=row, work_group=i32(groups), work_split=i32(splits),
+                       num_work=len(groups), max_splits=max(counts))
+
+
+def layout_split_ratios(groups: Sequence[Sequence[Sequence[int]]],
+                        slots: Sequence[Sequence[int]]) -> tuple[tuple[float, ...], ...]:
+    """[L][G] work share of each group from the layout alone: k[l][g] * H_p over the layer's
+    total (the rows the kernel actually reads). Used when no profile ratios are at hand."""
+    result = []
+    for layer_groups, layer_slots in zip(groups, slots, strict=True):
+        work = [k * len(heads) for heads, k in zip(layer_groups, layer_slots, strict=True)]
+        result.append(tuple(w / sum(work) for w in work))
+    return tuple(result)

@@ -1,0 +1,68 @@
+"""Per-forward kernel inputs: the batch's page tables as padded int32 device tensors.
+
+Built once per forward from the backend's plan (`RaggedForwardMetadata`), read by every layer.
+For request b (positions as in metadata.py):
+
+    | tensor                 | index space                  | covers positions            |
+    |------------------------|------------------------------|-----------------------------|
+    | sealed_table[b, :n_s]  | logical pages                | [0, tail_start)             |
+    | stage_table[b, :]      | staging pages                | [tail_start, prefix)        |
+    | q_start[b] + i         | rows of this forward's q/k/v | prefix + i, i < q_len       |
+
+The tail of b is `num_staged[b]` staged tokens followed by its `q_len[b]` new tokens; query i
+sees tail token t iff t <= num_staged[b] + i (causal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from sgl_ragged.attention_backend.metadata import RequestPlan
+
+
+@dataclass(frozen=True)
+class KernelBatch:
+    q_start: torch.Tensor  # [B] int32 first row of request b in q/k/v
+    q_len: torch.Tensor  # [B] int32 new tokens of request b
+    num_sealed: torch.Tensor  # [B] int32 sealed logical pages of request b
+    sealed_table: torch.Tensor  # [B, max(1, max n_s)] int32 logical pages, padded with 0
+    num_staged: torch.Tensor  # [B] int32 staged tokens (prefix - tail_start)
+    stage_table: torch.Tensor  # [B, max(1, max staged pages)] int32 staging pages, padded with 0
+    max_q_len: int  # host copy of q_len.max() (grid size)
+    max_sealed: int  # host copy of num_sealed.max()
+
+    @property
+    def batch_size(self) -> int:
+        return self.q_start.numel()
+
+
+def _padded(rows: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """[B] int64 tensors of different lengths -> [B, max(1, longest)] int32, padded with 0."""
+    rows = [r.to(device=device, dtype=torch.int32) for r in rows]
+    if not rows or max(r.numel() for r in rows) == 0:
+        return torch.zeros(len(rows), 1, dtype=torch.int32, device=device)
+    return pad_sequence(rows, batch_first=True, padding_value=0)
+
+
+def kernel_batch(plans: Sequence[RequestPlan], device: torch.device | str) -> KernelBatch:
+    """Kernel inputs for these request plans (one host-to-device copy per field)."""
+    device = torch.device(device)
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    num_sealed = [p.sealed_pages.numel() for p in plans]
+    return KernelBatch(
+        q_start=ints([p.q_start for p in plans]),
+        q_len=ints([p.q_len for p in plans]),
+        num_sealed=ints(num_sealed),
+        sealed_table=_padded([p.sealed_pages for p in plans], device),
+        num_staged=ints([p.prefix - p.tail_start for p in plans]),
+        stage_table=_padded([p.prior_stages for p in plans], device),
+        max_q_len=max((p.q_len for p in plans), default=0),
+        max_sealed=max(num_sealed, default=0),
+    )

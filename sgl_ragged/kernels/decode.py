@@ -1,0 +1,185 @@
+"""Decode attention over the ragged layout: split-KV over sealed rows, then tail + LSE merge.
+
+One decode step, one layer, the whole batch, two launches:
+
+1. `_sealed_splits_kernel`, grid (W, B): work item w = (group g, split s) from the static
+   split map (aot.py); the program covers the s-th of S[l,g] equal shares of request b's
+   sealed tokens of group g (token t = slot t % k_g of page sealed_table[b, t // k_g]), for
+   each of the group's H_p heads, and writes partial outputs and log-sum-exps.
+2. `_tail_merge_kernel`, grid (B, H): attention of KV head h's query heads over the request's
+   tail (staged tokens + the new token), merged with the group's S[l,g] partials by LSE.
+
+No planning at run time: the split counts are read from the device tensor S.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_ragged.kernels.aot import LayerSplits
+from sgl_ragged.kernels.attend import attend_sealed, attend_tail
+from sgl_ragged.kernels.batch import KernelBatch
+from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
+
+
+@triton.jit
+def _sealed_splits_kernel(
+    Q, s_qn, s_qh, rows_k_ptr, rows_v_ptr, slots, group_heads, split_counts,
+    work_group, work_split, sealed_table, s_tb, num_sealed, q_start,
+    Mid_O, Mid_L, s_ob, s_oh, s_os, s_lb, s_lh, scale,
+    H_P: tl.constexpr, GSIZE: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    w = tl.program_id(0)
+    b = tl.program_id(1)
+    g = tl.load(work_group + w)
+    s = tl.load(work_split + w)
+    k_g = tl.load(slots + g)
+    # This split's share [start, end) of the group's sealed tokens.
+    n_tok = tl.load(num_sealed + b) * k_g
+    chunk = tl.cdiv(n_tok, tl.load(split_counts + g))
+    start = s * chunk
+    end = tl.minimum(start + chunk, n_tok)
+    k_base = tl.load(rows_k_ptr + g).to(tl.pointer_type(DTYPE))
+    v_base = tl.load(rows_v_ptr + g).to(tl.pointer_type(DTYPE))
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_q = (offs_g < GSIZE)[:, None] & (offs_d < D)[None, :]
+    row = tl.load(q_start + b).to(tl.int64)
+    for j in tl.static_range(H_P):
+        qh = tl.load(group_heads + g * H_P + j) * GSIZE + offs_g  # [BLOCK_G] query heads
+        q = tl.load(Q + row * s_qn + qh[:, None] * s_qh + offs_d[None, :], mask=mask_q,
+                    other=0.0).to(DOT)
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        m_i, l_i, acc = attend_sealed(q, m_i, l_i, acc, k_base, v_base, sealed_table + b * s_tb,
+                                      k_g, j, start, end, scale, H_P, D, BLOCK_N, BLOCK_D,
+                                      PRECISION)
+        # Empty share (short request): lse = -inf, output 0.
+        has = l_i > 0
+        o = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(Mid_O + b * s_ob + qh[:, None] * s_oh + s * s_os + offs_d[None, :], o, mask=mask_q)
+        tl.store(Mid_L + b * s_lb + qh * s_lh + s, lse, mask=offs_g < GSIZE)
+
+
+@triton.jit
+def _tail_merge_kernel(
+    Q, s_qn, s_qh, K_new, V_new, s_new, stage_k, stage_v, s_page, s_tok, P,
+    stage_table, s_stb, num_staged, q_start, head_group, split_counts,
+    Mid_O, Mid_L, s_ob, s_oh, s_os, s_lb, s_lh, Out, s_out_n, s_out_h, Lse, s_lse_n, scale,
+    GSIZE: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < GSIZE
+    mask_q = mask_g[:, None] & (offs_d < D)[None, :]
+    row = tl.load(q_start + b).to(tl.int64)
+    n_st = tl.load(num_staged + b)
+    qh = h * GSIZE + offs_g
+    q = tl.load(Q + row * s_qn + qh[:, None] * s_qh + offs_d[None, :], mask=mask_q,
+                other=0.0).to(DOT)
+    # 1. The tail: staged tokens and the new one, all visible to the decode query.
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    lim = tl.zeros([BLOCK_G], tl.int32) + n_st
+    m_i, l_i, acc = attend_tail(q, m_i, l_i, acc, stage_k, stage_v, stage_table + b * s_stb, n_st,
+                                P, s_page, s_tok, K_new, V_new, row, s_new, h, lim, n_st + 1,
+                                scale, D, BLOCK_N, BLOCK_D, PRECISION)
+    # 2. Merge the group's split partials by log-sum-exp.
+    n_split = tl.load(split_counts + tl.load(head_group + h))
+    for s in range(0, n_split):
+        lse_s = tl.load(Mid_L + b * s_lb + qh * s_lh + s, mask=mask_g, other=float("-inf"))
+        o_s = tl.load(Mid_O + b * s_ob + qh[:, None] * s_oh + s * s_os + offs_d[None, :],
+                      mask=mask_q, other=0.0)
+        m_new = tl.maximum(m_i, lse_s)
+        alpha = tl.exp(m_i - m_new)
+        beta = tl.exp(lse_s - m_new)
+        acc = acc * alpha[:, None] + o_s * beta[:, None]
+        l_i = l_i * alpha + beta
+        m_i = m_new
+    tl.store(Out + row * s_out_n + qh[:, None] * s_out_h + offs_d[None, :], acc / l_i[:, None],
+             mask=mask_q)
+    tl.store(Lse + row * s_lse_n + qh, m_i + tl.log(l_i), mask=mask_g)
+
+
+def decode_attention(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+    stage_k: torch.Tensor, stage_v: torch.Tensor, tables: LayerTables, splits: LayerSplits,
+    batch: KernelBatch, scale: float, out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's decode attention for the whole batch (one new token per request).
+
+    q: [N, H_q, D]; k_new, v_new: [N, H, D] this step's tokens (row q_start[b] of request b);
+    stage_k, stage_v: [S, P, H, D] this layer's staging pages. Writes rows q_start[b] of
+    out [N, H_q, D] (q's dtype) and lse [N, H_q] float32 (natural log); other rows untouched.
+    """
+    n, h_q, d = q.shape
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty(n, h_q, dtype=torch.float32, device=q.device) if lse is None else lse
+    B = batch.batch_size
+    if B == 0:
+        return out, lse
+    cfg = _config(q, h_q // k_new.shape[1], d)
+    # mid_o: [B, H_q, S_max, D], mid_l: [B, H_q, S_max] float32 partials per split.
+    mid_o = torch.empty(B, h_q, splits.max_splits, d, dtype=torch.float32, device=q.device)
+    mid_l = torch.empty(B, h_q, splits.max_splits, dtype=torch.float32, device=q.device)
+    _sealed_splits_kernel[(splits.num_work, B)](
+        q, q.stride(0), q.stride(1), tables.rows_k_ptr, tables.rows_v_ptr, tables.slots,
+        tables.group_heads, splits.split_counts, splits.work_group, splits.work_split,
+        batch.sealed_table, batch.sealed_table.stride(0), batch.num_sealed, batch.q_start,
+        mid_o, mid_l, *mid_o.stride()[:3], *mid_l.stride()[:2], scale,
+        H_P=tables.heads_per_group, DTYPE=tl_dtype(tables.rows_dtype), **cfg, num_warps=4,
+    )
+    tail_merge(q, k_new, v_new, stage_k, stage_v, tables, splits.split_counts, batch, mid_o,
+               mid_l, scale, out, lse)
+    return out, lse
+
+
+def tail_merge(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, stage_k: torch.Tensor,
+    stage_v: torch.Tensor, tables: LayerTables, split_counts: torch.Tensor, batch: KernelBatch,
+    mid_o: torch.Tensor, mid_l: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor,
+) -> None:
+    """Step 2 alone: tail attention merged with partials mid_o [B, H_q, >= S, D], mid_l
+    [B, H_q, >= S] float32 (natural-log LSE; split_counts [G] int32 of them per group). Also
+    the merge for any other sealed-part kernel (the FlashInfer baseline passes S = 1)."""
+    h_q, d = q.shape[1:]
+    h_kv = k_new.shape[1]
+    cfg = _config(q, h_q // h_kv, d)
+    k_new, v_new = _rows_contiguous(k_new), _rows_contiguous(v_new)
+    _tail_merge_kernel[(batch.batch_size, h_kv)](
+        q, q.stride(0), q.stride(1), k_new, v_new, k_new.stride(0), stage_k, stage_v,
+        stage_k.stride(0), stage_k.stride(1), stage_k.shape[1], batch.stage_table,
+        batch.stage_table.stride(0), batch.num_staged, batch.q_start, tables.head_group,
+        split_counts, mid_o, mid_l, *mid_o.stride()[:3], *mid_l.stride()[:2],
+        out, out.stride(0), out.stride(1), lse, lse.stride(0), scale, **cfg, num_warps=8,
+    )
+
+
+def _config(q: torch.Tensor, gsize: int, d: int) -> dict[str, object]:
+    """Block sizes: tensor-core friendly on a GPU, tiny under the CPU interpreter (BLOCK_N 32:
+    with 64 the sm_90 build of the split kernel spills registers at D = 128). Dot products
+    run in q's dtype on a GPU and in float32 on the CPU (the interpreter's bfloat16 matmul is
+    not numeric); float32 dots are exact (no TF32)."""
+    dot = tl_dtype(q.dtype) if q.is_cuda else tl.float32
+    return {
+        "GSIZE": gsize, "D": d, "BLOCK_G": max(16, next_pow2(gsize)),
+        "BLOCK_N": 32 if q.is_cuda else 16, "BLOCK_D": max(16, next_pow2(d)),
+        "DOT": dot, "PRECISION": "ieee" if dot == tl.float32 else "tf32",
+    }
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The kernels assume head stride D and unit element stride; copy only if not."""
+    d = x.shape[-1]
+    return x if x.stride(-1) == 1 and x.stride(-2) == d else x.contiguous()

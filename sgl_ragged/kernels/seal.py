@@ -1,0 +1,84 @@
+"""Sealing kernel: per-head top-k inside each page, then gather K/V into the group rows.
+
+Scores come from the scorer (torch); the kernel does the selection and the copy, one launch
+per layer for all pages sealed by the forward, grid (N pages, H KV heads). The top-k is
+computed in the kernel by ranks: token i's rank is the number of tokens j with
+f_j > f_i or (f_j == f_i and j < i), where f = score with sinks forced to +inf; i is kept iff
+rank < k[l][g]. That is exactly `select_top_k` (a stable descending sort: earlier position wins
+ties). Kept token i goes to row slot #{kept j < i}, so slots stay in position order. Scores must
+not be NaN. O(P^2) comparisons per (page, head): 4096 for P = 64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_ragged.kernels.decode import _rows_contiguous
+from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
+
+
+@triton.jit
+def _seal_kernel(
+    Src_K, Src_V, s_src_n, s_src_t, src_index, pages, Scores, s_sc_n, s_sc_h, Sinks, s_si_n,
+    rows_k_ptr, rows_v_ptr, slots, head_group, head_member, P,
+    H_P: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    g = tl.load(head_group + h)
+    j = tl.load(head_member + h)
+    k_g = tl.load(slots + g)
+    offs = tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, BLOCK_D)
+    in_page = offs < P
+    # 1. Scores with sinks forced in.
+    score = tl.load(Scores + n * s_sc_n + h * s_sc_h + offs, mask=in_page, other=float("-inf"))
+    sink = tl.load(Sinks + n * s_si_n + offs, mask=in_page, other=0) != 0
+    f = tl.where(sink, float("inf"), score)
+    # 2. Rank in a stable descending order; keep the first k_g.
+    ahead = (f[None, :] > f[:, None]) | ((f[None, :] == f[:, None]) & (offs[None, :] < offs[:, None]))
+    rank = tl.sum((ahead & in_page[None, :]).to(tl.int32), 1)
+    keep = (rank < k_g) & in_page
+    # 3. Row slot of each kept token: kept tokens before it.
+    slot = tl.sum(((offs[None, :] < offs[:, None]) & keep[None, :]).to(tl.int32), 1)
+    # 4. Gather the page's K/V of head h, scatter kept tokens into rows[page, slot, j, :].
+    src = tl.load(src_index + n).to(tl.int64)
+    page = tl.load(pages + n).to(tl.int64)
+    mask_d = offs_d < D
+    src_off = src * s_src_n + offs[:, None] * s_src_t + h * D + offs_d[None, :]
+    dst_off = ((page * k_g + slot) * (H_P * D) + j * D)[:, None] + offs_d[None, :]
+    load_mask = in_page[:, None] & mask_d[None, :]
+    store_mask = keep[:, None] & mask_d[None, :]
+    k_base = tl.load(rows_k_ptr + g).to(tl.pointer_type(DTYPE))
+    v_base = tl.load(rows_v_ptr + g).to(tl.pointer_type(DTYPE))
+    tl.store(k_base + dst_off, tl.load(Src_K + src_off, mask=load_mask, other=0.0), mask=store_mask)
+    tl.store(v_base + dst_off, tl.load(Src_V + src_off, mask=load_mask, other=0.0), mask=store_mask)
+
+
+def seal_pages(
+    tables: LayerTables, src_k: torch.Tensor, src_v: torch.Tensor, src_index: torch.Tensor,
+    pages: torch.Tensor, scores: torch.Tensor, sinks: torch.Tensor,
+) -> None:
+    """Write the rows of N sealed pages of one layer (the kernel form of `write_rows`).
+
+    src_k, src_v: [M, P, H, D] full K/V of candidate pages (any float dtype; cast on store);
+    src_index: [N] int rows of src_k/src_v to seal; pages: [N] int logical pages to write;
+    scores: [N, H, P] float32 token scores; sinks: [N, P] bool (`sink_mask`).
+    """
+    n = pages.numel()
+    if n == 0:
+        return
+    _, P, h_kv, d = src_k.shape
+    src_k, src_v = _rows_contiguous(src_k), _rows_contiguous(src_v)
+    scores = scores.float().contiguous()
+    sinks = sinks.to(torch.int8).contiguous()
+    _seal_kernel[(n, h_kv)](
+        src_k, src_v, src_k.stride(0), src_k.stride(1), src_index.contiguous(), pages.contiguous(),
+        scores, scores.stride(0), scores.stride(1), sinks, sinks.stride(0),
+        tables.rows_k_ptr, tables.rows_v_ptr, tables.slots, tables.head_group, tables.head_member,
+        P, H_P=tables.heads_per_group, D=d, DTYPE=tl_dtype(tables.rows_dtype),
+        BLOCK_P=next_pow2(P), BLOCK_D=next_pow2(d), num_warps=8,
+    )

@@ -1,0 +1,132 @@
+"""Random ragged storages and request plans for the kernel tests (small shapes: the CPU runs
+the kernels in Triton's interpreter)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sgl_ragged.attention_backend.metadata import RequestPlan
+from sgl_ragged.mem_pool.layout import RaggedLayout
+from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.profile import BudgetProfile
+from sgl_ragged.scoring import SnapKVScorer
+
+P, D, H_KV, GQA = 8, 16, 4, 2
+BUDGETS = (0.25, 0.5, 0.6, 0.75, 1.0)  # k = 4, 4, 5, 6, 8 slots of P = 8
+
+
+@dataclass(frozen=True)
+class Shape:
+    page_size: int = P
+    head_dim: int = D
+    kv_heads: int = H_KV
+    gqa: int = GQA
+
+
+SMALL = Shape()
+GPU = Shape(page_size=64, head_dim=128, kv_heads=8, gqa=4)  # serving shapes (Llama-3-8B-like)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One request: sealed pages before the forward, staged tokens, new tokens."""
+
+    sealed: int
+    staged: int
+    q_len: int
+    seal: int = 0  # complete tail pages this forward seals (the rest stays staged)
+
+
+def random_storage(rng: random.Random, device: str, layers: int = 1, heads_per_group: int = 2,
+                   num_pages: int = 48, num_stages: int = 24,
+                   dtype: torch.dtype = torch.float32, shape: Shape = SMALL) -> RaggedStorage:
+    """Random per-head budgets, adjacent groups, rows and staging pages filled with noise."""
+    H = shape.kv_heads
+    budgets = [[rng.choice(BUDGETS) for _ in range(H)] for _ in range(layers)]
+    groups = [tuple(tuple(range(s, s + heads_per_group)) for s in range(0, H, heads_per_group))
+              for _ in range(layers)]
+    profile = BudgetProfile(model=None, budgets=budgets, groups=groups, source={"kind": "uniform"})
+    layout = RaggedLayout.from_profile(profile, shape.page_size, shape.head_dim,
+                                       torch.finfo(dtype).bits // 8)
+    storage = RaggedStorage(layout, num_pages, num_stages, dtype, device, SnapKVScorer())
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    for t in [*(x for rows in (storage.rows_k, storage.rows_v) for layer in rows for x in layer),
+              *storage.stage_k, *storage.stage_v]:
+        t.copy_(torch.randn(t.shape, generator=gen).to(dtype))  # in place: row addresses stay
+    return storage
+
+
+def random_plans(storage: RaggedStorage, specs: Sequence[Spec], rng: random.Random,
+                 gap: int = 0) -> list[RequestPlan]:
+    """Plans with distinct random pages and staging pages; `gap` unused q rows between
+    requests (rows no request owns). Nothing is sealed; every tail page stays staged."""
+    pages = list(range(1, storage.num_pages))
+    stages = list(range(storage.num_staging_pages))
+    rng.shuffle(pages)
+    rng.shuffle(stages)
+    dev = storage.device
+    plans, q_start = [], gap
+    for s in specs:
+        tail = s.staged + s.q_len
+        n_tail_pages = -(-tail // P)
+        n_prior = -(-s.staged // P)
+        sealed = [pages.pop() for _ in range(s.sealed)]
+        tail_pages = [pages.pop() for _ in range(n_tail_pages)]
+        held = [stages.pop() for _ in range(n_tail_pages)]  # [:n_prior] held before
+        assert s.seal * P <= tail, "only complete pages can be sealed"
+        tail_start = s.sealed * P
+        plans.append(RequestPlan(
+            q_start=q_start, prefix=tail_start + s.staged, seq_len=tail_start + tail,
+            tail_start=tail_start, sealed_pages=torch.tensor(sealed, dtype=torch.long, device=dev),
+            prior_stages=torch.tensor(held[:n_prior], dtype=torch.long, device=dev),
+            tail_pages=torch.tensor(tail_pages, dtype=torch.long), num_seal=s.seal,
+            after_stages=torch.tensor(held[s.seal:], dtype=torch.long, device=dev),
+            tail_obs=torch.zeros(tail, device=dev), obs_queries=min(4, s.q_len)))
+        q_start += s.q_len + gap
+    return plans
+
+
+def random_qkv(plans: Sequence[RequestPlan], gen: torch.Generator, device: str,
+               dtype: torch.dtype = torch.float32,
+               shape: Shape = SMALL) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, H_q, D], k, v [N, H, D] covering every plan's rows (and the gaps between them)."""
+    n = max(p.q_start + p.q_len for p in plans) + 1
+    H, d = shape.kv_heads, shape.head_dim
+    q = torch.randn(n, H * shape.gqa, d, generator=gen).to(device, dtype)
+    k = torch.randn(n, H, d, generator=gen).to(device, dtype)
+    v = torch.randn(n, H, d, generator=gen).to(device, dtype)
+    return q, k, v
+
+
+def batch_rows(plans: Sequence[RequestPlan], n: int) -> torch.Tensor:
+    """[n] bool: the q rows some request owns."""
+    owned = torch.zeros(n, dtype=torch.bool)
+    for p in plans:
+        owned[p.q_start : p.q_start + p.q_len] = True
+    return owned
+
+
+def reference_lse(storage: RaggedStorage, layer: int, plan: RequestPlan, q: torch.Tensor,
+                  k_new: torch.Tensor, scale: float) -> torch.Tensor:
+    """[q_len, H_q] float32 log-sum-exp of the logits the torch reference's softmax sees."""
+    staged = plan.prefix - plan.tail_start
+    tail_k = k_new
+    if staged:
+        tail_k = torch.cat([storage.staged_kv(layer, plan.prior_stages)[0][:staged], k_new])
+    out = torch.empty(q.shape[0], q.shape[1])
+    gqa = q.shape[1] // k_new.shape[1]
+    q_pos = torch.arange(plan.prefix, plan.seq_len)[:, None]
+    causal = torch.arange(plan.tail_start, plan.seq_len)[None, :] <= q_pos  # [q_len, T]
+    for g, heads in enumerate(storage.head_index[layer]):
+        sealed_k, _ = storage.sealed_kv(layer, g, plan.sealed_pages)  # [N_s, H_p, D]
+        for j, h in enumerate(heads.tolist()):
+            keys = torch.cat([sealed_k[:, j], tail_k[:, h]]).float().cpu()
+            for qh in range(h * gqa, (h + 1) * gqa):
+                logits = q[:, qh].float().cpu() @ keys.T * scale
+                logits[:, sealed_k.shape[0]:].masked_fill_(~causal, float("-inf"))
+                out[:, qh] = torch.logsumexp(logits, -1)
+    return out

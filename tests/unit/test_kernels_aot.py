@@ -1,0 +1,83 @@
+"""AOT split map and per-forward kernel metadata: pure CPU, no kernel launches."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from sgl_ragged.budgets import split_map, split_ratios
+from sgl_ragged.kernels.aot import (
+    CPU_PARALLELISM,
+    SplitStrategy,
+    device_parallelism,
+    split_plan,
+    uniform_split_map,
+)
+from sgl_ragged.kernels.batch import kernel_batch
+from tests.conftest import USER_INTERPRET
+from tests.unit.kernel_cases import P, Spec, random_plans, random_storage
+
+BUDGETS = [[0.1, 0.9, 0.3, 0.3], [0.5, 0.5, 0.5, 0.5]]
+GROUPS = [((0, 2), (1, 3)), ((0, 1), (2, 3))]
+
+
+def test_aot_plan_is_algorithm_1():
+    ratios = split_ratios(BUDGETS, GROUPS)
+    plan = split_plan(ratios, 64, "cpu")
+    assert plan.split_map.tolist() == [list(r) for r in split_map(BUDGETS, GROUPS, 64)]
+    assert plan.split_map.dtype == torch.int32
+    layer0 = plan.layer(0)
+    assert layer0.split_counts.tolist() == [16, 48]
+    assert layer0.num_work == 64 and layer0.max_splits == 48
+    assert layer0.work_group.tolist() == [0] * 16 + [1] * 48
+    assert layer0.work_split.tolist() == list(range(16)) + list(range(48))
+
+
+def test_uniform_plan_gives_every_group_the_same_splits():
+    plan = split_plan(split_ratios(BUDGETS, GROUPS), 64, "cpu", SplitStrategy.UNIFORM)
+    assert plan.split_map.tolist() == [[32, 32], [32, 32]]
+    assert uniform_split_map(1, 3, 10) == ((3, 3, 3),)
+    assert uniform_split_map(1, 8, 2) == ((1,) * 8,)  # never zero splits
+
+
+def test_cpu_parallelism_is_fixed():
+    assert device_parallelism("cpu") == CPU_PARALLELISM
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_parallelism_counts_sms():
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert device_parallelism("cuda", programs_per_sm=3) == 3 * sms
+
+
+def test_kernel_batch_pads_page_tables():
+    rng = random.Random(0)
+    storage = random_storage(rng, "cpu")
+    specs = [Spec(3, 9, 1), Spec(0, 0, 5), Spec(1, 2, 1)]
+    plans = random_plans(storage, specs, rng, gap=1)
+    batch = kernel_batch(plans, "cpu")
+    assert batch.sealed_table.dtype == torch.int32 and batch.sealed_table.shape == (3, 3)
+    assert batch.sealed_table[0].tolist() == plans[0].sealed_pages.tolist()
+    assert batch.sealed_table[1].tolist() == [0, 0, 0]  # padded with the padding page
+    assert batch.num_sealed.tolist() == [3, 0, 1]
+    assert batch.stage_table.shape == (3, 2)  # 9 staged tokens = 2 pages of P = 8
+    assert batch.stage_table[0].tolist() == plans[0].prior_stages.tolist()
+    assert batch.num_staged.tolist() == [9, 0, 2]
+    assert batch.q_start.tolist() == [1, 3, 9] and batch.q_len.tolist() == [1, 5, 1]
+    assert (batch.max_q_len, batch.max_sealed) == (5, 3)
+    assert P == 8
+
+
+def test_kernel_batch_without_sealed_or_staged_pages():
+    rng = random.Random(1)
+    storage = random_storage(rng, "cpu")
+    batch = kernel_batch(random_plans(storage, [Spec(0, 0, 4)], rng), "cpu")
+    assert batch.sealed_table.shape == (1, 1) and batch.stage_table.shape == (1, 1)
+
+
+def test_triton_interpret_is_not_left_in_the_environment():
+    """tests/conftest.py sets it only while importing the kernels; e2e servers must not see it."""
+    assert os.environ.get("TRITON_INTERPRET") == USER_INTERPRET

@@ -1,0 +1,163 @@
+"""Triton decode and extend attention against the torch reference (torch_ref.request_forward).
+
+Fresh random storages with random per-group budgets, ragged tails, empty sealed prefixes and
+mixed batches; outputs are poisoned with NaN first, so every row the batch owns must be
+written and every other row must stay NaN. Without a GPU the kernels run in Triton's
+interpreter at small shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from sgl_ragged.attention_backend.torch_ref import request_forward
+from sgl_ragged.kernels.aot import SplitStrategy, device_parallelism, split_plan
+from sgl_ragged.kernels.batch import kernel_batch
+from sgl_ragged.kernels.decode import decode_attention
+from sgl_ragged.kernels.extend import extend_attention
+from sgl_ragged.kernels.tables import layer_tables
+from tests.unit.kernel_cases import (
+    GPU,
+    D,
+    Spec,
+    batch_rows,
+    random_plans,
+    random_qkv,
+    random_storage,
+    reference_lse,
+)
+
+SCALE = 1 / math.sqrt(D)
+DECODE = [Spec(sealed=5, staged=3, q_len=1), Spec(0, 0, 1), Spec(2, 8, 1), Spec(9, 13, 1)]
+MIXED = [Spec(sealed=3, staged=5, q_len=11), Spec(0, 0, 9), Spec(4, 2, 1), Spec(1, 8, 3)]
+
+
+def _oracle(storage, layer, plans, q, k, v, out, lse) -> None:
+    """Compare the kernel's rows with the reference, request by request (the reference also
+    stages the tail afterwards, which the kernel never reads again)."""
+    for p in plans:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        want_lse = reference_lse(storage, layer, p, q[rows], k[rows], SCALE)
+        want = request_forward(storage, layer, p, q[rows], k[rows], v[rows], SCALE)
+        torch.testing.assert_close(out[rows], want, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(lse[rows].cpu(), want_lse, atol=2e-5, rtol=1e-4)
+
+
+def _poisoned(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"), device=q.device)
+    return out, lse
+
+
+def _check_untouched(plans, out, lse) -> None:
+    owned = batch_rows(plans, out.shape[0])
+    assert out[owned].isfinite().all() and lse[owned].isfinite().all(), "a batch row was not written"
+    assert out[~owned].isnan().all() and lse[~owned].isnan().all(), "a row outside the batch was written"
+
+
+@pytest.mark.parametrize("strategy", list(SplitStrategy))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decode_matches_reference(kernel_device, strategy, seed):
+    rng = random.Random(seed)
+    storage = random_storage(rng, kernel_device, layers=2)
+    layer = 1
+    plans = random_plans(storage, DECODE, rng, gap=1)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), kernel_device)
+    ratios = [[rng.random() for _ in range(2)] for _ in range(2)]  # any split map is exact
+    splits = split_plan(ratios, device_parallelism(kernel_device), kernel_device, strategy)
+    out, lse = _poisoned(q)
+    decode_attention(q, k, v, storage.stage_k[layer], storage.stage_v[layer],
+                     layer_tables(storage, layer), splits.layer(layer),
+                     kernel_batch(plans, kernel_device), SCALE, out, lse)
+    _check_untouched(plans, out, lse)
+    _oracle(storage, layer, plans, q, k, v, out, lse)
+
+
+@pytest.mark.parametrize("heads_per_group", [1, 4])
+def test_decode_more_splits_than_tokens(kernel_device, heads_per_group):
+    """Most splits of a short request are empty (lse = -inf partials must merge away)."""
+    rng = random.Random(7)
+    storage = random_storage(rng, kernel_device, heads_per_group=heads_per_group)
+    plans = random_plans(storage, [Spec(1, 2, 1), Spec(0, 7, 1)], rng)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(7), kernel_device)
+    G = 4 // heads_per_group
+    splits = split_plan([[1 / G] * G], 40, kernel_device)
+    assert splits.layer(0).max_splits > 8
+    out, lse = _poisoned(q)
+    decode_attention(q, k, v, storage.stage_k[0], storage.stage_v[0], layer_tables(storage, 0),
+                     splits.layer(0), kernel_batch(plans, kernel_device), SCALE, out, lse)
+    _check_untouched(plans, out, lse)
+    _oracle(storage, 0, plans, q, k, v, out, lse)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_extend_mixed_batch_matches_reference(kernel_device, seed):
+    rng = random.Random(seed)
+    storage = random_storage(rng, kernel_device, layers=2)
+    plans = random_plans(storage, MIXED, rng, gap=2)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), kernel_device)
+    out, lse = _poisoned(q)
+    extend_attention(q, k, v, storage.stage_k[0], storage.stage_v[0], layer_tables(storage, 0),
+                     kernel_batch(plans, kernel_device), SCALE, out, lse)
+    _check_untouched(plans, out, lse)
+    _oracle(storage, 0, plans, q, k, v, out, lse)
+
+
+def test_extend_low_precision_storage(kernel_device):
+    """bfloat16 rows, staging and activations (the serving dtype); looser tolerance."""
+    rng = random.Random(3)
+    storage = random_storage(rng, kernel_device, dtype=torch.bfloat16)
+    plans = random_plans(storage, [Spec(2, 3, 6), Spec(1, 0, 1)], rng)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(3), kernel_device, torch.bfloat16)
+    out, _ = extend_attention(q, k, v, storage.stage_k[0], storage.stage_v[0],
+                              layer_tables(storage, 0), kernel_batch(plans, kernel_device), SCALE)
+    for p in plans:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        want = request_forward(storage, 0, p, q[rows], k[rows], v[rows], SCALE)
+        torch.testing.assert_close(out[rows].float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU shapes need CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize("strategy", list(SplitStrategy))
+def test_decode_gpu_shapes(strategy):
+    """Serving shapes (P 64, D 128, 8 KV heads, GQA 4, bfloat16), the device's real N_CTA."""
+    rng = random.Random(21)
+    storage = random_storage(rng, "cuda", layers=2, num_pages=512, num_stages=16,
+                             dtype=torch.bfloat16, shape=GPU)
+    specs = [Spec(100, 70, 1), Spec(3, 0, 1), Spec(0, 5, 1), Spec(250, 127, 1)]
+    plans = random_plans(storage, specs, rng)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(21), "cuda", torch.bfloat16, GPU)
+    ratios = [[rng.random() for _ in range(4)] for _ in range(2)]
+    splits = split_plan(ratios, device_parallelism("cuda"), "cuda", strategy)
+    scale = GPU.head_dim**-0.5
+    out, _ = decode_attention(q, k, v, storage.stage_k[1], storage.stage_v[1],
+                              layer_tables(storage, 1), splits.layer(1),
+                              kernel_batch(plans, "cuda"), scale)
+    for p in plans:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        want = request_forward(storage, 1, p, q[rows], k[rows], v[rows], scale)
+        torch.testing.assert_close(out[rows].float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_cuda
+def test_extend_gpu_shapes():
+    rng = random.Random(22)
+    storage = random_storage(rng, "cuda", num_pages=512, num_stages=32, dtype=torch.bfloat16,
+                             shape=GPU)
+    specs = [Spec(60, 30, 300), Spec(0, 0, 129), Spec(7, 64, 1), Spec(200, 1, 64)]
+    plans = random_plans(storage, specs, rng)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(22), "cuda", torch.bfloat16, GPU)
+    scale = GPU.head_dim**-0.5
+    out, _ = extend_attention(q, k, v, storage.stage_k[0], storage.stage_v[0],
+                              layer_tables(storage, 0), kernel_batch(plans, "cuda"), scale)
+    for p in plans:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        want = request_forward(storage, 0, p, q[rows], k[rows], v[rows], scale)
+        torch.testing.assert_close(out[rows].float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,79 @@
+"""The sealing kernel against `RaggedStorage.write_rows` (select_top_k + gather) as oracle.
+
+Random scores with deliberate ties (the stable tie-break must match), sink pages, k == P groups,
+pages gathered from a larger source; rows of pages that are not sealed must stay untouched.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sgl_ragged.kernels.seal import seal_pages
+from sgl_ragged.kernels.tables import layer_tables
+from sgl_ragged.scoring.select import sink_mask
+from tests.unit.kernel_cases import H_KV, P, random_storage
+
+
+def _scores(n: int, gen: torch.Generator, ties: bool) -> torch.Tensor:
+    """[n, H, P] float32; with ties, values from a set of 3 so most tokens tie."""
+    if ties:
+        return torch.randint(0, 3, (n, H_KV, P), generator=gen).float()
+    return torch.rand(n, H_KV, P, generator=gen)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_seal_matches_write_rows(kernel_device, ties, dtype):
+    rng = random.Random(int(ties) * 2 + (dtype == torch.float32))
+    gen = torch.Generator().manual_seed(5)
+    kernel_store = random_storage(rng, kernel_device, layers=2, heads_per_group=rng.choice([1, 2]),
+                                  dtype=dtype)
+    oracle = random_storage(random.Random(0), kernel_device, layers=2, dtype=dtype)
+    oracle.layout, oracle.head_index = kernel_store.layout, kernel_store.head_index
+    for layer in range(2):  # same groups and rows in both storages
+        oracle.rows_k[layer] = [t.clone() for t in kernel_store.rows_k[layer]]
+        oracle.rows_v[layer] = [t.clone() for t in kernel_store.rows_v[layer]]
+    layer, n = 1, 5
+    # The source in the storage dtype, as in serving (the interpreter's float32 -> bfloat16
+    # store truncates where torch rounds, so a cast would not be bit-exact on the CPU).
+    src_k = torch.randn(n + 3, P, H_KV, 16, generator=gen).to(kernel_device, dtype)
+    src_v = torch.randn(n + 3, P, H_KV, 16, generator=gen).to(kernel_device, dtype)
+    src_index = torch.tensor(rng.sample(range(n + 3), n), device=kernel_device)
+    pages = torch.tensor(rng.sample(range(1, 40), n), device=kernel_device)
+    start = torch.tensor([0, P, 0, 3 * P, 7 * P], device=kernel_device)  # two first pages: sinks
+    scores = _scores(n, gen, ties).to(kernel_device)
+    seal_pages(layer_tables(kernel_store, layer), src_k, src_v, src_index.int(), pages.int(),
+               scores, sink_mask(start, P))
+    oracle.write_rows(layer, pages, src_k[src_index], src_v[src_index], scores, start)
+    for g in range(len(kernel_store.rows_k[layer])):
+        assert torch.equal(kernel_store.rows_k[layer][g], oracle.rows_k[layer][g]), f"group {g} K"
+        assert torch.equal(kernel_store.rows_v[layer][g], oracle.rows_v[layer][g]), f"group {g} V"
+    for g in range(len(kernel_store.rows_k[0])):  # the other layer is untouched
+        assert torch.equal(kernel_store.rows_k[0][g], oracle.rows_k[0][g])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU shapes need CUDA")
+def test_seal_gpu_shapes():
+    """P 64, D 128, 8 KV heads, bfloat16, many pages in one launch."""
+    from tests.unit.kernel_cases import GPU
+
+    rng, gen = random.Random(9), torch.Generator().manual_seed(9)
+    storage = random_storage(rng, "cuda", num_pages=256, dtype=torch.bfloat16, shape=GPU)
+    oracle_rows = ([t.clone() for t in storage.rows_k[0]], [t.clone() for t in storage.rows_v[0]])
+    n, p, h, d = 100, GPU.page_size, GPU.kv_heads, GPU.head_dim
+    src_k = torch.randn(n, p, h, d, generator=gen).to("cuda", torch.bfloat16)
+    src_v = torch.randn(n, p, h, d, generator=gen).to("cuda", torch.bfloat16)
+    pages = torch.tensor(rng.sample(range(1, 256), n), device="cuda")
+    start = p * torch.arange(n, device="cuda")
+    scores = torch.rand(n, h, p, generator=gen).to("cuda")
+    seal_pages(layer_tables(storage, 0), src_k, src_v, torch.arange(n, device="cuda").int(),
+               pages.int(), scores, sink_mask(start, p))
+    kernel_rows = (storage.rows_k[0], storage.rows_v[0])
+    storage.rows_k[0], storage.rows_v[0] = oracle_rows
+    storage.write_rows(0, pages, src_k, src_v, scores, start)
+    for got, want in zip(kernel_rows, (storage.rows_k[0], storage.rows_v[0]), strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
