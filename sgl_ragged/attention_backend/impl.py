@@ -50,8 +50,9 @@ class TorchAttention(AttentionImpl):
 
 
 def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None) -> AttentionImpl:
-    """Triton kernels on CUDA, the torch reference elsewhere."""
-    if storage.device.type != "cuda":
+    """Triton kernels on CUDA, the torch reference elsewhere and for the dynamic reference mode
+    (its per-head keep masks are a reference feature the kernels do not read)."""
+    if storage.device.type != "cuda" or storage.row_keep is not None:
         return TorchAttention(storage)
     from sgl_ragged.attention_backend.triton_impl import TritonAttention
 

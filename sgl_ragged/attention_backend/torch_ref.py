@@ -37,7 +37,7 @@ def request_forward(
     Returns [q_len, H_q, D] in q's dtype.
     """
     # 1. The full tail: staged tokens before this forward, then the new ones.
-    tail_k, tail_v = _tail_kv(storage, layer, plan, k_new, v_new)  # [T, H, D]
+    tail_k, tail_v = tail_kv(storage, layer, plan, k_new, v_new)  # [T, H, D]
     h_q, h_kv = q.shape[1], tail_k.shape[1]
     gsize = h_q // h_kv
     out = torch.empty_like(q)
@@ -58,11 +58,11 @@ def request_forward(
         tail_attn[heads] = probs[:, :, sealed_k.shape[0] :].view(
             plan.obs_queries, heads.numel(), gsize, -1).amax(2).sum(0)
     # 2. Compress pages that leave the window; keep the rest staged.
-    _store_tail(storage, layer, plan, tail_k, tail_v, tail_attn, q[-plan.obs_queries :], scale)
+    store_tail(storage, layer, plan, tail_k, tail_v, tail_attn, q[-plan.obs_queries :], scale)
     return out
 
 
-def _tail_kv(
+def tail_kv(
     storage: RaggedStorage, layer: int, plan: RequestPlan, k_new: torch.Tensor, v_new: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     staged = plan.prefix - plan.tail_start
@@ -128,7 +128,7 @@ def _window_probs(q_win: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | Non
     return torch.softmax(logits, dim=-1)
 
 
-def _store_tail(
+def store_tail(
     storage: RaggedStorage, layer: int, plan: RequestPlan, tail_k: torch.Tensor,
     tail_v: torch.Tensor, tail_attn: torch.Tensor, q_win: torch.Tensor, scale: float,
 ) -> None:

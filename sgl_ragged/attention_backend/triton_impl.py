@@ -4,7 +4,7 @@ Decode batches use the split-KV decode kernel driven by the static split map (ke
 extend and mixed batches the extend kernel. Both return the log-sum-exp of every query row,
 from which the window queries' attention over the tail (the scorer's input) is recomputed on
 the tail alone, without a second pass over the sealed rows. The tail's staging and sealing then
-reuse the torch reference's code per request (torch_ref._store_tail), so the stored statistics
+reuse the torch reference's code per request (torch_ref.store_tail), so the stored statistics
 are the reference's by construction.
 """
 
@@ -61,10 +61,10 @@ class TritonAttention(AttentionImpl):
                     v_new: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
         """Per request: the tail's window attention from the kernel's LSE, then the reference's
         staging and sealing."""
-        tail_k, tail_v = torch_ref._tail_kv(self.storage, layer, plan, k_new, v_new)  # [T, H, D]
+        tail_k, tail_v = torch_ref.tail_kv(self.storage, layer, plan, k_new, v_new)  # [T, H, D]
         w = plan.obs_queries
         tail_attn = window_tail_attention(q[-w:], lse[-w:], tail_k, plan, scale)  # [H, T]
-        torch_ref._store_tail(self.storage, layer, plan, tail_k, tail_v, tail_attn, q[-w:], scale)
+        torch_ref.store_tail(self.storage, layer, plan, tail_k, tail_v, tail_attn, q[-w:], scale)
 
 
 def window_tail_attention(q_win: torch.Tensor, lse_win: torch.Tensor, tail_k: torch.Tensor,
