@@ -58,6 +58,12 @@ class RaggedKVPool(NoOpMHATokenToKVPool):
             self.storage.num_staging_pages, layout.retention, layout.row_bytes_per_page,
             layout.full_bytes_per_page, 1.0 / layout.retention, self.mem_usage,
         )
+        if self.storage.dynamic_rho is not None:
+            logger.info(
+                "Ragged dynamic reference mode: per-input Eq. 3 selection at rho %.2f, dropped "
+                "tokens masked in full-size pages (saves no memory; for accuracy comparisons)",
+                self.storage.dynamic_rho,
+            )
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
         half = self.storage.nbytes() // 2
