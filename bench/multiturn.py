@@ -1,0 +1,290 @@
+"""Multi-turn serving benchmark: many concurrent shared-context sessions against SGLang's
+OpenAI-compatible chat endpoint (streamed, for TTFT and TPOT).
+
+    # a server somebody started (with --enable-metrics --enable-cache-report):
+    python -m bench.multiturn --base-url http://127.0.0.1:30000 --out results/multiturn
+    # or launch each server in turn at the same KV memory budget, same workload and seed:
+    python -m bench.multiturn --launch baseline --launch ragged:uniform:0.3 \
+        --kv-budget-tokens 16384 --sessions 32 --turns 3 --context-tokens 3000 \
+        --concurrency 8 --out results/multiturn
+
+Each of `--concurrency` users runs one session at a time, turn after turn (an answer becomes
+history); `--request-rate R` (repeatable: a sweep) additionally releases requests at Poisson
+times of rate R per second. The cache is flushed and one warm-up request sent before each run.
+Writes multiturn.json (every request, the /metrics timeline, summaries, ratios against the
+baseline), multiturn.md and PNG plots (bench/report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench import report
+from bench.client import MetricsPoller, RequestRecord, chat_payload, stream_chat
+from bench.servers import Budget, Target, equal_budget, launch_args
+from bench.stats import summarize
+from bench.tokens import make_counter
+from bench.workloads import TASKS, Session, WorkloadConfig, build_sessions
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How the sessions are offered to the server."""
+
+    concurrency: int = 4  # users, each running one session at a time
+    request_rate: float = math.inf  # requests/s released at Poisson times; inf: closed loop
+    max_tokens: int = 32
+    seed: int = 0
+    timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.max_tokens < 1:
+            raise ValueError(f"--concurrency and --max-tokens must be >= 1, got "
+                             f"{self.concurrency} and {self.max_tokens}")
+        if not self.request_rate > 0:
+            raise ValueError(f"--request-rate must be > 0 (inf: no pacing), got {self.request_rate}")
+
+
+class Arrivals:
+    """Poisson release times (exponential gaps from a seeded rng); each request takes the next."""
+
+    def __init__(self, rate: float, seed: int) -> None:
+        self.rate, self.rng, self.next_at = rate, random.Random(f"arrivals:{seed}"), 0.0
+
+    async def wait(self, t0: float) -> None:
+        if math.isinf(self.rate):
+            return
+        self.next_at += self.rng.expovariate(self.rate)
+        await asyncio.sleep(max(0.0, t0 + self.next_at - time.perf_counter()))
+
+
+class Progress:
+    """tqdm when installed, else a line every 10% on stderr."""
+
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.desc, self.done = total, desc, 0
+        try:
+            from tqdm import tqdm
+
+            self.bar: Any = tqdm(total=total, desc=desc, file=sys.stderr, mininterval=1.0)
+        except ImportError:
+            self.bar = None
+
+    def update(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update()
+        elif self.done == self.total or self.done % max(1, self.total // 10) == 0:
+            print(f"{self.desc}: {self.done}/{self.total} requests", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+async def _session(http: aiohttp.ClientSession, base_url: str, s: Session, load: LoadConfig,
+                   arrivals: Arrivals, t0: float, progress: Progress) -> list[RequestRecord]:
+    """One session's turns in order; each answer joins the history of the next turn."""
+    answers: list[str] = []
+    records = []
+    for k, turn in enumerate(s.turns):
+        await arrivals.wait(t0)
+        rec = RequestRecord(s.id, k, s.task, time.perf_counter() - t0, expected=turn.answer)
+        payload = chat_payload(s.messages(k, answers), load.max_tokens)
+        records.append(await stream_chat(http, base_url, payload, rec, t0))
+        answers.append(rec.text)
+        progress.update()
+    return records
+
+
+async def run_load(base_url: str, sessions: list[Session], load: LoadConfig,
+                   desc: str) -> tuple[list[RequestRecord], list[dict[str, float]]]:
+    """Drive all sessions with `load.concurrency` users while polling /metrics."""
+    queue: asyncio.Queue[Session] = asyncio.Queue()
+    for s in sessions:
+        queue.put_nowait(s)
+    arrivals, progress = Arrivals(load.request_rate, load.seed), Progress(
+        sum(len(s.turns) for s in sessions), desc)
+    poller, stop = MetricsPoller(base_url), asyncio.Event()
+    records: list[RequestRecord] = []
+
+    async def user(http: aiohttp.ClientSession) -> None:
+        while not queue.empty():
+            records.extend(await _session(http, base_url, queue.get_nowait(), load, arrivals, t0,
+                                          progress))
+
+    timeout = aiohttp.ClientTimeout(total=load.timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        t0 = time.perf_counter()
+        polling = asyncio.create_task(poller.run(http, t0, stop))
+        await asyncio.gather(*(user(http) for _ in range(load.concurrency)))
+        stop.set()
+        await polling
+    progress.close()
+    return sorted(records, key=lambda r: r.start), poller.samples
+
+
+# ---- one run against one server ------------------------------------------------------------
+
+
+def _http(base_url: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(base_url + path, data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        text = resp.read().decode()
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def server_tokens(base_url: str) -> int | None:
+    """The server's max_total_num_tokens (logical KV tokens), if it says."""
+    for path in ("/server_info", "/get_server_info"):
+        try:
+            return int(_http(base_url, path)["max_total_num_tokens"])
+        except (OSError, KeyError, TypeError, ValueError):
+            continue
+    return None
+
+
+def prepare(base_url: str, flush: bool) -> None:
+    """Flush the radix cache (so runs start alike), then one untimed warm-up request."""
+    if flush:
+        _http(base_url, "/flush_cache", {})
+    _http(base_url, "/v1/chat/completions", {"model": "default", "max_tokens": 4,
+                                             "messages": [{"role": "user", "content": "Say OK."}]})
+    if flush:
+        _http(base_url, "/flush_cache", {})
+
+
+def run_one(base_url: str, label: str, sessions: list[Session], load: LoadConfig,
+            flush: bool = True) -> dict[str, Any]:
+    """One measured run: records, /metrics timeline and summary."""
+    prepare(base_url, flush)
+    rate = "inf" if math.isinf(load.request_rate) else f"{load.request_rate:g}"
+    records, samples = asyncio.run(run_load(base_url, sessions, load, f"{label} rate={rate}"))
+    summary = {**summarize(records, samples), "max_total_num_tokens": server_tokens(base_url)}
+    return {"label": label, "concurrency": load.concurrency,
+            "request_rate": None if math.isinf(load.request_rate) else load.request_rate,
+            "summary": summary, "timeline": samples,
+            "requests": [{**asdict(r), "ttft": r.ttft, "tpot": r.tpot} for r in records]}
+
+
+# ---- CLI -----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = p.add_argument_group("servers (one of)")
+    where.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:30000")
+    where.add_argument("--launch", action="append", default=[], metavar="baseline|ragged:<profile>",
+                       help="launch this server (repeatable); they run one after the other")
+    where.add_argument("--label", default="server", help="name of the --base-url run")
+    where.add_argument("--model", help="model path (default: SmolLM2-135M-Instruct)")
+    where.add_argument("--kv-budget-tokens", type=int, default=16384,
+                       help="common KV budget: the bytes of this many uncompressed tokens")
+    where.add_argument("--max-running-requests", type=int, default=16)
+    where.add_argument("--chunked-prefill-size", type=int, default=512)
+    where.add_argument("--device", default="cpu")
+    where.add_argument("--server-arg", action="append", default=[],
+                       help="extra launch_server argument for every launched server (repeatable; "
+                            "use --server-arg=--flag)")
+    work = p.add_argument_group("workload")
+    work.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of {', '.join(TASKS)}")
+    work.add_argument("--sessions", type=int, default=16)
+    work.add_argument("--turns", type=int, default=3)
+    work.add_argument("--context-tokens", type=int, default=2000)
+    work.add_argument("--sessions-per-context", type=int, default=1,
+                      help="sessions of a task sharing one context (cross-session prefix hits)")
+    work.add_argument("--tokenizer", help="'approx', 'server' or a checkpoint path "
+                                          "(default: the model's, else the server's /tokenize)")
+    work.add_argument("--seed", type=int, default=0)
+    run = p.add_argument_group("load")
+    run.add_argument("--concurrency", type=int, default=4)
+    run.add_argument("--request-rate", type=float, action="append",
+                     help="Poisson requests/s (repeatable: a sweep); default: no pacing")
+    run.add_argument("--max-tokens", type=int, default=32)
+    run.add_argument("--no-flush", action="store_true", help="do not flush the cache between runs")
+    p.add_argument("--out", type=Path, default=Path("results/multiturn"))
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    if bool(args.base_url) == bool(args.launch):
+        p.error("give either --base-url or at least one --launch")
+    return args
+
+
+def _window_pages(extra: list[str]) -> int:
+    """--ragged-window-pages among the extra server args (it sizes the staging pool)."""
+    for i, arg in enumerate(extra):
+        if arg.startswith("--ragged-window-pages"):
+            return int(arg.split("=", 1)[1] if "=" in arg else extra[i + 1])
+    return 1
+
+
+def run_launched(args: argparse.Namespace, model: str, sessions: list[Session],
+                 loads: list[LoadConfig]) -> list[dict[str, Any]]:
+    """Each --launch target in turn at the common budget; every rate on each."""
+    from sgl_ragged.testing.server import ServerProcess
+
+    targets = [Target.parse(spec) for spec in args.launch]
+    budgets = {t.label: equal_budget(t, model, args.kv_budget_tokens, args.max_running_requests,
+                                     _window_pages(args.server_arg)) for t in targets}
+    runs = []
+    for i, target in enumerate(targets, 1):
+        budget: Budget = budgets[target.label]
+        print(f"[{i}/{len(targets)}] {target.label}: --max-total-tokens {budget.kv_tokens} "
+              f"(retention {budget.retention:.3f}), starting ...", file=sys.stderr, flush=True)
+        server_args = launch_args(target, model, budget.kv_tokens,
+                                  max_running=args.max_running_requests,
+                                  chunk=args.chunked_prefill_size, device=args.device,
+                                  extra=args.server_arg)
+        log = args.out / "logs" / f"{target.label.replace(':', '_').replace('/', '_')}.log"
+        with ServerProcess(server_args, log_path=log, startup_timeout=900) as server:
+            for load in loads:
+                run = run_one(server.base_url, target.label, sessions, load, not args.no_flush)
+                runs.append({**run, "budget": budget._asdict(), "launch_args": server_args})
+    return runs
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    model = args.model
+    if args.launch and model is None:
+        from sgl_ragged.models.smollm2 import ensure_smollm2
+
+        model = str(ensure_smollm2())
+    cfg = WorkloadConfig(sessions=args.sessions, turns=args.turns,
+                         context_tokens=args.context_tokens, tasks=tuple(args.tasks.split(",")),
+                         sessions_per_context=args.sessions_per_context, seed=args.seed)
+    counter = make_counter(args.tokenizer, model=model, base_url=args.base_url)
+    sessions = build_sessions(cfg, counter)
+    loads = [LoadConfig(args.concurrency, rate, args.max_tokens, args.seed)
+             for rate in (args.request_rate or [math.inf])]
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.base_url:
+        runs = [run_one(args.base_url, args.label, sessions, load, not args.no_flush)
+                for load in loads]
+    else:
+        runs = run_launched(args, model, sessions, loads)
+    result = report.build(runs, workload=asdict(cfg), argv=sys.argv[1:] if argv is None else argv)
+    table = report.write(result, args.out, plots=not args.no_plots)
+    print(table)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""The multi-turn workload generator (bench/workloads.py) on tiny instances, no server."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import replace
+
+import pytest
+
+from bench.servers import Target, equal_budget
+from bench.tokens import approx_counter, local_counter
+from bench.workloads import TASKS, WorkloadConfig, build_sessions, normalize, score_answer
+from sgl_ragged.mem_pool.layout import RaggedLayout
+from sgl_ragged.profile import uniform_profile
+
+TINY = WorkloadConfig(sessions=8, turns=3, context_tokens=400, seed=7)
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    """The default model's checkpoint (its tokenizer and config.json; no server)."""
+    from sgl_ragged.models.smollm2 import ensure_smollm2
+
+    return str(os.environ.get("SGL_RAGGED_MODEL") or ensure_smollm2())
+
+
+def test_same_seed_same_sessions_other_seed_differs():
+    a, b = build_sessions(TINY, approx_counter), build_sessions(TINY, approx_counter)
+    assert a == b
+    c = build_sessions(replace(TINY, seed=8), approx_counter)
+    assert [s.context for s in a] != [s.context for s in c]
+
+
+def test_tasks_round_robin_and_turn_counts():
+    sessions = build_sessions(TINY, approx_counter)
+    assert [s.task for s in sessions] == [TASKS[i % len(TASKS)] for i in range(8)]
+    assert all(len(s.turns) == 3 for s in sessions)
+
+
+def test_answers_are_in_the_context():
+    for s in build_sessions(replace(TINY, sessions=16), approx_counter):
+        for turn in s.turns:
+            if s.task == "chat":
+                assert turn.answer is None
+            else:
+                assert turn.answer and turn.answer in s.context
+
+
+def test_questions_are_distinct_within_a_session():
+    for s in build_sessions(TINY, approx_counter):
+        questions = [t.question for t in s.turns]
+        assert len(set(questions)) == len(questions)
+
+
+def test_answer_is_unique_fact():
+    """The key / name / symbol a question asks about occurs once, so the answer is unambiguous."""
+    for s in build_sessions(TINY, approx_counter):
+        if s.task == "chat":
+            continue
+        for turn in s.turns:
+            subject = re.search(r'"([0-9a-f-]{36})"|of the ([a-z]+ [a-z]+)\?|(\w+_\d+)', turn.question)
+            assert subject is not None
+            assert s.context.count(next(g for g in subject.groups() if g)) == 1
+
+
+@pytest.mark.parametrize("target", [200, 600, 1500])
+def test_context_length_respected(target):
+    cfg = WorkloadConfig(sessions=4, turns=2, context_tokens=target)
+    for s in build_sessions(cfg, approx_counter):
+        assert s.context_tokens == approx_counter(s.context)
+        assert 0.85 * target <= s.context_tokens <= target * 1.05 + 20, (s.task, s.context_tokens)
+
+
+def test_context_length_with_the_model_tokenizer(model_path):
+    count = local_counter(model_path)
+    for s in build_sessions(WorkloadConfig(sessions=4, turns=2, context_tokens=500), count):
+        assert 420 <= count(s.context) <= 530, (s.task, count(s.context))
+
+
+def test_sessions_share_contexts_when_asked():
+    cfg = WorkloadConfig(sessions=8, turns=2, context_tokens=200, tasks=("kv", "code"),
+                         sessions_per_context=2)
+    sessions = build_sessions(cfg, approx_counter)
+    contexts = [s.context for s in sessions]
+    assert contexts[0] == contexts[2] and contexts[1] == contexts[3]
+    assert contexts[0] != contexts[4] and len(set(contexts)) == 4
+
+
+def test_messages_carry_history():
+    s = build_sessions(TINY, approx_counter)[0]
+    msgs = s.messages(2, ["first answer", "second answer"])
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert msgs[1]["content"].startswith(s.context) and s.turns[0].question in msgs[1]["content"]
+    assert msgs[2]["content"] == "first answer" and msgs[5]["content"] == s.turns[2].question
+    assert s.messages(0, [])[1] == msgs[1]  # turn 1's prompt is a prefix of turn 3's
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="unknown tasks"):
+        WorkloadConfig(tasks=("kv", "poetry"))
+    with pytest.raises(ValueError, match="must be >= 1"):
+        WorkloadConfig(turns=0)
+
+
+@pytest.mark.parametrize(("output", "expected", "exact", "contains"), [
+    ("4821", "4821", True, True),
+    (" 4821.\n", "4821", True, True),
+    ("The secret number is 4821.", "4821", False, True),
+    ("48 21", "4821", False, False),
+    ('"AB12-cd34"', "ab12-CD34", True, True),
+    ("", "4821", False, False),
+])
+def test_score_answer(output, expected, exact, contains):
+    assert score_answer(output, expected) == (exact, contains)
+
+
+def test_normalize():
+    assert normalize("  The  Value:\n'x-1_y'! ") == "the value x-1_y"
+
+
+def test_equal_budget_matches_layout_arithmetic(model_path):
+    """The ragged server gets the bytes of 16384 full tokens (256 full pages of 30 layers x 3
+    heads x 64 dims, bf16) less (4 + 1) * (1 + 1) staging pages, at 20 of 64 slots a page."""
+    base = equal_budget(Target.parse("baseline"), model_path, 16384, 4)
+    assert base == (16384, 1.0, 1.0)
+    ragged = equal_budget(Target.parse("ragged:uniform:0.3"), model_path, 16384, 4)
+    layout = RaggedLayout.from_profile(uniform_profile(0.3, 30, 3), 64, 64, 2)
+    assert layout.full_bytes_per_page == 1474560 and layout.row_bytes_per_page == 460800
+    staging = 10 * layout.staging_bytes_per_page()
+    assert ragged.kv_tokens == (256 * 1474560 - staging) // 460800 * 64
+    assert ragged.rho == 0.3 and ragged.retention == pytest.approx(20 / 64)
+    assert 2.9 < ragged.kv_tokens / base.kv_tokens < 64 / 20
+
+
+def test_target_parse():
+    assert Target.parse("ragged:uniform:0.5").profile == "uniform:0.5"
+    with pytest.raises(ValueError, match="baseline"):
+        Target.parse("vllm")
