@@ -1,0 +1,118 @@
+"""Per-head retention under dynamic non-uniform selection (TANGRAM Eq. 3), chunk by chunk.
+
+A sample is split into prefill chunks as serving splits it. Each chunk's pages are scored exactly
+as serving scores pages it seals in prefill: the attention of the chunk's last ``obs_window``
+queries, max-reduced over the query heads of each KV head and summed, with per-token observation
+counts and the window-query statistics, go into ``PageStats``; the scorer turns them into
+``[N, H_kv, P]`` scores. Then, per layer and chunk, the global top-ceil(rho * H * n) over all
+heads' tokens (``select_flat_top``, sinks forced in) decides what each head keeps. A head's
+retention for the sample is its kept tokens over the tokens offered to it, summed over chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sgl_ragged.calibrate.runner import LayerQKV
+from sgl_ragged.scoring import SINK_TOKENS, PageStats, Scorer, page_query_stats
+from sgl_ragged.scoring.select import select_flat_top
+from sgl_ragged.scoring.snapkv import gqa_reduce, window_attention_probs
+
+
+@dataclass(frozen=True)
+class ChunkingConfig:
+    """How serving splits and scores a prompt."""
+
+    page_size: int = 64  # tokens per logical page (--page-size)
+    chunk_size: int = 512  # prefill chunk (--chunked-prefill-size), a multiple of page_size
+    obs_window: int = 32  # last queries of a chunk that score it (--ragged-obs-window)
+
+    def __post_init__(self) -> None:
+        if self.page_size < SINK_TOKENS:
+            raise ValueError(
+                f"page size {self.page_size} is smaller than the {SINK_TOKENS} sink tokens; "
+                f"use at least {SINK_TOKENS} (serving uses 64)"
+            )
+        if self.chunk_size < self.page_size or self.chunk_size % self.page_size:
+            raise ValueError(
+                f"chunk size {self.chunk_size} must be a positive multiple of the page size "
+                f"{self.page_size}: serving compresses whole pages of each chunk"
+            )
+        if self.obs_window < 1:
+            raise ValueError(f"observation window must be >= 1, got {self.obs_window}")
+
+    def chunks(self, num_tokens: int) -> list[tuple[int, int]]:
+        """[start, end) of each prefill chunk of a ``num_tokens`` prompt (whole pages)."""
+        if num_tokens < self.page_size or num_tokens % self.page_size:
+            raise ValueError(
+                f"a calibration sample must be whole pages of {self.page_size} tokens, got "
+                f"{num_tokens}"
+            )
+        return [
+            (start, min(start + self.chunk_size, num_tokens))
+            for start in range(0, num_tokens, self.chunk_size)
+        ]
+
+
+def chunk_page_stats(
+    layer: LayerQKV, start: int, end: int, cfg: ChunkingConfig, scale: float
+) -> PageStats:
+    """``PageStats`` of the pages of chunk [start, end) of one layer, as serving builds them."""
+    h_kv, dim = layer.k.shape[1:]
+    n, p = end - start, cfg.page_size
+    w = min(cfg.obs_window, n)
+    device = layer.q.device
+    q_pos = torch.arange(end - w, end, device=device)  # [w] window query positions
+    tok_pos = torch.arange(start, end, device=device)  # [n] chunk token positions
+    # 1. Window attention over every key before the chunk's end, GQA-reduced, summed.
+    probs = window_attention_probs(layer.q[end - w : end], layer.k[:end], q_pos,
+                                   torch.arange(end, device=device), scale)  # fmt: skip
+    attn = gqa_reduce(probs, h_kv)[:, :, start:end].sum(0)  # [H_kv, n]
+    # 2. How many window queries saw each token (the causal mask).
+    obs = (q_pos[:, None] >= tok_pos[None, :]).sum(0).float()  # [n]
+    # 3. Statistics of the window queries that saw each page (pooled per KV head).
+    pages = n // p
+    q_sum, q_sq, count = page_query_stats(layer.q[end - w : end], q_pos, tok_pos[::p], h_kv)
+    return PageStats(
+        attn_sum=attn.view(h_kv, pages, p).transpose(0, 1).contiguous(),  # [N, H_kv, P]
+        obs_count=obs.view(pages, p),
+        keys=layer.k[start:end].view(pages, p, h_kv, dim),
+        values=layer.v[start:end].view(pages, p, h_kv, dim),
+        q_sum=q_sum,
+        q_sq_sum=q_sq,
+        q_count=count,
+        scale=scale,
+    )
+
+
+def flat_top_kept(scores: torch.Tensor, start: int, rhos: Sequence[float]) -> torch.Tensor:
+    """Tokens each head keeps under Eq. 3, for each rho.
+
+    scores: [N, H_kv, P] float32 page scores of one chunk starting at sequence position
+    ``start``. Returns [R, H_kv] int64 kept counts (R = len(rhos)).
+    """
+    pages, h_kv, p = scores.shape
+    flat = scores.transpose(0, 1).reshape(h_kv, pages * p)  # [H_kv, n] in position order
+    sinks = torch.arange(start, start + pages * p, device=scores.device) < SINK_TOKENS
+    return torch.stack([select_flat_top(flat, rho, sinks).sum(1) for rho in rhos])
+
+
+def sample_retention(
+    layers: Sequence[LayerQKV], scorers: Sequence[Scorer], rhos: Sequence[float],
+    cfg: ChunkingConfig, scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """Per-head retention of one sample: [S_c, R, L, H_kv] float64 kept / offered.
+
+    S_c = len(scorers), R = len(rhos), L = len(layers); one model run serves them all.
+    """
+    num_tokens, h_kv = layers[0].k.shape[:2]
+    kept = torch.zeros(len(scorers), len(rhos), len(layers), h_kv, dtype=torch.int64)
+    for li, layer in enumerate(layers):
+        for start, end in cfg.chunks(num_tokens):
+            stats = chunk_page_stats(layer, start, end, cfg, scale)
+            for si, scorer in enumerate(scorers):
+                kept[si, :, li] += flat_top_kept(scorer.page_scores(stats), start, rhos).cpu()
+    return kept.double() / num_tokens

@@ -1,0 +1,77 @@
+"""The model under calibration, with every layer's post-RoPE Q, K, V captured.
+
+The model runs uncompressed (the dynamic reference of TANGRAM Eq. 3): one causal forward over the
+whole sample, which equals chunked prefill without compression. Capture works through a
+transformers attention function registered for this runner, which records the tensors the
+model's attention receives (queries and keys after RoPE, K/V before GQA repetition) and then
+runs SDPA.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sgl_ragged.scheduler.server_args import model_shape
+
+_RUNNER_IDS = itertools.count()
+
+
+@dataclass(frozen=True)
+class LayerQKV:
+    """One layer's attention inputs for one sample, all float32 on the runner's device."""
+
+    q: torch.Tensor  # [T, H_q, D] post-RoPE queries (unscaled)
+    k: torch.Tensor  # [T, H_kv, D] post-RoPE keys
+    v: torch.Tensor  # [T, H_kv, D] values
+
+
+class CaptureRunner:
+    """Loads an HF causal LM and returns its per-layer Q/K/V for a token sequence."""
+
+    def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "float32") -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = torch.device(device)
+        self._attn_name = f"sgl_ragged_capture_{next(_RUNNER_IDS)}"
+        self._register()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, dtype), attn_implementation=self._attn_name
+        ).to(self.device).eval()  # fmt: skip
+        self.shape = model_shape(str(model_path))  # the fingerprint the server checks
+        self.scale = float(self.model.model.layers[0].self_attn.scaling)
+        self._captured: list[LayerQKV] = []
+
+    def run(self, input_ids: torch.Tensor) -> list[LayerQKV]:
+        """input_ids [T] int64 -> one LayerQKV per layer, in layer order."""
+        self._captured = []
+        with torch.inference_mode():
+            # The decoder stack only: the LM head's logits are not needed.
+            self.model.model(input_ids=input_ids[None].to(self.device), use_cache=False)
+        captured, self._captured = self._captured, []
+        if len(captured) != self.shape.num_layers:
+            raise RuntimeError(
+                f"captured {len(captured)} attention calls for {self.shape.num_layers} layers; "
+                f"the model does not route attention through transformers' AttentionInterface"
+            )
+        return captured
+
+    def _register(self) -> None:
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import sdpa_mask
+
+        def attend(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, **kwargs: Any) -> Any:  # fmt: skip
+            # query [1, H_q, T, D], key/value [1, H_kv, T, D] -> [T, H, D] float32
+            self._captured.append(LayerQKV(*(x[0].transpose(0, 1).float() for x in (query, key, value))))
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+        AttentionInterface.register(self._attn_name, attend)
+        AttentionMaskInterface.register(self._attn_name, sdpa_mask)
+
