@@ -1,0 +1,51 @@
+"""A shipped calibrated profile served end to end: the server reserves exactly the page cost the
+profile predicts, serves requests and compresses with it (the README's default)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig
+
+from sgl_ragged.mem_pool.layout import RaggedLayout
+from sgl_ragged.profile import BudgetProfile
+from tests.e2e.conftest import COMMON, _start, get, post
+from tests.e2e.test_serving import FACTS
+
+pytestmark = pytest.mark.e2e
+
+PROFILE = Path(__file__).parents[2] / "calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json"
+
+
+@pytest.fixture(scope="module")
+def calibrated_server(request: pytest.FixtureRequest, model_path: str):
+    return _start(request, ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
+                            "--ragged-profile", str(PROFILE), "--mem-fraction-static", "0.05",
+                            "--max-running-requests", "4", "--enable-metrics"], "calibrated")
+
+
+def test_capacity_is_what_the_profile_predicts(calibrated_server, model_path):
+    cfg = AutoConfig.from_pretrained(model_path)
+    layout = RaggedLayout.from_profile(BudgetProfile.load(PROFILE), 64, 64, 2)  # bf16 cache
+    assert layout.num_kv_heads == cfg.num_key_value_heads
+    log = calibrated_server.log_text()
+    cell = int(re.search(r"ragged capacity: (\d+) bytes per logical token", log).group(1))
+    assert cell == -(-layout.row_bytes_per_page // 64)
+    pages = int(re.search(r"ragged capacity: (\d+) logical pages", log).group(1))
+    info = json.loads(get(calibrated_server.base_url, "/get_server_info"))
+    assert info["max_total_num_tokens"] == pages * 64
+    assert f"retention {layout.retention:.3f}" in log
+
+
+def test_serves_and_compresses_with_the_profile(calibrated_server):
+    out = post(calibrated_server.base_url, "/generate", {
+        "text": FACTS + "\nQuestion: what is the code of item 3? Answer:",
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0},
+    })
+    assert out["meta_info"]["completion_tokens"] > 0
+    metrics = get(calibrated_server.base_url, "/metrics").replace(":", "_")
+    sealed = re.search(r"^sglang_ragged_pages_sealed_total(?:\{[^}]*\})? (\S+)$", metrics, re.MULTILINE)
+    assert sealed and float(sealed.group(1)) > 0
