@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 import urllib.request
@@ -30,12 +31,24 @@ from sgl_ragged.scoring import SnapKVScorer
 from sgl_ragged.testing.server import ServerProcess
 
 
-def server_capacity(model: str, backend_args: list[str], mem_fraction: float) -> int:
+def server_capacity(model: str, backend_args: list[str], mem_fraction: float) -> tuple[int, float]:
+    """(max_total_num_tokens, KV bytes budget in GB the server sized its pool from)."""
     args = ["--model-path", model, "--device", "cpu", "--page-size", "64",
             "--mem-fraction-static", str(mem_fraction), "--sleep-on-idle", *backend_args]
     with ServerProcess(args) as server:
         with urllib.request.urlopen(server.base_url + "/get_server_info", timeout=60) as resp:
-            return int(json.loads(resp.read())["max_total_num_tokens"])
+            tokens = int(json.loads(resp.read())["max_total_num_tokens"])
+        return tokens, kv_budget_gb(server.log_text())
+
+
+def kv_budget_gb(log: str) -> float:
+    """The KV budget a server's log reports: ragged's "logical pages from X GB", or stock
+    SGLang's "K size: x GB, V size: y GB" (rounded to 0.01 GB by SGLang)."""
+    ragged = re.search(r"ragged capacity: \d+ logical pages from ([\d.]+) GB", log)
+    if ragged:
+        return float(ragged.group(1))
+    stock = re.search(r"K size: ([\d.]+) GB, V size: ([\d.]+) GB", log)
+    return float(stock.group(1)) + float(stock.group(2)) if stock else float("nan")
 
 
 def sealing_share(ratio: float, chunk: int = 1024, repeats: int = 5) -> dict[str, float]:
@@ -96,24 +109,29 @@ def main() -> None:
     model = args.model or str(ensure_smollm2())
     steps = len(profiles) + 2
     print(f"[1/{steps}] torch_native at mem-fraction {args.mem_fraction_static} ...", flush=True)
-    base = server_capacity(model, ["--attention-backend", "torch_native"], args.mem_fraction_static)
+    base, base_gb = server_capacity(model, ["--attention-backend", "torch_native"],
+                                    args.mem_fraction_static)
     rows = []
     for i, spec in enumerate(profiles, start=2):
         print(f"[{i}/{steps}] ragged {spec} ...", flush=True)
-        tokens = server_capacity(model, ["--attention-backend", "ragged", "--ragged-profile", spec],
-                                 args.mem_fraction_static)
-        rows.append({"profile": spec, "ragged_tokens": tokens, "capacity_ratio": tokens / base,
+        tokens, gb = server_capacity(model, ["--attention-backend", "ragged", "--ragged-profile", spec],
+                                     args.mem_fraction_static)
+        rows.append({"profile": spec, "ragged_tokens": tokens, "kv_budget_gb": gb,
+                     "capacity_ratio": tokens / base,
                      "limit": physical_limit(spec, model)})
     print(f"[{steps}/{steps}] sealing share of prefill attention ...", flush=True)
     share = sealing_share(args.seal_ratio)
-    result = {"torch_native_tokens": base, "mem_fraction_static": args.mem_fraction_static,
+    result = {"torch_native_tokens": base, "torch_native_kv_budget_gb": base_gb,
+              "mem_fraction_static": args.mem_fraction_static,
               "profiles": rows, "seal_ratio": args.seal_ratio, **share}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "capacity.json").write_text(json.dumps(result, indent=2))
-    lines = ["| backend | logical tokens | ratio | physical limit (1/retention) |", "|---|---|---|---|",
-             f"| torch_native | {base} | 1.00 | |"]
-    lines += [f"| ragged {r['profile']} | {r['ragged_tokens']} | {r['capacity_ratio']:.2f} | "
-              f"{r['limit']:.2f} |" for r in rows]
+    lines = ["| backend | KV budget (GB) | logical tokens | ratio | physical limit (1/retention) |",
+             "|---|---|---|---|---|", f"| torch_native | {base_gb:.2f} | {base} | 1.00 | |"]
+    lines += [f"| ragged {r['profile']} | {r['kv_budget_gb']:.2f} | {r['ragged_tokens']} | "
+              f"{r['capacity_ratio']:.2f} | {r['limit']:.2f} |" for r in rows]
+    lines += ["", "The budget is what SGLang's memory profiling found free at each start (the same "
+              "--mem-fraction-static); run on a quiet machine, or the budgets differ."]
     lines += ["", f"Sealing (scoring + row writes) share of one layer's 1024-token extend at rho "
               f"{args.seal_ratio}: {share['sealing_share']:.1%} (median "
               f"{share['extend_with_sealing_s'] * 1e3:.1f} ms with, "
