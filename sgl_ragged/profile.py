@@ -535,27 +535,24 @@ def dynamic_profile(
 
 def parse_dynamic_spec(spec: str) -> float:
     """The target ratio rho of a "dynamic:<rho>" spec; ProfileError for anything else."""
-    prefix, sep, rest = spec.partition(":")
-    try:
-        rho = float(rest)
-    except ValueError:
-        rho = math.nan
-    if prefix.strip().lower() != "dynamic" or not sep or not 0.0 < rho <= 1.0:
-        raise ProfileError(
-            f"a dynamic profile is 'dynamic:<rho>' with rho in (0, 1], e.g. dynamic:0.3; got {spec!r}"
-        )
-    return rho
+    return _parse_ratio_spec(spec, "dynamic", "a dynamic profile is 'dynamic:<rho>' with rho in "
+                             "(0, 1], e.g. dynamic:0.3; got")
 
 
 def parse_uniform_spec(spec: str) -> float:
     """The ratio of a "uniform:<ratio>" spec; ProfileError for anything else."""
+    return _parse_ratio_spec(spec, "uniform", f"{UNIFORM_SPEC_HELP}, got")
+
+
+def _parse_ratio_spec(spec: str, kind: str, help_text: str) -> float:
+    """The number after "<kind>:" if it is in (0, 1]; else ProfileError "<help_text> <spec!r>"."""
     prefix, sep, rest = spec.partition(":")
     try:
         ratio = float(rest)
     except ValueError:
         ratio = math.nan
-    if prefix.strip().lower() != "uniform" or not sep or not 0.0 < ratio <= 1.0:
-        raise ProfileError(f"{UNIFORM_SPEC_HELP}, got {spec!r}")
+    if prefix.strip().lower() != kind or not sep or not 0.0 < ratio <= 1.0:
+        raise ProfileError(f"{help_text} {spec!r}")
     return ratio
 
 
