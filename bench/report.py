@@ -119,7 +119,8 @@ def plot_throughput_vs_rho(runs: list[dict[str, Any]], path: Path) -> bool:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for rate in sorted({_rate(r) for r in with_rho}):
-        pts = sorted((r["budget"]["rho"], r["summary"]) for r in with_rho if _rate(r) == rate)
+        pts = sorted(((r["budget"]["rho"], r["summary"]) for r in with_rho if _rate(r) == rate),
+                     key=lambda point: point[0])  # equal rho (e.g. uniform vs calibrated) ties
         for ax, key in zip(axes, ("requests_per_s", "output_tokens_per_s"), strict=True):
             ax.plot([p for p, _ in pts], [s[key] for _, s in pts], "o-",
                     label=f"rate {_rate_text(rate)}")

@@ -178,3 +178,11 @@ def test_load_config_checks():
         multiturn.LoadConfig(request_rate=0.0)
     with pytest.raises(ValueError, match="concurrency"):
         multiturn.LoadConfig(concurrency=0)
+
+
+def test_throughput_plot_with_equal_rho(tmp_path):
+    """A calibrated and a uniform profile at the same rho must not break the plot's ordering."""
+    runs = [_run("baseline", None, 1.0, 1.0), _run("ragged:a", None, 2.0, 0.3),
+            _run("ragged:b", None, 1.5, 0.3)]
+    assert report.plot_throughput_vs_rho(runs, tmp_path / "t.png")
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
