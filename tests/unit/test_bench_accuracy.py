@@ -1,0 +1,102 @@
+"""Arithmetic of the accuracy benchmark (bench/accuracy_stats.py, bench/accuracy.py): KL with a
+rest bucket against brute force, standard errors, paired differences and their flags."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.accuracy import comparisons, plan_configs
+from bench.accuracy_stats import Diff, binomial_se, kl_topk, mean_se, paired_diff
+
+P = np.array([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
+Q = np.array([0.30, 0.30, 0.10, 0.05, 0.20, 0.05])
+
+
+def brute_force_kl(p: np.ndarray, q: np.ndarray, top: list[int]) -> float:
+    """KL over the explicit distribution with every token outside `top` merged into one."""
+    rest = [i for i in range(len(p)) if i not in top]
+    pm = np.append(p[top], p[rest].sum())
+    qm = np.append(q[top], q[rest].sum())
+    keep = pm > 0
+    return float(np.sum(pm[keep] * np.log(pm[keep] / qm[keep])))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_kl_topk_matches_merged_brute_force(k):
+    top = list(np.argsort(-P)[:k])
+    got = kl_topk(list(np.log(P[top])), list(np.log(Q[top])))
+    assert got == pytest.approx(brute_force_kl(P, Q, top), rel=1e-12)
+    assert got <= float(np.sum(P * np.log(P / Q))) + 1e-12  # merging never increases KL
+
+
+def test_kl_topk_exact_with_whole_vocabulary_and_zero_for_equal():
+    full = float(np.sum(P * np.log(P / Q)))
+    assert kl_topk(list(np.log(P)), list(np.log(Q))) == pytest.approx(full, rel=1e-9)
+    assert kl_topk(list(np.log(P[:3])), list(np.log(P[:3]))) == pytest.approx(0.0, abs=1e-15)
+
+
+def test_kl_topk_rejects_mismatched_lists():
+    with pytest.raises(ValueError, match="equally long"):
+        kl_topk([-1.0], [-1.0, -2.0])
+
+
+def test_mean_se_matches_numpy():
+    xs = [0.3, 0.1, 0.4, 0.15, 0.9]
+    m = mean_se(xs)
+    assert m.mean == pytest.approx(np.mean(xs))
+    assert m.se == pytest.approx(np.std(xs, ddof=1) / math.sqrt(len(xs)))
+    assert math.isnan(mean_se([1.0]).se) and math.isnan(mean_se([]).mean)
+
+
+def test_binomial_se():
+    b = binomial_se(3, 12)
+    assert b.mean == 0.25 and b.se == pytest.approx(math.sqrt(0.25 * 0.75 / 12))
+    assert binomial_se(0, 5).se == 0.0
+
+
+def test_paired_diff_and_flags():
+    a, b = [0.5, 0.7, 0.2, 0.9], [0.4, 0.5, 0.25, 0.6]
+    d = paired_diff(a, b)
+    diffs = np.subtract(a, b)
+    assert d.mean == pytest.approx(diffs.mean())
+    assert d.se == pytest.approx(diffs.std(ddof=1) / 2)
+    assert d.z == pytest.approx(d.mean / d.se)
+    assert d.exceeds_se and not d.exceeds_2se  # z = 1.67
+    assert not Diff(0.05, 0.1, 4).exceeds_se and Diff(0.3, 0.1, 4).exceeds_2se
+    assert Diff(0.0, 0.0, 4).z == 0.0 and Diff(0.1, 0.0, 4).z == math.inf
+    with pytest.raises(ValueError, match="length"):
+        paired_diff([1.0], [1.0, 2.0])
+
+
+def test_plan_configs_lists_missing_profiles(tmp_path: Path):
+    (tmp_path / "snapkv-rho0.5.json").write_text("{}")
+    configs, missing = plan_configs([0.5, 0.3], ["snapkv"], tmp_path)
+    assert [c.name for c in configs] == ["full", "uniform@0.3", "dynamic-snapkv@0.3",
+                                         "uniform@0.5", "static-snapkv@0.5", "dynamic-snapkv@0.5"]
+    assert missing == [str(tmp_path / "snapkv-rho0.3.json")]
+    assert configs[4].server_args()[-3:] == [str(tmp_path / "snapkv-rho0.5.json"),
+                                             "--ragged-scorer", "snapkv"]
+
+
+def test_comparisons_pair_static_with_dynamic_and_uniform(tmp_path: Path):
+    (tmp_path / "snapkv-rho0.5.json").write_text("{}")
+    configs, _ = plan_configs([0.5], ["snapkv"], tmp_path)
+
+    def recs(exact: list[bool], kl: list[float]) -> list[dict]:
+        return [{"session": i, "turn": 0, "exact": e, "kl": k, "top1": [e, True]}
+                for i, (e, k) in enumerate(zip(exact, kl, strict=True))]
+
+    records = {"static-snapkv@0.5": recs([True, True, False], [0.1, 0.2, 0.3]),
+               "dynamic-snapkv@0.5": recs([True, False, False], [0.1, 0.2, 0.3]),
+               "uniform@0.5": recs([False, False, False], [0.5, 0.9, 0.7])}
+    comps = {(c["a"], c["b"]): c for c in comparisons(configs, records)}
+    vs_dyn = comps["static-snapkv@0.5", "dynamic-snapkv@0.5"]
+    assert vs_dyn["kl_mean"] == pytest.approx(0.0) and not vs_dyn["kl_exceeds_se"]
+    assert vs_dyn["exact_mean"] == pytest.approx(1 / 3)
+    assert vs_dyn["top1_mean"] == pytest.approx(1 / 6)
+    vs_uni = comps["static-snapkv@0.5", "uniform@0.5"]
+    assert vs_uni["kl_mean"] == pytest.approx(-0.5) and vs_uni["kl_exceeds_2se"]
