@@ -85,14 +85,11 @@ def sealing_share(ratio: float, chunk: int = 1024, repeats: int = 5) -> dict[str
 
 def physical_limit(spec: str, model: str) -> float:
     """1 / retention of the profile's layout at page size 64 (what the bytes allow)."""
-    from transformers import AutoConfig
+    from sgl_ragged.profile import resolve_profile
+    from sgl_ragged.scheduler.server_args import model_shape
 
-    from sgl_ragged.profile import ModelShape, resolve_profile
-
-    cfg = AutoConfig.from_pretrained(model)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    shape = ModelShape(cfg.architectures[0], cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim)
-    layout = RaggedLayout.from_profile(resolve_profile(spec, shape), 64, head_dim, 2)
+    shape = model_shape(model)
+    layout = RaggedLayout.from_profile(resolve_profile(spec, shape), 64, shape.head_dim, 2)
     return 1 / layout.retention
 
 

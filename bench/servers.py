@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.profile import ModelShape, resolve_profile
+from sgl_ragged.scheduler.server_args import model_shape
 
 PAGE = 64
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -42,16 +43,11 @@ class Target:
                          "(e.g. ragged:uniform:0.3 or ragged:calib_profiles/x.json)")
 
 
-def model_shape(model: str) -> tuple[ModelShape, int]:
-    """The KV shape and KV dtype bytes of a local HF checkpoint (its config.json)."""
+def kv_geometry(model: str) -> tuple[ModelShape, int]:
+    """The KV shape (as the server fingerprints it) and KV dtype bytes of a local checkpoint."""
     cfg = json.loads((Path(model) / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    shape = ModelShape(architecture=(cfg.get("architectures") or ["unknown"])[0],
-                       num_layers=cfg["num_hidden_layers"],
-                       num_kv_heads=cfg.get("num_key_value_heads", heads),
-                       head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads)
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
-    return shape, DTYPE_BYTES.get(str(dtype), 2)
+    return model_shape(model), DTYPE_BYTES.get(str(dtype), 2)
 
 
 class Budget(NamedTuple):
@@ -67,7 +63,7 @@ def equal_budget(target: Target, model: str, baseline_tokens: int, max_running: 
     """The logical tokens `target` holds in the bytes of `baseline_tokens` full tokens."""
     if target.profile is None:
         return Budget(baseline_tokens, 1.0, 1.0)
-    shape, dtype_bytes = model_shape(model)
+    shape, dtype_bytes = kv_geometry(model)
     profile = resolve_profile(target.profile, shape)
     layout = RaggedLayout.from_profile(profile, PAGE, shape.head_dim, dtype_bytes)
     budget = baseline_tokens // PAGE * layout.full_bytes_per_page
