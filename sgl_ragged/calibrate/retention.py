@@ -18,7 +18,7 @@ import torch
 
 from sgl_ragged.calibrate.runner import LayerQKV
 from sgl_ragged.scoring import SINK_TOKENS, PageStats, Scorer, page_query_stats
-from sgl_ragged.scoring.select import select_flat_top
+from sgl_ragged.scoring.select import select_flat_top_pages, sink_mask
 from sgl_ragged.scoring.snapkv import gqa_reduce, window_attention_probs
 
 
@@ -94,10 +94,9 @@ def flat_top_kept(scores: torch.Tensor, start: int, rhos: Sequence[float]) -> to
     scores: [N, H_kv, P] float32 page scores of one chunk starting at sequence position
     ``start``. Returns [R, H_kv] int64 kept counts (R = len(rhos)).
     """
-    pages, h_kv, p = scores.shape
-    flat = scores.transpose(0, 1).reshape(h_kv, pages * p)  # [H_kv, n] in position order
-    sinks = torch.arange(start, start + pages * p, device=scores.device) < SINK_TOKENS
-    return torch.stack([select_flat_top(flat, rho, sinks).sum(1) for rho in rhos])
+    pages, _, p = scores.shape
+    sinks = sink_mask(start + p * torch.arange(pages, device=scores.device), p)  # [N, P]
+    return torch.stack([select_flat_top_pages(scores, rho, sinks).sum((0, 2)) for rho in rhos])
 
 
 def sample_retention(

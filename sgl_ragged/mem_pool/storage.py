@@ -20,7 +20,7 @@ import torch
 
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.scoring import PageStats, Scorer
-from sgl_ragged.scoring.select import select_flat_top, select_top_k, sink_mask
+from sgl_ragged.scoring.select import select_flat_top_pages, select_top_k, sink_mask
 
 
 class StagingExhaustedError(RuntimeError):
@@ -196,15 +196,13 @@ class RaggedStorage:
         scores: torch.Tensor, sinks: torch.Tensor,
     ) -> None:
         """Dynamic mode: keep rows full, record TANGRAM Eq. 3's choice over these pages."""
-        n, h, p = scores.shape
-        flat = scores.transpose(0, 1).reshape(h, n * p)  # [H, N * P], every head's tokens
-        keep = select_flat_top(flat, self.dynamic_rho, sinks.flatten())
-        self.row_keep[layer][pages] = keep.view(h, n, p).transpose(0, 1)
+        keep = select_flat_top_pages(scores, self.dynamic_rho, sinks)  # [N, H, P]
+        self.row_keep[layer][pages] = keep
         for g, heads in enumerate(self.head_index[layer]):
             self.rows_k[layer][g][pages] = k_tok[:, :, heads].to(self.dtype)
             self.rows_v[layer][g][pages] = v_tok[:, :, heads].to(self.dtype)
         self.counters.entries_kept += int(keep.sum())
-        self.counters.entries_seen += n * p * h
+        self.counters.entries_seen += keep.numel()
 
     def seal_staged_layer(self, layer: int, pages: torch.Tensor, page_start_pos: torch.Tensor) -> None:
         """Compress staged pages of one layer from their staging copies and scores."""

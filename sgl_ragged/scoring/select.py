@@ -49,3 +49,15 @@ def select_flat_top(scores: torch.Tensor, rho: float, sinks: torch.Tensor) -> to
     keep = torch.zeros(h * n, dtype=torch.bool, device=scores.device)
     keep[order] = True
     return keep.view(h, n)
+
+
+def select_flat_top_pages(scores: torch.Tensor, rho: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Eq. 3 over N consecutive pages of one layer (a chunk): all heads' tokens ranked together.
+
+    scores: [N, H, P] float32 page scores; sinks: [N, P] bool (sink_mask).
+    Returns keep [N, H, P] bool. Shared by the dynamic serving mode and calibration.
+    """
+    n, h, p = scores.shape
+    flat = scores.transpose(0, 1).reshape(h, n * p)  # [H, N * P] in position order
+    keep = select_flat_top(flat, rho, sinks.flatten())
+    return keep.view(h, n, p).transpose(0, 1)
