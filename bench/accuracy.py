@@ -278,7 +278,7 @@ def plot(summaries: list[dict[str, Any]], path: Path) -> None:
 
 
 def server_args(model: str, args: argparse.Namespace) -> list[str]:
-    return ["--model-path", model, "--device", "cpu", "--sleep-on-idle", "--dtype", args.dtype,
+    return ["--model-path", model, "--device", "cpu", "--dtype", args.dtype,
             "--max-total-tokens", str(args.max_total_tokens), "--page-size", "64",
             "--chunked-prefill-size", "256"]
 

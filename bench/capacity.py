@@ -34,7 +34,7 @@ from sgl_ragged.testing.server import ServerProcess
 def server_capacity(model: str, backend_args: list[str], mem_fraction: float) -> tuple[int, float]:
     """(max_total_num_tokens, KV bytes budget in GB the server sized its pool from)."""
     args = ["--model-path", model, "--device", "cpu", "--page-size", "64",
-            "--mem-fraction-static", str(mem_fraction), "--sleep-on-idle", *backend_args]
+            "--mem-fraction-static", str(mem_fraction), *backend_args]
     with ServerProcess(args) as server:
         with urllib.request.urlopen(server.base_url + "/get_server_info", timeout=60) as resp:
             tokens = int(json.loads(resp.read())["max_total_num_tokens"])

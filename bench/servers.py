@@ -83,8 +83,6 @@ def launch_args(target: Target, model: str, kv_tokens: int, *, max_running: int,
     common = ["--model-path", model, "--device", device, "--page-size", str(PAGE),
               "--chunked-prefill-size", str(chunk), "--max-running-requests", str(max_running),
               "--max-total-tokens", str(kv_tokens), "--enable-metrics", "--enable-cache-report"]
-    if device == "cpu":
-        common.append("--sleep-on-idle")  # an idle scheduler otherwise busy-polls a core
     if target.profile is None:
         return [*common, "--attention-backend", "torch_native", *extra]
     return [*common, "--attention-backend", "ragged", "--ragged-profile", target.profile, *extra]

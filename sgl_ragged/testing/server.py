@@ -52,11 +52,19 @@ def _http_status(url: str, timeout: float) -> int | None:
         return None
 
 
+def _on_cpu(args: Sequence[str]) -> bool:
+    """``--device cpu`` (or ``--device=cpu``) among launch_server arguments."""
+    pairs = zip(args, args[1:], strict=False)  # each argument with the next one
+    return "--device=cpu" in args or any(a == "--device" and b == "cpu" for a, b in pairs)
+
+
 class ServerProcess:
     """A ``python -m sglang.launch_server`` child process, usable as a context manager.
 
     ``args`` are passed to ``launch_server`` as given; ``--host`` and ``--port`` are added
-    (do not pass them). ``env`` entries override the inherited environment.
+    (do not pass them), and ``--sleep-on-idle`` for ``--device cpu``: an idle SGLang scheduler
+    otherwise busy-polls a whole core, which starves every other server and test on a small CPU.
+    ``env`` entries override the inherited environment.
     """
 
     def __init__(
@@ -70,6 +78,8 @@ class ServerProcess:
         python: str = sys.executable,
     ) -> None:
         self.args = list(args)
+        if _on_cpu(self.args) and "--sleep-on-idle" not in self.args:
+            self.args.append("--sleep-on-idle")
         self.port = port if port is not None else free_port()
         self.extra_env = dict(env or {})
         self.log_path = log_path or self._default_log_path()

@@ -17,7 +17,7 @@ from sgl_ragged.testing.server import ServerProcess
 PAGE = 64
 CHUNK = 256
 COMMON = ["--device", "cpu", "--page-size", str(PAGE), "--chunked-prefill-size", str(CHUNK),
-          "--log-level", "info", "--enable-cache-report", "--sleep-on-idle"]
+          "--log-level", "info", "--enable-cache-report"]
 # Every forward pass of a test server runs the pool's integrity check; a violation kills the
 # scheduler, which the next request (and the health check) notices.
 INTEGRITY_ENV = {"RAGGED_CHECK_INTEGRITY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
