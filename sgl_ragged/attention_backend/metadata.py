@@ -17,7 +17,7 @@ sealed (window = --ragged-window-pages, or 0 for a prefill chunk that is not the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +27,7 @@ from sgl_ragged.mem_pool.storage import RaggedStorage
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
+    from sgl_ragged.attention_backend.tail_batch import TailBatch
     from sgl_ragged.kernels.batch import KernelBatch
 
 
@@ -61,8 +62,8 @@ class RaggedForwardMetadata:
 
     requests: list[RequestPlan]
     pages_to_seal: torch.Tensor  # [M] int64 logical pages sealed by this forward (CPU)
-    seal_start_pos: list[torch.Tensor] = field(default_factory=list)  # per request, device
     kernel: KernelBatch | None = None  # page tables for the Triton kernels (CUDA path only)
+    tails: TailBatch | None = None  # the batch's tail pages for batched staging (CUDA path)
 
 
 def build_metadata(

@@ -188,8 +188,14 @@ class RaggedStorage:
             idx = keep.transpose(1, 2).unsqueeze(-1).expand(-1, -1, -1, k_tok.shape[-1])
             self.rows_k[layer][g][pages] = torch.gather(k_tok[:, :, heads], 1, idx).to(self.dtype)
             self.rows_v[layer][g][pages] = torch.gather(v_tok[:, :, heads], 1, idx).to(self.dtype)
-            self.counters.entries_kept += pages.numel() * k * heads.numel()
-        self.counters.entries_seen += pages.numel() * self.layout.page_size * self.layout.num_kv_heads
+        self.count_sealed(layer, pages.numel())
+
+    def count_sealed(self, layer: int, num_pages: int) -> None:
+        """Counters for `num_pages` pages of one layer compressed into their rows."""
+        layout = self.layout
+        kept = sum(k * len(heads) for heads, k in zip(layout.groups[layer], layout.slots[layer], strict=True))
+        self.counters.entries_kept += num_pages * kept
+        self.counters.entries_seen += num_pages * layout.page_size * layout.num_kv_heads
 
     def _write_dynamic(
         self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor, v_tok: torch.Tensor,

@@ -57,13 +57,19 @@ def random_storage(rng: random.Random, device: str, layers: int = 1, heads_per_g
     for t in [*(x for rows in (storage.rows_k, storage.rows_v) for layer in rows for x in layer),
               *storage.stage_k, *storage.stage_v]:
         t.copy_(torch.randn(t.shape, generator=gen).to(dtype))  # in place: row addresses stay
+    # What staged pages accumulated in earlier forwards (non-negative, like the real ones).
+    for t in (storage.stage_attn, storage.stage_q_sum, storage.stage_q_count):
+        t.copy_(torch.rand(t.shape, generator=gen))
+    storage.stage_q_sq_sum.copy_(storage.stage_q_sum.square() + torch.rand(
+        storage.stage_q_sum.shape, generator=gen))
     return storage
 
 
 def random_plans(storage: RaggedStorage, specs: Sequence[Spec], rng: random.Random,
                  gap: int = 0) -> list[RequestPlan]:
     """Plans with distinct random pages and staging pages; `gap` unused q rows between
-    requests (rows no request owns). Nothing is sealed; every tail page stays staged."""
+    requests (rows no request owns). The first `spec.seal` tail pages are sealed, the others
+    stay staged; tail tokens carry random observation counts."""
     pages = list(range(1, storage.num_pages))
     stages = list(range(storage.num_staging_pages))
     rng.shuffle(pages)
@@ -85,7 +91,8 @@ def random_plans(storage: RaggedStorage, specs: Sequence[Spec], rng: random.Rand
             prior_stages=torch.tensor(held[:n_prior], dtype=torch.long, device=dev),
             tail_pages=torch.tensor(tail_pages, dtype=torch.long), num_seal=s.seal,
             after_stages=torch.tensor(held[s.seal:], dtype=torch.long, device=dev),
-            tail_obs=torch.zeros(tail, device=dev), obs_queries=min(4, s.q_len)))
+            tail_obs=torch.tensor([float(rng.randint(1, 9)) for _ in range(tail)], device=dev),
+            obs_queries=min(4, s.q_len)))
         q_start += s.q_len + gap
     return plans
 
@@ -100,6 +107,18 @@ def random_qkv(plans: Sequence[RequestPlan], gen: torch.Generator, device: str,
     k = torch.randn(n, H, d, generator=gen).to(device, dtype)
     v = torch.randn(n, H, d, generator=gen).to(device, dtype)
     return q, k, v
+
+
+def random_specs(rng: random.Random, n: int, decode: bool) -> list[Spec]:
+    """n random requests: sealed pages, staged tokens (up to two pages), new tokens (1 for a
+    decode batch, else up to three pages) and how many complete tail pages they seal."""
+    specs = []
+    for _ in range(n):
+        staged = rng.randrange(2 * P)
+        q_len = 1 if decode else rng.randint(1, 3 * P)
+        specs.append(Spec(sealed=rng.randrange(4), staged=staged, q_len=q_len,
+                          seal=rng.randint(0, (staged + q_len) // P)))
+    return specs
 
 
 def batch_rows(plans: Sequence[RequestPlan], n: int) -> torch.Tensor:
@@ -130,3 +149,17 @@ def reference_lse(storage: RaggedStorage, layer: int, plan: RequestPlan, q: torc
                 logits[:, sealed_k.shape[0]:].masked_fill_(~causal, float("-inf"))
                 out[:, qh] = torch.logsumexp(logits, -1)
     return out
+
+
+def storage_state(storage: RaggedStorage) -> list[torch.Tensor]:
+    """Every tensor a forward may write: rows, staging pages and their statistics."""
+    rows = [t for rows in (storage.rows_k, storage.rows_v) for layer in rows for t in layer]
+    return [*rows, *storage.stage_k, *storage.stage_v, storage.stage_attn, storage.stage_q_sum,
+            storage.stage_q_sq_sum, storage.stage_q_count]
+
+
+def assert_same_state(got: RaggedStorage, want: RaggedStorage) -> None:
+    """Same rows, staging pages, statistics (float tolerance) and seal counters."""
+    for i, (a, b) in enumerate(zip(storage_state(got), storage_state(want), strict=True)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m, i=i: f"tensor {i}: {m}")
+    assert got.counters == want.counters

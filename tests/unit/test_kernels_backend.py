@@ -21,41 +21,51 @@ from sgl_ragged.attention_backend.impl import (
 from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata
 from sgl_ragged.attention_backend.triton_impl import TritonAttention
 from sgl_ragged.kernels.aot import layout_split_ratios
-from tests.unit.kernel_cases import D, Spec, random_plans, random_qkv, random_storage
+from tests.unit.kernel_cases import (
+    D,
+    Spec,
+    assert_same_state,
+    random_plans,
+    random_qkv,
+    random_specs,
+    random_storage,
+)
 
 MIXED = [Spec(sealed=2, staged=5, q_len=12, seal=2), Spec(0, 0, 9, seal=1), Spec(3, 7, 1, seal=1)]
 DECODE = [Spec(sealed=1, staged=7, q_len=1, seal=1), Spec(2, 3, 1), Spec(0, 2, 1)]
 
 
-def _twins(seed: int, device: str):
-    return random_storage(random.Random(seed), device), random_storage(random.Random(seed), device)
-
-
-def _state(storage):
-    rows = [t for rows in (storage.rows_k, storage.rows_v) for layer in rows for t in layer]
-    staged = [*storage.stage_k, *storage.stage_v]
-    stats = [getattr(storage, name) for name in ("stage_attn", "stage_q_sum", "stage_q_sq_sum",
-                                                  "stage_q_count") if hasattr(storage, name)]
-    return rows, staged, stats
+def _compare(specs: list[Spec], decode: bool, seed: int, device: str, layer: int = 0,
+             gap: int = 0) -> None:
+    """One forward through TritonAttention and TorchAttention on twin storages: outputs,
+    rows, staging pages, statistics and counters agree."""
+    kernel_store, ref_store = (random_storage(random.Random(seed), device, layers=2, num_stages=64)
+                               for _ in range(2))
+    plans = random_plans(kernel_store, specs, random.Random(seed + 1), gap=gap)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), device)
+    ratios = layout_split_ratios(kernel_store.layout.groups, kernel_store.layout.slots)
+    outs = []
+    for impl in TritonAttention(kernel_store, ratios), TorchAttention(ref_store):
+        meta = RaggedForwardMetadata(requests=plans, pages_to_seal=torch.empty(0, dtype=torch.long))
+        impl.prepare(meta)
+        outs.append(impl.forward(layer, meta, q, k, v, 1 / math.sqrt(D), decode))
+    rows = torch.cat([torch.arange(p.q_start, p.q_start + p.q_len) for p in plans])
+    torch.testing.assert_close(outs[0][rows], outs[1][rows], atol=2e-5, rtol=1e-4)
+    assert_same_state(kernel_store, ref_store)
 
 
 @pytest.mark.parametrize("specs,decode", [(MIXED, False), (DECODE, True)])
 def test_triton_attention_matches_torch_attention(kernel_device, specs, decode):
-    kernel_store, ref_store = _twins(11, kernel_device)
-    plans = random_plans(kernel_store, specs, random.Random(4))
-    q, k, v = random_qkv(plans, torch.Generator().manual_seed(4), kernel_device)
-    ratios = layout_split_ratios(kernel_store.layout.groups, kernel_store.layout.slots)
-    impls = TritonAttention(kernel_store, ratios), TorchAttention(ref_store)
-    outs = []
-    for impl in impls:
-        meta = RaggedForwardMetadata(requests=plans, pages_to_seal=torch.empty(0, dtype=torch.long))
-        impl.prepare(meta)
-        outs.append(impl.forward(0, meta, q, k, v, 1 / math.sqrt(D), decode))
-    rows = torch.cat([torch.arange(p.q_start, p.q_start + p.q_len) for p in plans])
-    torch.testing.assert_close(outs[0][rows], outs[1][rows], atol=2e-5, rtol=1e-4)
-    for got, want in zip(*(_state(s) for s in (kernel_store, ref_store)), strict=True):
-        for a, b in zip(got, want, strict=True):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    _compare(specs, decode, 11, kernel_device)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("decode", [False, True])
+def test_triton_attention_random_batches(kernel_device, seed, decode):
+    """Random mixes of requests (sealing and staging), second layer, unowned rows between."""
+    rng = random.Random(100 + seed)
+    _compare(random_specs(rng, rng.randint(2, 4), decode), decode, seed, kernel_device,
+             layer=1, gap=1)
 
 
 def test_cpu_dispatch_is_the_torch_reference():

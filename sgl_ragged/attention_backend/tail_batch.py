@@ -1,0 +1,223 @@
+"""The batch's tails as one flat set of pages: staging and sealing for every request at once.
+
+`tail_batch` runs once per forward (layer-independent bookkeeping from the request plans);
+`store_tails` then does one layer's staging and sealing for the whole batch with a fixed number
+of batched tensor ops and one sealing call -- no loop over requests. It is the batched form of
+`torch_ref.store_tail`, which stays the oracle.
+
+Tail page m (M in all: request 0's tail pages first, each request's in position order):
+
+    | tensor               | shape  | meaning                                                  |
+    |----------------------|--------|----------------------------------------------------------|
+    | page_req[m]          | [M]    | batch index b of the page's request                      |
+    | page_start[m]        | [M]    | sequence position of the page's first token              |
+    | prior_stage[m]       | [M]    | staging page the page held before this forward, or 0     |
+    | staged[m, i]         | [M, P] | token i was staged before (lives in prior_stage[m])      |
+    | fresh[m, i]          | [M, P] | token i is this forward's: row new_row[m, i] of q/k/v    |
+    | obs[m, i]            | [M, P] | queries that observed token i, this forward included     |
+
+Tokens neither staged nor fresh are padding past the request's end (zeros). The window of
+request b is its last obs_queries queries: rows win_row[b, j] of q, positions win_pos[b, j],
+j < w_max, valid where win_valid[b, j].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sgl_ragged.attention_backend.metadata import RequestPlan
+from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.scoring import PageStats
+
+Sealer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                   torch.Tensor], None]
+"""(layer, src_k, src_v [M, P, H, D], src_index [N] int64, pages [N] int64 logical pages,
+page_start [N] int64 positions, scores [N, H, P] float32): write the rows of N sealed pages."""
+
+
+@dataclass(frozen=True)
+class TailBatch:
+    """Per-forward index tensors of the batch's tail pages (all on the storage's device)."""
+
+    page_req: torch.Tensor  # [M] int64 batch index b
+    page_start: torch.Tensor  # [M] int64 position of the first token
+    prior_stage: torch.Tensor  # [M] int64 staging page held before (0 where none; see staged)
+    has_prior: torch.Tensor  # [M] bool the page held a staging page before this forward
+    staged: torch.Tensor  # [M, P] bool token is in prior_stage's staging page
+    fresh: torch.Tensor  # [M, P] bool token is this forward's
+    new_row: torch.Tensor  # [M, P] int64 row of q/k/v (0 where not fresh)
+    obs: torch.Tensor  # [M, P] float32 observation counts after this forward
+    win_row: torch.Tensor  # [B, w_max] int64 rows of q of each request's window queries
+    win_pos: torch.Tensor  # [B, w_max] int64 their positions
+    win_valid: torch.Tensor  # [B, w_max] bool
+    seal_index: torch.Tensor  # [N] int64 tail pages (indices m) sealed by this forward
+    seal_pages: torch.Tensor  # [N] int64 their logical pages
+    stay_index: torch.Tensor  # [K] int64 tail pages that stay staged
+    stay_stage: torch.Tensor  # [K] int64 their staging pages after this forward
+    num_seal: int  # N (host copy)
+    num_stay: int  # K (host copy)
+
+    @property
+    def num_pages(self) -> int:
+        return self.page_req.numel()
+
+
+def tail_batch(plans: Sequence[RequestPlan], page_size: int, device: torch.device) -> TailBatch:
+    """Index tensors for these plans: host lists per page, then a few device ops."""
+    P = page_size
+    # 1. Per page (host): request, first position, and the request's extents.
+    req, start, prefix, seq_len, q_start, seal, stay, prior = ([] for _ in range(8))
+    for b, p in enumerate(plans):
+        m0, n_pages = len(req), p.tail_pages.numel()
+        req += [b] * n_pages
+        start += [p.tail_start + P * i for i in range(n_pages)]
+        prefix += [p.prefix] * n_pages
+        seq_len += [p.seq_len] * n_pages
+        q_start += [p.q_start] * n_pages
+        prior += range(m0, m0 + p.prior_stages.numel())
+        seal += range(m0, m0 + p.num_seal)
+        stay += range(m0 + p.num_seal, m0 + n_pages)
+
+    def longs(values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    # 2. Token sources [M, P]: staged (position < prefix), fresh (< seq_len) or padding.
+    page_start = longs(start)
+    pos = page_start[:, None] + torch.arange(P, device=device)
+    prefix_t, seq_t = longs(prefix)[:, None], longs(seq_len)[:, None]
+    fresh = (pos >= prefix_t) & (pos < seq_t)
+    # 3. Staging pages held before / kept after, scattered to their page slots.
+    prior_stage = torch.zeros(len(req), dtype=torch.long, device=device)
+    prior_stage[longs(prior)] = _cat([p.prior_stages for p in plans], device)
+    has_prior = torch.zeros(len(req), dtype=torch.bool, device=device)
+    has_prior[longs(prior)] = True
+    win_row, win_pos, win_valid = _windows(plans, device)
+    return TailBatch(
+        page_req=longs(req), page_start=page_start, prior_stage=prior_stage,
+        has_prior=has_prior, staged=pos < prefix_t, fresh=fresh,
+        new_row=torch.where(fresh, longs(q_start)[:, None] + pos - prefix_t, 0),
+        obs=_cat([_pad_to_pages(p.tail_obs, P) for p in plans], device).view(-1, P),
+        win_row=win_row, win_pos=win_pos, win_valid=win_valid,
+        seal_index=longs(seal), seal_pages=_cat([p.tail_pages[: p.num_seal] for p in plans], device),
+        stay_index=longs(stay), stay_stage=_cat([p.after_stages for p in plans], device),
+        num_seal=len(seal), num_stay=len(stay),
+    )
+
+
+def _cat(parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    parts = [t.to(device) for t in parts]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
+
+
+def _pad_to_pages(x: torch.Tensor, P: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, -x.numel() % P))
+
+
+def _windows(plans: Sequence[RequestPlan],
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, w_max] rows, positions and validity of each request's window queries."""
+    w_max = max((p.obs_queries for p in plans), default=1)
+    j = torch.arange(w_max)
+    w = torch.tensor([p.obs_queries for p in plans])[:, None]
+    last_row = torch.tensor([p.q_start + p.q_len for p in plans])[:, None]
+    end = torch.tensor([p.seq_len for p in plans])[:, None]
+    valid = j[None, :] < w
+    row = torch.where(valid, last_row - w + j, 0)
+    return row.to(device), (end - w + j).to(device), valid.to(device)
+
+
+def store_tails(storage: RaggedStorage, layer: int, tails: TailBatch, q: torch.Tensor,
+                k_new: torch.Tensor, v_new: torch.Tensor, lse: torch.Tensor, scale: float,
+                seal: Sealer) -> None:
+    """One layer, whole batch: seal the tail pages leaving the window, stage the others.
+
+    q: [N, H_q, D]; k_new, v_new: [N, H, D] this forward's tokens; lse: [N, H_q] float32
+    natural-log log-sum-exp of every query over all keys it saw (sealed rows included).
+    """
+    # 1. Every tail page's full K/V, and what its tokens received from the window queries.
+    k_pages = _gather(tails, storage.stage_k[layer], k_new)  # [M, P, H, D]
+    v_pages = _gather(tails, storage.stage_v[layer], v_new)
+    attn = _window_attention(tails, q, lse, k_pages, scale)  # [M, H, P]
+    q_sum, q_sq, q_cnt = _window_query_stats(tails, q, k_new.shape[1])
+    # 2. Add what staged pages accumulated before this forward.
+    prior = tails.prior_stage
+    attn += torch.where(tails.staged[:, None, :], storage.stage_attn[prior, layer], 0.0)
+    held = tails.has_prior.float()
+    q_sum += held[:, None, None] * storage.stage_q_sum[prior, layer]
+    q_sq += held[:, None, None] * storage.stage_q_sq_sum[prior, layer]
+    q_cnt += held * storage.stage_q_count[prior, layer]
+    # 3. Seal the pages leaving the window (scores from their statistics).
+    if tails.num_seal:
+        s = tails.seal_index
+        stats = PageStats(attn_sum=attn[s], obs_count=tails.obs[s], keys=k_pages[s],
+                          values=v_pages[s], q_sum=q_sum[s], q_sq_sum=q_sq[s], q_count=q_cnt[s],
+                          scale=scale)
+        seal(layer, k_pages, v_pages, s, tails.seal_pages, tails.page_start[s],
+             storage.scorer.page_scores(stats))
+    # 4. Stage the rest with their statistics.
+    if tails.num_stay:
+        s, stages = tails.stay_index, tails.stay_stage
+        storage.stage_k[layer][stages] = k_pages[s].to(storage.dtype)
+        storage.stage_v[layer][stages] = v_pages[s].to(storage.dtype)
+        storage.stage_attn[stages, layer] = attn[s]
+        storage.stage_q_sum[stages, layer] = q_sum[s]
+        storage.stage_q_sq_sum[stages, layer] = q_sq[s]
+        storage.stage_q_count[stages, layer] = q_cnt[s]
+
+
+def write_rows_sealer(storage: RaggedStorage) -> Sealer:
+    """The torch sealer: `RaggedStorage.write_rows` on the gathered pages."""
+
+    def seal(layer: int, src_k: torch.Tensor, src_v: torch.Tensor, src_index: torch.Tensor,
+             pages: torch.Tensor, page_start: torch.Tensor, scores: torch.Tensor) -> None:
+        storage.write_rows(layer, pages, src_k[src_index], src_v[src_index], scores, page_start)
+
+    return seal
+
+
+def _gather(tails: TailBatch, stage: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """[M, P, H, D] in new's dtype: staged tokens from stage [S, P, H, D], fresh ones from new
+    [N, H, D], zeros past each request's end."""
+    from_stage = stage[tails.prior_stage].to(new.dtype)  # [M, P, H, D]
+    from_new = new[tails.new_row]  # [M, P, H, D]
+    pages = torch.where(tails.staged[..., None, None], from_stage, 0.0)
+    return torch.where(tails.fresh[..., None, None], from_new, pages)
+
+
+def _window_attention(tails: TailBatch, q: torch.Tensor, lse: torch.Tensor,
+                      k_pages: torch.Tensor, scale: float) -> torch.Tensor:
+    """[M, H, P] float32 attention mass each tail token received from its request's window
+    queries, max-reduced over the query heads of each KV head and summed over the queries
+    (the reference's `_window_probs` reduction, with the softmax normalizer taken from lse)."""
+    M, P, H, D = k_pages.shape
+    rows = tails.win_row[tails.page_req]  # [M, w]
+    w, h_q = rows.shape[1], q.shape[1]
+    q_win = q[rows].float().view(M, w, H, h_q // H, D)
+    logits = torch.einsum("mwhgd,mphd->mwhgp", q_win, k_pages.float()) * scale
+    pos = tails.page_start[:, None] + torch.arange(P, device=q.device)  # [M, P]
+    q_pos = tails.win_pos[tails.page_req]  # [M, w]
+    visible = (pos[:, None, :] <= q_pos[:, :, None]) & tails.win_valid[tails.page_req][..., None]
+    norm = lse[rows].view(M, w, H, h_q // H, 1)
+    probs = torch.where(visible[:, :, None, None, :], torch.exp(logits - norm), 0.0)
+    return probs.amax(3).sum(1)
+
+
+def _window_query_stats(tails: TailBatch, q: torch.Tensor,
+                        num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per tail page, this forward's window queries that saw it (position >= the page's first
+    position), pooled per KV head: q_sum, q_sq_sum [M, H, D] float32, q_count [M] float32."""
+    rows = tails.win_row[tails.page_req]  # [M, w]
+    M, w = rows.shape
+    h_q, d = q.shape[1:]
+    gsize = h_q // num_kv_heads
+    saw = tails.win_valid[tails.page_req] & (tails.win_pos[tails.page_req] >= tails.page_start[:, None])
+    q_win = torch.where(saw[..., None, None], q[rows].float(), 0.0)  # [M, w, H_q, D]
+    q_win = q_win.view(M, w, num_kv_heads, gsize, d)
+    saw = saw.float()  # [M, w]
+    sums = torch.einsum("mw,mwhgd->mhd", saw, q_win)
+    squares = torch.einsum("mw,mwhgd->mhd", saw, q_win.square())
+    return sums, squares, saw.sum(1) * gsize
+

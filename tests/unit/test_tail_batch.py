@@ -1,0 +1,90 @@
+"""Batched staging and sealing (tail_batch.store_tails) against the per-request reference.
+
+Twin random storages (random rows, staging pages and accumulated statistics); random batches
+of requests that hold staged tokens, add new ones, seal some complete tail pages and stage the
+rest. The reference runs `TorchAttention` request by request; the batched path gets the same
+queries' log-sum-exps and must leave the same rows, staging pages, statistics and counters.
+Runs on the CPU with the torch sealer; the Triton sealer is covered in test_kernels_backend.py.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from sgl_ragged.attention_backend.impl import TorchAttention
+from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata
+from sgl_ragged.attention_backend.tail_batch import store_tails, tail_batch, write_rows_sealer
+from tests.unit.kernel_cases import (
+    D,
+    P,
+    Spec,
+    assert_same_state,
+    random_plans,
+    random_qkv,
+    random_specs,
+    random_storage,
+    reference_lse,
+)
+
+SCALE = 1 / math.sqrt(D)
+
+
+def _run_both(seed: int, specs: list[Spec], layer: int, gap: int) -> None:
+    batched, ref = (random_storage(random.Random(seed), "cpu", layers=2, num_stages=64)
+                    for _ in range(2))
+    plans = random_plans(batched, specs, random.Random(seed), gap=gap)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), "cpu")
+    # The batched path reads the log-sum-exps an attention kernel would return.
+    lse = torch.full((q.shape[0], q.shape[1]), float("nan"))  # rows no request owns: garbage
+    for p in plans:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        lse[rows] = reference_lse(batched, layer, p, q[rows], k[rows], SCALE)
+    store_tails(batched, layer, tail_batch(plans, P, torch.device("cpu")), q, k, v, lse, SCALE,
+                write_rows_sealer(batched))
+    meta = RaggedForwardMetadata(requests=plans, pages_to_seal=torch.empty(0, dtype=torch.long))
+    TorchAttention(ref).forward(layer, meta, q, k, v, SCALE, decode=False)
+    assert_same_state(batched, ref)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("decode", [False, True])
+def test_store_tails_matches_reference(seed, decode):
+    rng = random.Random(seed)
+    _run_both(seed, random_specs(rng, rng.randint(1, 5), decode), layer=seed % 2, gap=seed % 3)
+
+
+@pytest.mark.parametrize("spec", [
+    Spec(sealed=0, staged=0, q_len=3 * P, seal=3),  # a whole chunk sealed straight away
+    Spec(sealed=2, staged=P, q_len=1, seal=0),  # a staged full page, decode opens a new one
+    Spec(sealed=1, staged=2 * P - 1, q_len=1, seal=1),  # decode completes a page, seals one
+    Spec(sealed=0, staged=3, q_len=P - 3, seal=1),  # the partial page completes and seals
+])
+def test_store_tails_edge_cases(spec):
+    _run_both(3, [spec, Spec(sealed=1, staged=5, q_len=2)], layer=1, gap=1)
+
+
+def test_tail_batch_index_spaces():
+    """Page order, token sources and windows for a two-request batch."""
+    storage = random_storage(random.Random(1), "cpu", num_stages=64)
+    plans = random_plans(storage, [Spec(sealed=1, staged=P + 2, q_len=P, seal=1),
+                                   Spec(sealed=0, staged=0, q_len=3)], random.Random(1), gap=2)
+    tails = tail_batch(plans, P, torch.device("cpu"))
+    assert tails.page_req.tolist() == [0, 0, 0, 1]
+    assert tails.page_start.tolist() == [P, 2 * P, 3 * P, 0]
+    assert tails.has_prior.tolist() == [True, True, False, False]
+    assert tails.prior_stage[:2].tolist() == plans[0].prior_stages.tolist()
+    # Request 0: P + 2 staged tokens, then P fresh ones from row q_start; request 1: 3 fresh.
+    assert tails.staged.sum(1).tolist() == [P, 2, 0, 0]
+    assert tails.fresh.sum(1).tolist() == [0, P - 2, 2, 3]
+    assert tails.new_row[1, 2].item() == plans[0].q_start
+    assert tails.new_row[3, :3].tolist() == [plans[1].q_start + i for i in range(3)]
+    assert tails.seal_index.tolist() == [0] and tails.stay_index.tolist() == [1, 2, 3]
+    assert tails.seal_pages.tolist() == plans[0].tail_pages[:1].tolist()
+    # Windows: the last min(4, q_len) queries of each request.
+    assert tails.win_valid.tolist() == [[True] * 4, [True] * 3 + [False]]
+    assert tails.win_pos[1, :3].tolist() == [0, 1, 2]
+    assert tails.win_row[0].tolist() == [plans[0].q_start + P - 4 + j for j in range(4)]
