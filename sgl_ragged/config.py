@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 DEFAULT_PAGE_SIZE = 64
 DEFAULT_MAX_RUNNING_REQUESTS = 32
+ATTENTION_IMPLS = ("auto", "triton", "batched", "reference")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ FLAGS = (
          "KV heads per head group H_p (default: the profile's grouping)."),
     Flag("obs-window", "RAGGED_OBS_WINDOW", "32",
          "Observation window: the last N queries of a prefill chunk score its tokens."),
+    Flag("attention", "RAGGED_ATTENTION", "auto",
+         "Attention implementation: auto (Triton kernels on CUDA, batched torch elsewhere), "
+         "triton, batched, or reference (the per-request torch oracle)."),
     Flag("check-integrity", "RAGGED_CHECK_INTEGRITY", "0",
          "1 = run the pool's integrity check after every forward pass (debugging, tests)."),
 )
@@ -59,6 +63,7 @@ class RaggedConfig:
     window_pages: int = 1
     heads_per_group: int | None = None
     obs_window: int = 32
+    attention: str = "auto"
     check_integrity: bool = False
 
     def __post_init__(self) -> None:
@@ -75,6 +80,10 @@ class RaggedConfig:
             raise ValueError(f"--ragged-window-pages must be >= 0, got {self.window_pages}")
         if self.obs_window < 1:
             raise ValueError(f"--ragged-obs-window must be >= 1, got {self.obs_window}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"--ragged-attention {self.attention!r} is unknown; choose one of {ATTENTION_IMPLS}"
+            )
         if self.heads_per_group is not None and self.heads_per_group < 1:
             raise ValueError(f"--ragged-heads-per-group must be >= 1, got {self.heads_per_group}")
 
@@ -93,6 +102,7 @@ class RaggedConfig:
             window_pages=_parse_int("--ragged-window-pages", get("window-pages")),
             heads_per_group=None if hpg is None else _parse_int("--ragged-heads-per-group", hpg),
             obs_window=_parse_int("--ragged-obs-window", get("obs-window")),
+            attention=get("attention") or "auto",
             check_integrity=(get("check-integrity") or "0").lower() in ("1", "true", "yes"),
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,6 +13,8 @@ from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata, build_m
 from sgl_ragged.mem_pool.pool import RaggedKVPool
 from sgl_ragged.runtime import get_runtime
 from sgl_ragged.scheduler.metrics import make_metrics
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -42,7 +45,9 @@ class RaggedAttnBackend(AttentionBackend):
         self.storage = pool.storage
         runtime = get_runtime()
         self.config = runtime.config
-        self.impl = make_attention_impl(self.storage, runtime.profile)
+        self.impl = make_attention_impl(self.storage, runtime.profile, self.config.attention)
+        logger.info("ragged attention: %s (--ragged-attention %s)", type(self.impl).__name__,
+                    self.config.attention)
         self.num_layers = self.storage.layout.num_layers
         self.forward_metadata: RaggedForwardMetadata | None = None
         self.metrics = make_metrics()

@@ -1,8 +1,9 @@
 """Attention implementations behind the backend: one layer, the whole batch (DESIGN.md s. 7).
 
-`AttentionImpl` is the seam: the torch reference (any device; the CPU default and the oracle)
-and the Triton kernels (`triton_impl.TritonAttention`, the CUDA default) both attend over
-sealed rows + staged tail + new tokens, then stage and seal the tail of every request.
+`AttentionImpl` is the seam: the torch reference (any device; the oracle), batched torch
+(`batched_torch.BatchedTorchAttention`, the CPU default) and the Triton kernels
+(`triton_impl.TritonAttention`, the CUDA default) all attend over sealed rows + staged tail +
+new tokens, then stage and seal the tail of every request.
 """
 
 from __future__ import annotations
@@ -49,11 +50,26 @@ class TorchAttention(AttentionImpl):
         return out
 
 
-def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None) -> AttentionImpl:
-    """Triton kernels on CUDA, the torch reference elsewhere and for the dynamic reference mode
-    (its per-head keep masks are a reference feature the kernels do not read)."""
-    if storage.device.type != "cuda" or storage.row_keep is not None:
+def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
+                        choice: str = "auto") -> AttentionImpl:
+    """The implementation `choice` names (config.ATTENTION_IMPLS); auto = the Triton kernels on
+    CUDA, batched torch elsewhere, and the reference for the dynamic reference mode (its
+    per-head keep masks are a reference feature no other implementation reads)."""
+    dynamic = storage.row_keep is not None
+    if dynamic and choice not in ("auto", "reference"):
+        raise ValueError(f"--ragged-attention {choice} does not support the dynamic reference "
+                         "mode (profile dynamic:<rho>); use auto or reference")
+    if choice == "auto":
+        choice = "reference" if dynamic else "triton" if storage.device.type == "cuda" else "batched"
+    if choice == "reference":
         return TorchAttention(storage)
+    if choice == "batched":
+        from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention
+
+        return BatchedTorchAttention(storage)
+    if storage.device.type != "cuda":
+        raise ValueError(f"--ragged-attention triton needs a CUDA device, the KV cache is on "
+                         f"{storage.device.type}; use auto, batched or reference")
     from sgl_ragged.attention_backend.triton_impl import TritonAttention
 
     return TritonAttention(storage, profile_split_ratios(storage, profile))

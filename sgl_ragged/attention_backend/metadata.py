@@ -27,6 +27,7 @@ from sgl_ragged.mem_pool.storage import RaggedStorage
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
+    from sgl_ragged.attention_backend.batched_torch import PaddedBatch
     from sgl_ragged.attention_backend.tail_batch import TailBatch
     from sgl_ragged.kernels.batch import KernelBatch
 
@@ -63,7 +64,8 @@ class RaggedForwardMetadata:
     requests: list[RequestPlan]
     pages_to_seal: torch.Tensor  # [M] int64 logical pages sealed by this forward (CPU)
     kernel: KernelBatch | None = None  # page tables for the Triton kernels (CUDA path only)
-    tails: TailBatch | None = None  # the batch's tail pages for batched staging (CUDA path)
+    tails: TailBatch | None = None  # the batch's tail pages (batched implementations)
+    padded: PaddedBatch | None = None  # padded per-request tables (batched torch)
 
 
 def build_metadata(

@@ -129,19 +129,26 @@ def _windows(plans: Sequence[RequestPlan],
     return row.to(device), (end - w + j).to(device), valid.to(device)
 
 
-def store_tails(storage: RaggedStorage, layer: int, tails: TailBatch, q: torch.Tensor,
-                k_new: torch.Tensor, v_new: torch.Tensor, lse: torch.Tensor, scale: float,
+def tail_pages(storage: RaggedStorage, layer: int, tails: TailBatch, k_new: torch.Tensor,
+               v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every tail page's full K and V, [M, P, H, D] each in k_new's dtype: staged tokens from
+    this layer's staging pages, fresh ones from k_new, v_new [N, H, D], zeros past the end."""
+    return (_gather(tails, storage.stage_k[layer], k_new),
+            _gather(tails, storage.stage_v[layer], v_new))
+
+
+def store_tails(storage: RaggedStorage, layer: int, tails: TailBatch, k_pages: torch.Tensor,
+                v_pages: torch.Tensor, q: torch.Tensor, lse: torch.Tensor, scale: float,
                 seal: Sealer) -> None:
     """One layer, whole batch: seal the tail pages leaving the window, stage the others.
 
-    q: [N, H_q, D]; k_new, v_new: [N, H, D] this forward's tokens; lse: [N, H_q] float32
-    natural-log log-sum-exp of every query over all keys it saw (sealed rows included).
+    k_pages, v_pages: [M, P, H, D] from `tail_pages`; q: [N, H_q, D] this forward's queries;
+    lse: [N, H_q] float32 natural-log log-sum-exp of each window query (rows win_row) over all
+    keys it saw, sealed rows included (other rows are not read).
     """
-    # 1. Every tail page's full K/V, and what its tokens received from the window queries.
-    k_pages = _gather(tails, storage.stage_k[layer], k_new)  # [M, P, H, D]
-    v_pages = _gather(tails, storage.stage_v[layer], v_new)
+    # 1. What the tail tokens received from the window queries.
     attn = _window_attention(tails, q, lse, k_pages, scale)  # [M, H, P]
-    q_sum, q_sq, q_cnt = _window_query_stats(tails, q, k_new.shape[1])
+    q_sum, q_sq, q_cnt = _window_query_stats(tails, q, k_pages.shape[2])
     # 2. Add what staged pages accumulated before this forward.
     prior = tails.prior_stage
     attn += torch.where(tails.staged[:, None, :], storage.stage_attn[prior, layer], 0.0)

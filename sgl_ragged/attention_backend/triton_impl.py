@@ -15,7 +15,7 @@ import torch
 
 from sgl_ragged.attention_backend.impl import AttentionImpl
 from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata
-from sgl_ragged.attention_backend.tail_batch import store_tails, tail_batch
+from sgl_ragged.attention_backend.tail_batch import store_tails, tail_batch, tail_pages
 from sgl_ragged.kernels.aot import SplitStrategy, device_parallelism, split_plan
 from sgl_ragged.kernels.batch import KernelBatch, kernel_batch
 from sgl_ragged.kernels.decode import decode_attention
@@ -44,7 +44,8 @@ class TritonAttention(AttentionImpl):
                 k: torch.Tensor, v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
         out, lse = self.attend(layer, meta.kernel, q, k, v, scale, decode)
         assert meta.tails is not None, "prepare() did not run for this forward"
-        store_tails(self.storage, layer, meta.tails, q, k, v, lse, scale, self.seal)
+        k_pages, v_pages = tail_pages(self.storage, layer, meta.tails, k, v)
+        store_tails(self.storage, layer, meta.tails, k_pages, v_pages, q, lse, scale, self.seal)
         return out
 
     def attend(self, layer: int, batch: KernelBatch | None, q: torch.Tensor, k: torch.Tensor,

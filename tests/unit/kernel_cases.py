@@ -3,13 +3,15 @@ the kernels in Triton's interpreter)."""
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from sgl_ragged.attention_backend.metadata import RequestPlan
+from sgl_ragged.attention_backend.impl import AttentionImpl, TorchAttention
+from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata, RequestPlan
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.profile import BudgetProfile
@@ -163,3 +165,23 @@ def assert_same_state(got: RaggedStorage, want: RaggedStorage) -> None:
     for i, (a, b) in enumerate(zip(storage_state(got), storage_state(want), strict=True)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m, i=i: f"tensor {i}: {m}")
     assert got.counters == want.counters
+
+
+def compare_with_reference(make_impl: Callable[[RaggedStorage], AttentionImpl],
+                           specs: Sequence[Spec], decode: bool, seed: int, device: str,
+                           layer: int = 0, gap: int = 0) -> None:
+    """One forward through `make_impl(storage)` and the torch reference on twin random
+    storages: outputs, rows, staging pages, statistics and counters agree."""
+    impl_store, ref_store = (random_storage(random.Random(seed), device, layers=2, num_stages=64)
+                             for _ in range(2))
+    plans = random_plans(impl_store, specs, random.Random(seed + 1), gap=gap)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), device)
+    outs = []
+    for impl in make_impl(impl_store), TorchAttention(ref_store):
+        meta = RaggedForwardMetadata(requests=list(plans),
+                                     pages_to_seal=torch.empty(0, dtype=torch.long))
+        impl.prepare(meta)
+        outs.append(impl.forward(layer, meta, q, k, v, 1 / math.sqrt(D), decode))
+    rows = torch.cat([torch.arange(p.q_start, p.q_start + p.q_len) for p in plans])
+    torch.testing.assert_close(outs[0][rows], outs[1][rows], atol=2e-5, rtol=1e-4)
+    assert_same_state(impl_store, ref_store)

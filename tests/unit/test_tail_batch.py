@@ -17,7 +17,12 @@ import torch
 
 from sgl_ragged.attention_backend.impl import TorchAttention
 from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata
-from sgl_ragged.attention_backend.tail_batch import store_tails, tail_batch, write_rows_sealer
+from sgl_ragged.attention_backend.tail_batch import (
+    store_tails,
+    tail_batch,
+    tail_pages,
+    write_rows_sealer,
+)
 from tests.unit.kernel_cases import (
     D,
     P,
@@ -43,8 +48,9 @@ def _run_both(seed: int, specs: list[Spec], layer: int, gap: int) -> None:
     for p in plans:
         rows = slice(p.q_start, p.q_start + p.q_len)
         lse[rows] = reference_lse(batched, layer, p, q[rows], k[rows], SCALE)
-    store_tails(batched, layer, tail_batch(plans, P, torch.device("cpu")), q, k, v, lse, SCALE,
-                write_rows_sealer(batched))
+    tails = tail_batch(plans, P, torch.device("cpu"))
+    k_pages, v_pages = tail_pages(batched, layer, tails, k, v)
+    store_tails(batched, layer, tails, k_pages, v_pages, q, lse, SCALE, write_rows_sealer(batched))
     meta = RaggedForwardMetadata(requests=plans, pages_to_seal=torch.empty(0, dtype=torch.long))
     TorchAttention(ref).forward(layer, meta, q, k, v, SCALE, decode=False)
     assert_same_state(batched, ref)

@@ -1,0 +1,147 @@
+"""CPU attention of the ragged backend: batched torch (the CPU default) vs the per-request
+torch reference, side by side on the same storage and batch.
+
+    python -m bench.cpu_attention [--profile P.json] --out results/cpu_attention
+
+One measurement = what the backend does for one forward: `prepare` (per-forward tables) plus
+every layer's attention, staging and (for prefill) sealing -- the model's matmuls excluded.
+Shapes from the profile's model (default: SmolLM2-135M-Instruct's calibrated SnapKV rho 0.3:
+30 layers x 3 KV heads x 64 head_dim, GQA 3), bfloat16, page size 64. Decode: every request has
+`context` tokens in sealed pages and a tail of 37 staged tokens, plus its new token. Prefill:
+one 256-token chunk per request after `context` sealed tokens, sealing its complete pages but
+the last. Medians over repetitions after warm-up (wall clock); ratio = reference / batched.
+Writes cpu_attention.json and cpu_attention.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention
+from sgl_ragged.attention_backend.impl import AttentionImpl, TorchAttention
+from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata, RequestPlan
+from sgl_ragged.mem_pool.layout import RaggedLayout
+from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.profile import BudgetProfile
+from sgl_ragged.scoring import SnapKVScorer
+
+PAGE, TAIL, CHUNK, GQA = 64, 37, 256, 3
+DEFAULT_PROFILE = Path("calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json")
+
+
+def build_case(profile: BudgetProfile, batch: int, context: int, decode: bool,
+               ) -> tuple[RaggedStorage, list[RequestPlan], tuple[torch.Tensor, ...]]:
+    """Storage with random rows and staging pages, the batch's plans and its q, k, v."""
+    model = profile.model
+    layout = RaggedLayout.from_profile(profile, PAGE, model.head_dim, 2)
+    n, new = context // PAGE, 1 if decode else CHUNK
+    tail_pages = -(-(TAIL + new) // PAGE) if decode else CHUNK // PAGE
+    storage = RaggedStorage(layout, batch * (n + tail_pages) + 1, batch * tail_pages,
+                            torch.bfloat16, "cpu", SnapKVScorer())
+    for t in [x for rows in (storage.rows_k, storage.rows_v) for layer in rows for x in layer]:
+        t.normal_()
+    for t in storage.stage_k + storage.stage_v:
+        t.normal_()
+    plans = [_plan(b, n, tail_pages, decode) for b in range(batch)]
+    H, D = model.num_kv_heads, model.head_dim
+    qkv = tuple(torch.randn(batch * new, h, D, dtype=torch.bfloat16) for h in (H * GQA, H, H))
+    return storage, plans, qkv
+
+
+def _plan(b: int, n: int, tail_pages: int, decode: bool) -> RequestPlan:
+    """Request b: n sealed pages, then (decode) TAIL staged tokens + 1 or (prefill) a chunk."""
+    first = 1 + b * (n + tail_pages)
+    staged, new = (TAIL, 1) if decode else (0, CHUNK)
+    stages = torch.arange(b * tail_pages, (b + 1) * tail_pages)
+    num_seal = 0 if decode else tail_pages - 1
+    return RequestPlan(
+        q_start=b * new, prefix=n * PAGE + staged, seq_len=n * PAGE + staged + new,
+        tail_start=n * PAGE, sealed_pages=torch.arange(first, first + n),
+        prior_stages=stages[: -(-staged // PAGE)], tail_pages=torch.arange(first + n, first + n + tail_pages),
+        num_seal=num_seal, after_stages=stages[num_seal:], tail_obs=torch.ones(staged + new),
+        obs_queries=min(32, new))
+
+
+def timed(step, warmup: int, repeats: int) -> float:
+    """Median wall-clock seconds of step()."""
+    for _ in range(warmup):
+        step()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def measure(profile: BudgetProfile, batch: int, context: int, decode: bool, warmup: int,
+            repeats: int) -> dict:
+    storage, plans, (q, k, v) = build_case(profile, batch, context, decode)
+    scale = profile.model.head_dim**-0.5
+    result = {"phase": "decode" if decode else "prefill", "batch": batch, "context": context}
+    outs = {}
+    for name, impl in (("reference", TorchAttention(storage)),
+                       ("batched", BatchedTorchAttention(storage))):
+        def step(impl: AttentionImpl = impl) -> torch.Tensor:
+            meta = RaggedForwardMetadata(requests=plans, pages_to_seal=torch.empty(0, dtype=torch.long))
+            impl.prepare(meta)
+            for layer in range(profile.num_layers):
+                out = impl.forward(layer, meta, q, k, v, scale, decode)
+            return out
+
+        outs[name] = step()
+        result[f"{name}_s"] = timed(step, warmup, repeats)
+    result["speedup"] = result["reference_s"] / result["batched_s"]
+    result["max_abs_diff"] = float((outs["batched"].float() - outs["reference"].float()).abs().max())
+    return result
+
+
+def markdown(results: list[dict], profile_name: str) -> str:
+    lines = [f"Ragged attention per forward on the CPU ({profile_name}; {torch.get_num_threads()} "
+             "threads), medians.", "",
+             "| phase | batch | context | reference ms | batched ms | speedup | max abs diff |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['phase']} | {r['batch']} | {r['context']} | {r['reference_s'] * 1e3:.1f} "
+                     f"| {r['batched_s'] * 1e3:.1f} | x{r['speedup']:.2f} | {r['max_abs_diff']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", type=Path, default=DEFAULT_PROFILE)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--prefill-batch", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=Path("results/cpu_attention"))
+    args = parser.parse_args()
+    profile = BudgetProfile.load(args.profile)
+    if profile.model is None:
+        parser.error(f"{args.profile} names no model; the shapes come from its model")
+    torch.manual_seed(0)
+    cases = [(b, c, True) for b in args.batch for c in args.context]
+    cases += [(b, c, False) for b in args.prefill_batch for c in args.context]
+    results = []
+    for i, (batch, context, decode) in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {'decode' if decode else 'prefill'} batch {batch}, "
+              f"context {context} ...", flush=True)
+        results.append(measure(profile, batch, context, decode, args.warmup, args.repeats))
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = {"profile": str(args.profile), "mean_budget": profile.mean_budget,
+               "threads": torch.get_num_threads(), "results": results}
+    (args.out / "cpu_attention.json").write_text(json.dumps(summary, indent=2))
+    table = markdown(results, args.profile.name)
+    (args.out / "cpu_attention.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
