@@ -5,12 +5,13 @@ padded to the batch's longest: one gather and one attention call per group inste
 (request, group) as in the reference (torch_ref.py, still the oracle). Staging and sealing run
 batched too (tail_batch.store_tails, sealed by `RaggedStorage.write_rows`).
 
-Padded key index k of request b in group g (k_g slots per sealed page, S sealed pages at most):
+Padded key index k of request b in group g (k_g slots per sealed page, S sealed pages at most);
+query i sees key k iff key_pos[b, k] <= q_pos[b, i]:
 
-    | k                         | key                                   | visible to query i     |
-    |---------------------------|---------------------------------------|------------------------|
-    | [0, S * k_g)              | slot k % k_g of page sealed[b, k//k_g] | k < num_sealed[b] * k_g |
-    | S * k_g + t, t < Tp * P   | token t of the request's tail pages   | tail_pos[b, t] <= q_pos |
+    | k                       | key                                      | key_pos                 |
+    |-------------------------|------------------------------------------|-------------------------|
+    | [0, S * k_g)            | slot k % k_g of page sealed_table[b, k // k_g] | -1 (NEVER if padding) |
+    | S * k_g + t, t < Tp * P | token t of the request's tail pages      | tail_pos[b, t]          |
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ from sgl_ragged.attention_backend.tail_batch import (
     store_tails,
     tail_batch,
     tail_pages,
+    take,
     write_rows_sealer,
 )
 from sgl_ragged.attention_backend.torch_ref import query_heads
+
+NEVER = 2**62
+"""Position of padded keys: after every query."""
 
 
 @dataclass(frozen=True)
@@ -37,15 +42,18 @@ class PaddedBatch:
     """The batch as padded [B, ...] index tables (built once per forward, every layer reads)."""
 
     q_row: torch.Tensor  # [B, Lq] int64 rows of q/k/v (0 where padded)
-    q_pos: torch.Tensor  # [B, Lq] int64 positions (-1 where padded: sees nothing)
-    q_valid: torch.Tensor  # [B, Lq] bool
+    q_rows_valid: torch.Tensor  # [V] int64 q_row at the valid entries (row-major)
+    q_flat_valid: torch.Tensor  # [V] int64 positions of those entries in q_row.flatten()
     sealed_table: torch.Tensor  # [B, S] int64 logical pages of the sealed rows (0 where padded)
     num_sealed: torch.Tensor  # [B] int64 sealed pages per request
     tail_page: torch.Tensor  # [B, Tp] int64 tail page m (TailBatch index; 0 where padded)
-    tail_pos: torch.Tensor  # [B, Tp * P] int64 position of each tail token (past the end: pad)
+    q_pos: torch.Tensor  # [B, Lq] int64 query positions (-1 where padded)
+    win_pos: torch.Tensor  # [B, w_max] int64 window query positions (-1 where padded)
+    tail_pos: torch.Tensor  # [B, Tp * P] int64 tail token positions (past the end: pad)
 
 
-def padded_batch(plans: list[RequestPlan], page_size: int, device: torch.device) -> PaddedBatch:
+def padded_batch(plans: list[RequestPlan], tails: TailBatch, page_size: int,
+                 device: torch.device) -> PaddedBatch:
     """Index tables for these plans (host lists, one copy per table)."""
     q_len = max(p.q_len for p in plans)
     n_sealed = max(1, max(p.sealed_pages.numel() for p in plans))
@@ -60,14 +68,17 @@ def padded_batch(plans: list[RequestPlan], page_size: int, device: torch.device)
         count = p.tail_pages.numel()
         tail.append(list(range(m0, m0 + count)) + [0] * (n_tail - count))
         m0 += count
-    starts = torch.tensor([p.tail_start for p in plans])
-    tail_pos = starts[:, None] + torch.arange(n_tail * page_size)
-    q_pos_t = torch.tensor(q_pos)
+    # Tail token positions (past a request's end: never <= any of its query positions).
+    tail_pos = torch.tensor([p.tail_start for p in plans])[:, None] + torch.arange(n_tail * page_size)
+    q_pos_t, q_row_t = torch.tensor(q_pos), torch.tensor(q_row)
+    flat_valid = (q_pos_t >= 0).flatten().nonzero().flatten()
     return PaddedBatch(
-        q_row=torch.tensor(q_row, device=device), q_pos=q_pos_t.to(device),
-        q_valid=(q_pos_t >= 0).to(device), sealed_table=torch.tensor(sealed, device=device),
+        q_row=q_row_t.to(device), q_rows_valid=q_row_t.flatten()[flat_valid].to(device),
+        q_flat_valid=flat_valid.to(device), sealed_table=torch.tensor(sealed, device=device),
         num_sealed=torch.tensor([p.sealed_pages.numel() for p in plans], device=device),
-        tail_page=torch.tensor(tail, device=device), tail_pos=tail_pos.to(device),
+        tail_page=torch.tensor(tail, device=device),
+        q_pos=q_pos_t.to(device), win_pos=torch.where(tails.win_valid, tails.win_pos, -1),
+        tail_pos=tail_pos.to(device),
     )
 
 
@@ -77,64 +88,59 @@ class BatchedTorchAttention(AttentionImpl):
     def prepare(self, meta: RaggedForwardMetadata) -> None:
         P, device = self.storage.layout.page_size, self.storage.device
         meta.tails = tail_batch(meta.requests, P, device)
-        meta.padded = padded_batch(meta.requests, P, device)
+        meta.padded = padded_batch(meta.requests, meta.tails, P, device)
 
     def forward(self, layer: int, meta: RaggedForwardMetadata, q: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
         tails, pb = meta.tails, meta.padded
         assert tails is not None and pb is not None, "prepare() did not run for this forward"
         k_pages, v_pages = tail_pages(self.storage, layer, tails, k, v)  # [M, P, H, D]
-        out = torch.empty_like(q)
-        lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)  # window rows only
+        tail_k = take(k_pages, pb.tail_page).flatten(1, 2)  # [B, Tp * P, H, D]
+        tail_v = take(v_pages, pb.tail_page).flatten(1, 2)
+        q_pad = take(q, pb.q_row)  # [B, Lq, H_q, D]
+        q_win = take(q, tails.win_row)  # [B, w, H_q, D]
+        out_pad = torch.empty_like(q_pad)
+        lse_pad = torch.zeros(q_win.shape[:3], dtype=torch.float32, device=q.device)  # [B, w, H_q]
         gsize = q.shape[1] // k.shape[1]
         for g, heads in enumerate(self.storage.head_index[layer]):
-            keys, values, visible_sealed = self._group_keys(layer, g, heads, pb, k_pages, v_pages)
+            keys, values, key_pos = self._group_keys(layer, g, heads, tail_k, tail_v, pb)
             qh = query_heads(heads, gsize)
-            # 1. Outputs of every query; 2. log-sum-exps of the window queries (the scorer's).
-            rows = q[:, qh][pb.q_row]  # [B, Lq, Hq_g, D]
-            mask = self._mask(visible_sealed, pb.tail_pos, pb.q_pos)  # [B, Lq, L]
-            if decode:
-                out_g, lse_g = _explicit_attention(rows, keys, values, mask, scale)
-                lse[pb.q_row[pb.q_valid][:, None], qh] = lse_g[pb.q_valid]
+            q_g = q_pad.index_select(2, qh)  # [B, Lq, Hq_g, D]
+            mask = key_pos[:, None, :] <= pb.q_pos[:, :, None]  # [B, Lq, L]
+            # Outputs of every query, and the log-sum-exps of the window queries (the scorer's).
+            if decode:  # the one query per request is the window
+                out_g, lse_g = _explicit_attention(q_g, keys, values, mask, scale)
             else:
-                out_g = _sdpa(rows, keys, values, mask, scale)
-                self._window_lse(lse, q, qh, tails, keys, visible_sealed, pb.tail_pos, scale)
-            out[pb.q_row[pb.q_valid][:, None], qh] = out_g[pb.q_valid]
+                out_g = _sdpa(q_g, keys, values, mask, scale)
+                logits = _logits(q_win.index_select(2, qh), keys,
+                                 key_pos[:, None, :] <= pb.win_pos[:, :, None], scale)
+                lse_g = torch.logsumexp(logits, -1).flatten(2)  # [B, w, Hq_g]
+            out_pad.index_copy_(2, qh, out_g)
+            lse_pad.index_copy_(2, qh, lse_g)
+        out = torch.empty_like(q)
+        out.index_copy_(0, pb.q_rows_valid, take(out_pad.flatten(0, 1), pb.q_flat_valid))
+        lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)  # window rows only
+        lse.index_copy_(0, tails.win_rows_valid, take(lse_pad.flatten(0, 1), tails.win_flat_valid))
         store_tails(self.storage, layer, tails, k_pages, v_pages, q, lse, scale,
                     write_rows_sealer(self.storage))
         return out
 
-    def _group_keys(self, layer: int, g: int, heads: torch.Tensor, pb: PaddedBatch,
-                    k_pages: torch.Tensor, v_pages: torch.Tensor,
+    def _group_keys(self, layer: int, g: int, heads: torch.Tensor, tail_k: torch.Tensor,
+                    tail_v: torch.Tensor, pb: PaddedBatch,
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys and values [B, L, H_p, D] of group g (sealed rows, then the tail), and which
-        sealed keys exist: [B, S * k_g] bool."""
+        """Keys and values [B, L, H_p, D] of group g (sealed rows, then the tail [B, Tp * P, H,
+        D] of its heads) and each key's position for the causal mask, [B, L] int64: -1 for
+        sealed keys (every query sees them), NEVER for padding."""
         st = self.storage
         k_g = st.layout.slots[layer][g]
         B, S = pb.sealed_table.shape
-        sealed_k = st.rows_k[layer][g][pb.sealed_table].view(B, S * k_g, len(heads), -1)
-        sealed_v = st.rows_v[layer][g][pb.sealed_table].view(B, S * k_g, len(heads), -1)
-        tail_k = k_pages[pb.tail_page][..., heads, :].flatten(1, 2).to(sealed_k.dtype)
-        tail_v = v_pages[pb.tail_page][..., heads, :].flatten(1, 2).to(sealed_v.dtype)
+        sealed_k = take(st.rows_k[layer][g], pb.sealed_table).view(B, S * k_g, len(heads), -1)
+        sealed_v = take(st.rows_v[layer][g], pb.sealed_table).view(B, S * k_g, len(heads), -1)
+        group_k = tail_k.index_select(2, heads).to(sealed_k.dtype)
+        group_v = tail_v.index_select(2, heads).to(sealed_v.dtype)
         exists = torch.arange(S * k_g, device=st.device)[None, :] < pb.num_sealed[:, None] * k_g
-        return torch.cat([sealed_k, tail_k], 1), torch.cat([sealed_v, tail_v], 1), exists
-
-    @staticmethod
-    def _mask(visible_sealed: torch.Tensor, tail_pos: torch.Tensor,
-              q_pos: torch.Tensor) -> torch.Tensor:
-        """[B, Lq, L] bool: every existing sealed key, tail keys causally."""
-        causal = tail_pos[:, None, :] <= q_pos[:, :, None]  # [B, Lq, Tp * P]
-        return torch.cat([visible_sealed[:, None, :].expand(-1, q_pos.shape[1], -1), causal], 2)
-
-    def _window_lse(self, lse: torch.Tensor, q: torch.Tensor, qh: torch.Tensor, tails: TailBatch,
-                    keys: torch.Tensor, visible_sealed: torch.Tensor, tail_pos: torch.Tensor,
-                    scale: float) -> None:
-        """Write lse[window rows, qh]: the window queries' log-sum-exps over all their keys."""
-        q_win = q[:, qh][tails.win_row]  # [B, w, Hq_g, D]
-        mask = self._mask(visible_sealed, tail_pos, torch.where(tails.win_valid, tails.win_pos, -1))
-        logits = _logits(q_win, keys, mask, scale)  # [B, w, H_p, G, L]
-        lse_w = torch.logsumexp(logits, -1).flatten(2)  # [B, w, Hq_g]
-        lse[tails.win_row[tails.win_valid][:, None], qh] = lse_w[tails.win_valid]
+        key_pos = torch.cat([torch.where(exists, -1, NEVER), pb.tail_pos], 1)
+        return torch.cat([sealed_k, group_k], 1), torch.cat([sealed_v, group_v], 1), key_pos
 
 
 def _logits(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

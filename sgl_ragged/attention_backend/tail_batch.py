@@ -53,6 +53,11 @@ class TailBatch:
     win_row: torch.Tensor  # [B, w_max] int64 rows of q of each request's window queries
     win_pos: torch.Tensor  # [B, w_max] int64 their positions
     win_valid: torch.Tensor  # [B, w_max] bool
+    win_rows_valid: torch.Tensor  # [V] int64 win_row[win_valid] (flattened, row-major)
+    win_flat_valid: torch.Tensor  # [V] int64 positions of those in win_row.flatten()
+    page_win_row: torch.Tensor  # [M, w_max] int64 win_row of the page's request
+    page_sees: torch.Tensor  # [M, w_max, P] bool window query j saw token i (causal, valid)
+    page_saw: torch.Tensor  # [M, w_max] float32 window query j saw the page's first token
     seal_index: torch.Tensor  # [N] int64 tail pages (indices m) sealed by this forward
     seal_pages: torch.Tensor  # [N] int64 their logical pages
     stay_index: torch.Tensor  # [K] int64 tail pages that stay staged
@@ -94,13 +99,24 @@ def tail_batch(plans: Sequence[RequestPlan], page_size: int, device: torch.devic
     prior_stage[longs(prior)] = _cat([p.prior_stages for p in plans], device)
     has_prior = torch.zeros(len(req), dtype=torch.bool, device=device)
     has_prior[longs(prior)] = True
-    win_row, win_pos, win_valid = _windows(plans, device)
+    # 4. Windows; each page's window queries, and which of its tokens they saw.
+    win_row, win_pos, win_valid = _windows(plans)  # host tensors
+    flat_valid = win_valid.flatten().nonzero().flatten()
+    rows_valid = win_row.flatten()[flat_valid].to(device)
+    win_row, win_pos, win_valid = win_row.to(device), win_pos.to(device), win_valid.to(device)
+    page_req = longs(req)
+    page_win_pos = take(win_pos, page_req)  # [M, w]
+    page_win_valid = take(win_valid, page_req)
     return TailBatch(
-        page_req=longs(req), page_start=page_start, prior_stage=prior_stage,
+        page_req=page_req, page_start=page_start, prior_stage=prior_stage,
         has_prior=has_prior, staged=pos < prefix_t, fresh=fresh,
         new_row=torch.where(fresh, longs(q_start)[:, None] + pos - prefix_t, 0),
         obs=_cat([_pad_to_pages(p.tail_obs, P) for p in plans], device).view(-1, P),
         win_row=win_row, win_pos=win_pos, win_valid=win_valid,
+        win_rows_valid=rows_valid, win_flat_valid=flat_valid.to(device),
+        page_win_row=take(win_row, page_req),
+        page_sees=(pos[:, None, :] <= page_win_pos[:, :, None]) & page_win_valid[..., None],
+        page_saw=(page_win_valid & (page_win_pos >= page_start[:, None])).float(),
         seal_index=longs(seal), seal_pages=_cat([p.tail_pages[: p.num_seal] for p in plans], device),
         stay_index=longs(stay), stay_stage=_cat([p.after_stages for p in plans], device),
         num_seal=len(seal), num_stay=len(stay),
@@ -116,9 +132,8 @@ def _pad_to_pages(x: torch.Tensor, P: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, -x.numel() % P))
 
 
-def _windows(plans: Sequence[RequestPlan],
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[B, w_max] rows, positions and validity of each request's window queries."""
+def _windows(plans: Sequence[RequestPlan]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, w_max] rows, positions and validity of each request's window queries (host)."""
     w_max = max((p.obs_queries for p in plans), default=1)
     j = torch.arange(w_max)
     w = torch.tensor([p.obs_queries for p in plans])[:, None]
@@ -126,7 +141,7 @@ def _windows(plans: Sequence[RequestPlan],
     end = torch.tensor([p.seq_len for p in plans])[:, None]
     valid = j[None, :] < w
     row = torch.where(valid, last_row - w + j, 0)
-    return row.to(device), (end - w + j).to(device), valid.to(device)
+    return row, end - w + j, valid
 
 
 def tail_pages(storage: RaggedStorage, layer: int, tails: TailBatch, k_new: torch.Tensor,
@@ -151,28 +166,27 @@ def store_tails(storage: RaggedStorage, layer: int, tails: TailBatch, k_pages: t
     q_sum, q_sq, q_cnt = _window_query_stats(tails, q, k_pages.shape[2])
     # 2. Add what staged pages accumulated before this forward.
     prior = tails.prior_stage
-    attn += torch.where(tails.staged[:, None, :], storage.stage_attn[prior, layer], 0.0)
+    attn += torch.where(tails.staged[:, None, :], take(storage.stage_attn[:, layer], prior), 0.0)
     held = tails.has_prior.float()
-    q_sum += held[:, None, None] * storage.stage_q_sum[prior, layer]
-    q_sq += held[:, None, None] * storage.stage_q_sq_sum[prior, layer]
-    q_cnt += held * storage.stage_q_count[prior, layer]
+    q_sum += held[:, None, None] * take(storage.stage_q_sum[:, layer], prior)
+    q_sq += held[:, None, None] * take(storage.stage_q_sq_sum[:, layer], prior)
+    q_cnt += held * take(storage.stage_q_count[:, layer], prior)
     # 3. Seal the pages leaving the window (scores from their statistics).
     if tails.num_seal:
         s = tails.seal_index
-        stats = PageStats(attn_sum=attn[s], obs_count=tails.obs[s], keys=k_pages[s],
-                          values=v_pages[s], q_sum=q_sum[s], q_sq_sum=q_sq[s], q_count=q_cnt[s],
-                          scale=scale)
-        seal(layer, k_pages, v_pages, s, tails.seal_pages, tails.page_start[s],
+        stats = PageStats(attn_sum=take(attn, s), obs_count=take(tails.obs, s),
+                          keys=take(k_pages, s), values=take(v_pages, s), q_sum=take(q_sum, s),
+                          q_sq_sum=take(q_sq, s), q_count=take(q_cnt, s), scale=scale)
+        seal(layer, k_pages, v_pages, s, tails.seal_pages, take(tails.page_start, s),
              storage.scorer.page_scores(stats))
     # 4. Stage the rest with their statistics.
     if tails.num_stay:
         s, stages = tails.stay_index, tails.stay_stage
-        storage.stage_k[layer][stages] = k_pages[s].to(storage.dtype)
-        storage.stage_v[layer][stages] = v_pages[s].to(storage.dtype)
-        storage.stage_attn[stages, layer] = attn[s]
-        storage.stage_q_sum[stages, layer] = q_sum[s]
-        storage.stage_q_sq_sum[stages, layer] = q_sq[s]
-        storage.stage_q_count[stages, layer] = q_cnt[s]
+        storage.stage_k[layer].index_copy_(0, stages, take(k_pages, s).to(storage.dtype))
+        storage.stage_v[layer].index_copy_(0, stages, take(v_pages, s).to(storage.dtype))
+        for stat, value in ((storage.stage_attn, attn), (storage.stage_q_sum, q_sum),
+                            (storage.stage_q_sq_sum, q_sq), (storage.stage_q_count, q_cnt)):
+            stat[:, layer].index_copy_(0, stages, take(value, s))
 
 
 def write_rows_sealer(storage: RaggedStorage) -> Sealer:
@@ -180,16 +194,25 @@ def write_rows_sealer(storage: RaggedStorage) -> Sealer:
 
     def seal(layer: int, src_k: torch.Tensor, src_v: torch.Tensor, src_index: torch.Tensor,
              pages: torch.Tensor, page_start: torch.Tensor, scores: torch.Tensor) -> None:
-        storage.write_rows(layer, pages, src_k[src_index], src_v[src_index], scores, page_start)
+        storage.write_rows(layer, pages, take(src_k, src_index), take(src_v, src_index), scores,
+                           page_start)
 
     return seal
+
+
+def take(x: torch.Tensor, index: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """x indexed along `dim` by an index of any shape, like x[index] for dim 0, through
+    index_select: on a CPU, advanced indexing of small tensors costs a parallel region each
+    (tens of microseconds), index_select does not."""
+    out = x.index_select(dim, index.reshape(-1))
+    return out.view(*x.shape[:dim], *index.shape, *x.shape[dim + 1 :])
 
 
 def _gather(tails: TailBatch, stage: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """[M, P, H, D] in new's dtype: staged tokens from stage [S, P, H, D], fresh ones from new
     [N, H, D], zeros past each request's end."""
-    from_stage = stage[tails.prior_stage].to(new.dtype)  # [M, P, H, D]
-    from_new = new[tails.new_row]  # [M, P, H, D]
+    from_stage = take(stage, tails.prior_stage).to(new.dtype)  # [M, P, H, D]
+    from_new = take(new, tails.new_row)  # [M, P, H, D]
     pages = torch.where(tails.staged[..., None, None], from_stage, 0.0)
     return torch.where(tails.fresh[..., None, None], from_new, pages)
 
@@ -200,15 +223,12 @@ def _window_attention(tails: TailBatch, q: torch.Tensor, lse: torch.Tensor,
     queries, max-reduced over the query heads of each KV head and summed over the queries
     (the reference's `_window_probs` reduction, with the softmax normalizer taken from lse)."""
     M, P, H, D = k_pages.shape
-    rows = tails.win_row[tails.page_req]  # [M, w]
+    rows = tails.page_win_row  # [M, w]
     w, h_q = rows.shape[1], q.shape[1]
-    q_win = q[rows].float().view(M, w, H, h_q // H, D)
+    q_win = take(q, rows).float().view(M, w, H, h_q // H, D)
     logits = torch.einsum("mwhgd,mphd->mwhgp", q_win, k_pages.float()) * scale
-    pos = tails.page_start[:, None] + torch.arange(P, device=q.device)  # [M, P]
-    q_pos = tails.win_pos[tails.page_req]  # [M, w]
-    visible = (pos[:, None, :] <= q_pos[:, :, None]) & tails.win_valid[tails.page_req][..., None]
-    norm = lse[rows].view(M, w, H, h_q // H, 1)
-    probs = torch.where(visible[:, :, None, None, :], torch.exp(logits - norm), 0.0)
+    norm = take(lse, rows).view(M, w, H, h_q // H, 1)
+    probs = torch.where(tails.page_sees[:, :, None, None, :], torch.exp(logits - norm), 0.0)
     return probs.amax(3).sum(1)
 
 
@@ -216,15 +236,12 @@ def _window_query_stats(tails: TailBatch, q: torch.Tensor,
                         num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per tail page, this forward's window queries that saw it (position >= the page's first
     position), pooled per KV head: q_sum, q_sq_sum [M, H, D] float32, q_count [M] float32."""
-    rows = tails.win_row[tails.page_req]  # [M, w]
-    M, w = rows.shape
+    M, w = tails.page_win_row.shape
     h_q, d = q.shape[1:]
     gsize = h_q // num_kv_heads
-    saw = tails.win_valid[tails.page_req] & (tails.win_pos[tails.page_req] >= tails.page_start[:, None])
-    q_win = torch.where(saw[..., None, None], q[rows].float(), 0.0)  # [M, w, H_q, D]
+    saw = tails.page_saw  # [M, w]
+    q_win = torch.where(saw[..., None, None] > 0, take(q, tails.page_win_row).float(), 0.0)
     q_win = q_win.view(M, w, num_kv_heads, gsize, d)
-    saw = saw.float()  # [M, w]
     sums = torch.einsum("mw,mwhgd->mhd", saw, q_win)
     squares = torch.einsum("mw,mwhgd->mhd", saw, q_win.square())
     return sums, squares, saw.sum(1) * gsize
-
