@@ -45,7 +45,9 @@ class RaggedAttnBackend(AttentionBackend):
         self.storage = pool.storage
         runtime = get_runtime()
         self.config = runtime.config
-        self.impl = make_attention_impl(self.storage, runtime.profile, self.config.attention)
+        num_q_heads = model_runner.model_config.num_attention_heads  # --tp-size 1 only
+        self.impl = make_attention_impl(self.storage, runtime.profile, self.config.attention,
+                                        num_q_heads)
         logger.info("ragged attention: %s (--ragged-attention %s)", type(self.impl).__name__,
                     self.config.attention)
         self.num_layers = self.storage.layout.num_layers

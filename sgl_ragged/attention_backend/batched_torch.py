@@ -32,6 +32,7 @@ from sgl_ragged.attention_backend.tail_batch import (
     write_rows_sealer,
 )
 from sgl_ragged.attention_backend.torch_ref import query_heads
+from sgl_ragged.mem_pool.storage import RaggedStorage
 
 NEVER = 2**62
 """Position of padded keys: after every query."""
@@ -85,6 +86,10 @@ def padded_batch(plans: list[RequestPlan], tails: TailBatch, page_size: int,
 class BatchedTorchAttention(AttentionImpl):
     """Ragged attention in torch, batched over requests (one call per head group)."""
 
+    def __init__(self, storage: RaggedStorage) -> None:
+        super().__init__(storage)
+        self.seal = write_rows_sealer(storage)
+
     def prepare(self, meta: RaggedForwardMetadata) -> None:
         P, device = self.storage.layout.page_size, self.storage.device
         meta.tails = tail_batch(meta.requests, P, device)
@@ -94,21 +99,36 @@ class BatchedTorchAttention(AttentionImpl):
                 k: torch.Tensor, v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
         tails, pb = meta.tails, meta.padded
         assert tails is not None and pb is not None, "prepare() did not run for this forward"
+        # 1. Attention per group over padded requests.
         k_pages, v_pages = tail_pages(self.storage, layer, tails, k, v)  # [M, P, H, D]
+        out_pad, lse_pad = self._attend(layer, tails, pb, q, k_pages, v_pages, scale, decode)
+        # 2. Back to q's rows: outputs of every query, log-sum-exps of the window queries.
+        out = torch.empty_like(q)
+        out.index_copy_(0, pb.q_rows_valid, take(out_pad.flatten(0, 1), pb.q_flat_valid))
+        lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
+        lse.index_copy_(0, tails.win_rows_valid, take(lse_pad.flatten(0, 1), tails.win_flat_valid))
+        # 3. Seal what leaves the window, stage the rest.
+        store_tails(self.storage, layer, tails, k_pages, v_pages, q, lse, scale, self.seal)
+        return out
+
+    def _attend(self, layer: int, tails: TailBatch, pb: PaddedBatch, q: torch.Tensor,
+                k_pages: torch.Tensor, v_pages: torch.Tensor, scale: float, decode: bool,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """out [B, Lq, H_q, D] of every (padded) query and lse [B, w, H_q] float32 of the
+        window queries; padded entries hold garbage."""
         tail_k = take(k_pages, pb.tail_page).flatten(1, 2)  # [B, Tp * P, H, D]
         tail_v = take(v_pages, pb.tail_page).flatten(1, 2)
         q_pad = take(q, pb.q_row)  # [B, Lq, H_q, D]
         q_win = take(q, tails.win_row)  # [B, w, H_q, D]
         out_pad = torch.empty_like(q_pad)
-        lse_pad = torch.zeros(q_win.shape[:3], dtype=torch.float32, device=q.device)  # [B, w, H_q]
-        gsize = q.shape[1] // k.shape[1]
+        lse_pad = torch.zeros(q_win.shape[:3], dtype=torch.float32, device=q.device)
+        gsize = q.shape[1] // k_pages.shape[2]
         for g, heads in enumerate(self.storage.head_index[layer]):
             keys, values, key_pos = self._group_keys(layer, g, heads, tail_k, tail_v, pb)
             qh = query_heads(heads, gsize)
             q_g = q_pad.index_select(2, qh)  # [B, Lq, Hq_g, D]
             mask = key_pos[:, None, :] <= pb.q_pos[:, :, None]  # [B, Lq, L]
-            # Outputs of every query, and the log-sum-exps of the window queries (the scorer's).
-            if decode:  # the one query per request is the window
+            if decode:  # the one query per request is its window
                 out_g, lse_g = _explicit_attention(q_g, keys, values, mask, scale)
             else:
                 out_g = _sdpa(q_g, keys, values, mask, scale)
@@ -117,13 +137,7 @@ class BatchedTorchAttention(AttentionImpl):
                 lse_g = torch.logsumexp(logits, -1).flatten(2)  # [B, w, Hq_g]
             out_pad.index_copy_(2, qh, out_g)
             lse_pad.index_copy_(2, qh, lse_g)
-        out = torch.empty_like(q)
-        out.index_copy_(0, pb.q_rows_valid, take(out_pad.flatten(0, 1), pb.q_flat_valid))
-        lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)  # window rows only
-        lse.index_copy_(0, tails.win_rows_valid, take(lse_pad.flatten(0, 1), tails.win_flat_valid))
-        store_tails(self.storage, layer, tails, k_pages, v_pages, q, lse, scale,
-                    write_rows_sealer(self.storage))
-        return out
+        return out_pad, lse_pad
 
     def _group_keys(self, layer: int, g: int, heads: torch.Tensor, tail_k: torch.Tensor,
                     tail_v: torch.Tensor, pb: PaddedBatch,

@@ -51,10 +51,11 @@ class TorchAttention(AttentionImpl):
 
 
 def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
-                        choice: str = "auto") -> AttentionImpl:
+                        choice: str = "auto", num_q_heads: int | None = None) -> AttentionImpl:
     """The implementation `choice` names (config.ATTENTION_IMPLS); auto = the Triton kernels on
     CUDA, batched torch elsewhere, and the reference for the dynamic reference mode (its
-    per-head keep masks are a reference feature no other implementation reads)."""
+    per-head keep masks are a reference feature no other implementation reads). num_q_heads
+    (per rank) lets the Triton path measure its decode kernel's occupancy."""
     dynamic = storage.row_keep is not None
     if dynamic and choice not in ("auto", "reference"):
         raise ValueError(f"--ragged-attention {choice} does not support the dynamic reference "
@@ -72,7 +73,7 @@ def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
                          f"{storage.device.type}; use auto, batched or reference")
     from sgl_ragged.attention_backend.triton_impl import TritonAttention
 
-    return TritonAttention(storage, profile_split_ratios(storage, profile))
+    return TritonAttention(storage, profile_split_ratios(storage, profile), num_q_heads=num_q_heads)
 
 
 def profile_split_ratios(storage: RaggedStorage,

@@ -24,10 +24,10 @@ CPU_PARALLELISM = 8
 """N_CTA used on a CPU (Triton interpreter, tests): a fixed small value, no meaning for speed."""
 
 PROGRAMS_PER_SM = 2
-"""Resident programs of the split kernel per SM: its sm_80/sm_90 builds (4 warps, D = 128,
-BLOCK_N 32) use 254 registers per thread, so 65536 / (128 * 254) = 2 fit; shared memory
-(about 22 KB) is not the limit. Register counts were read with cuobjdump from builds made
-without a GPU; re-measure with the CUDA occupancy API when tuning on a device."""
+"""Fallback for resident programs of the split kernel per SM, used where its build cannot be
+inspected: its sm_80/sm_90 builds (4 warps, D = 128, BLOCK_N 32) use 254 registers per thread,
+so 65536 / (128 * 254) = 2 fit (read with cuobjdump from builds made without a GPU). Serving
+measures it at start from the compiled kernel (triton_impl.decode_parallelism, occupancy.py)."""
 
 
 class SplitStrategy(str, Enum):

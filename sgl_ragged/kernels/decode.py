@@ -21,7 +21,11 @@ import triton.language as tl
 from sgl_ragged.kernels.aot import LayerSplits
 from sgl_ragged.kernels.attend import attend_sealed, attend_tail
 from sgl_ragged.kernels.batch import KernelBatch
+from sgl_ragged.kernels.occupancy import KernelResources
 from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
+
+SPLIT_WARPS = 4
+"""Warps per program of the split kernel."""
 
 
 @triton.jit
@@ -133,16 +137,43 @@ def decode_attention(
     # mid_o: [B, H_q, S_max, D], mid_l: [B, H_q, S_max] float32 partials per split.
     mid_o = torch.empty(B, h_q, splits.max_splits, d, dtype=torch.float32, device=q.device)
     mid_l = torch.empty(B, h_q, splits.max_splits, dtype=torch.float32, device=q.device)
-    _sealed_splits_kernel[(splits.num_work, B)](
-        q, q.stride(0), q.stride(1), tables.rows_k_ptr, tables.rows_v_ptr, tables.slots,
-        tables.group_heads, splits.split_counts, splits.work_group, splits.work_split,
-        batch.sealed_table, batch.sealed_table.stride(0), batch.num_sealed, batch.q_start,
-        mid_o, mid_l, *mid_o.stride()[:3], *mid_l.stride()[:2], scale,
-        H_P=tables.heads_per_group, DTYPE=tl_dtype(tables.rows_dtype), **cfg, num_warps=4,
-    )
+    args, options = _split_launch(q, tables, splits, batch, mid_o, mid_l, scale, cfg)
+    _sealed_splits_kernel[(splits.num_work, B)](*args, **options)
     tail_merge(q, k_new, v_new, stage_k, stage_v, tables, splits.split_counts, batch, mid_o,
                mid_l, scale, out, lse)
     return out, lse
+
+
+def _split_launch(q: torch.Tensor, tables: LayerTables, splits: LayerSplits, batch: KernelBatch,
+                  mid_o: torch.Tensor, mid_l: torch.Tensor, scale: float,
+                  cfg: dict[str, object]) -> tuple[tuple, dict[str, object]]:
+    """Arguments and compile-time options of `_sealed_splits_kernel` (launch and warm-up)."""
+    args = (q, q.stride(0), q.stride(1), tables.rows_k_ptr, tables.rows_v_ptr, tables.slots,
+            tables.group_heads, splits.split_counts, splits.work_group, splits.work_split,
+            batch.sealed_table, batch.sealed_table.stride(0), batch.num_sealed, batch.q_start,
+            mid_o, mid_l, *mid_o.stride()[:3], *mid_l.stride()[:2], scale)
+    options = {"H_P": tables.heads_per_group, "DTYPE": tl_dtype(tables.rows_dtype), **cfg,
+               "num_warps": SPLIT_WARPS}
+    return args, options
+
+
+def split_kernel_resources(tables: LayerTables, splits: LayerSplits, num_q_heads: int,
+                           head_dim: int, dtype: torch.dtype) -> KernelResources:
+    """Compile the split kernel for these shapes (no launch) and read what one program uses:
+    registers per thread, shared memory, warps. CUDA only (the interpreter compiles nothing)."""
+    dev = tables.slots.device
+    q = torch.zeros(1, num_q_heads, head_dim, dtype=dtype, device=dev)
+    one = torch.zeros(1, dtype=torch.int32, device=dev)
+    batch = KernelBatch(q_start=one, q_len=one + 1, num_sealed=one, sealed_table=one[None],
+                        num_staged=one, stage_table=one[None], max_q_len=1, max_sealed=0)
+    mid_o = torch.empty(1, num_q_heads, splits.max_splits, head_dim, device=dev)
+    mid_l = torch.empty(1, num_q_heads, splits.max_splits, device=dev)
+    cfg = _config(q, num_q_heads // tables.group_heads.numel(), head_dim)
+    args, options = _split_launch(q, tables, splits, batch, mid_o, mid_l, 1.0, cfg)
+    kernel = _sealed_splits_kernel.warmup(*args, grid=(1, 1), **options)
+    kernel._init_handles()  # loads the binary: fills n_regs
+    return KernelResources(registers_per_thread=kernel.n_regs,
+                           shared_bytes=kernel.metadata.shared, num_warps=SPLIT_WARPS)
 
 
 def tail_merge(

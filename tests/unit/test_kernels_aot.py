@@ -17,6 +17,7 @@ from sgl_ragged.kernels.aot import (
     uniform_split_map,
 )
 from sgl_ragged.kernels.batch import kernel_batch
+from sgl_ragged.kernels.occupancy import KernelResources, SMLimits, programs_per_sm
 from tests.conftest import USER_INTERPRET
 from tests.unit.kernel_cases import P, Spec, random_plans, random_storage
 
@@ -81,3 +82,64 @@ def test_kernel_batch_without_sealed_or_staged_pages():
 def test_triton_interpret_is_not_left_in_the_environment():
     """tests/conftest.py sets it only while importing the kernels; e2e servers must not see it."""
     assert os.environ.get("TRITON_INTERPRET") == USER_INTERPRET
+
+
+# ---- N_CTA from the compiled split kernel's resource use ---------------------------------------
+
+
+def test_programs_per_sm_register_bound():
+    """254 registers x 128 threads: 8192 registers per warp (256-register units), 2 programs."""
+    used = KernelResources(registers_per_thread=254, shared_bytes=22 * 1024, num_warps=4)
+    assert programs_per_sm(used, SMLimits()) == 2
+
+
+def test_programs_per_sm_takes_the_tightest_limit():
+    sm = SMLimits()
+    # 32 registers, 4 warps: registers allow 16, threads 16 (2048 / 128), program cap 32.
+    assert programs_per_sm(KernelResources(32, 0, 4), sm) == 16
+    # Shared memory binds: (228 KiB) // (100 KiB + 1 KiB reserved) = 2.
+    assert programs_per_sm(KernelResources(32, 100 * 1024, 4), sm) == 2
+    # Tiny programs stop at the per-SM program cap.
+    assert programs_per_sm(KernelResources(16, 0, 1), sm) == 32
+    # Register rounding: 129 registers -> 4352 per warp -> 15 warps -> 3 programs of 4 warps.
+    assert programs_per_sm(KernelResources(129, 0, 4), sm) == 3
+    # A program that does not fit by the arithmetic still counts as one.
+    assert programs_per_sm(KernelResources(255, 300 * 1024, 32), sm) == 1
+
+
+def test_programs_per_sm_matches_a_brute_force_count():
+    """Add programs one by one until a resource runs out."""
+    rng = random.Random(3)
+    sm = SMLimits()
+    for _ in range(200):
+        used = KernelResources(rng.randint(1, 255), rng.choice([0, rng.randint(1, 120_000)]),
+                               rng.choice([1, 2, 4, 8, 16]))
+        n = 0
+        while True:
+            warp_regs = -(-used.registers_per_thread * 32 // 256) * 256
+            regs = (n + 1) * used.num_warps * warp_regs
+            threads = (n + 1) * used.num_warps * 32
+            shared = (n + 1) * (used.shared_bytes + 1024) if used.shared_bytes else 0
+            if (regs > sm.registers or threads > sm.threads or shared > sm.shared_bytes
+                    or n + 1 > sm.max_programs):
+                break
+            n += 1
+        assert programs_per_sm(used, sm) == max(1, n), used
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiling for a GPU needs CUDA")
+def test_split_kernel_resources_are_read_from_its_build():
+    from sgl_ragged.attention_backend.triton_impl import decode_parallelism
+    from sgl_ragged.kernels.decode import split_kernel_resources
+    from sgl_ragged.kernels.tables import layer_tables
+    from tests.unit.kernel_cases import GPU
+
+    storage = random_storage(random.Random(0), "cuda", dtype=torch.bfloat16, shape=GPU)
+    ratios = [[1 / 4] * 4]
+    tables = layer_tables(storage, 0)
+    used = split_kernel_resources(tables, split_plan(ratios, 1, "cuda").layer(0),
+                                  GPU.kv_heads * GPU.gqa, GPU.head_dim, torch.bfloat16)
+    assert 0 < used.registers_per_thread <= 255 and used.num_warps == 4
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    num_ctas = decode_parallelism(storage, tables, ratios, GPU.kv_heads * GPU.gqa)
+    assert num_ctas == sms * programs_per_sm(used, SMLimits.of("cuda"))
