@@ -16,6 +16,7 @@ query i sees key k iff key_pos[b, k] <= q_pos[b, i]:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,11 +25,11 @@ from torch.nn.functional import scaled_dot_product_attention
 from sgl_ragged.attention_backend.impl import AttentionImpl
 from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata, RequestPlan
 from sgl_ragged.attention_backend.tail_batch import (
-    TailBatch,
     store_tails,
     tail_batch,
     tail_pages,
     take,
+    window_tables,
     write_rows_sealer,
 )
 from sgl_ragged.attention_backend.torch_ref import query_heads
@@ -37,30 +38,61 @@ from sgl_ragged.mem_pool.storage import RaggedStorage
 NEVER = 2**62
 """Position of padded keys: after every query."""
 
+MAX_PADDED = 2**24
+"""Padded (query, key) pairs per sub-batch: requests are attended together while
+requests x longest query run x longest key run stays below this (one long prefill chunk
+beside short ones would otherwise pad every request to its size); decode batches fit whole."""
+
 
 @dataclass(frozen=True)
 class PaddedBatch:
-    """The batch as padded [B, ...] index tables (built once per forward, every layer reads)."""
+    """A run of consecutive requests as padded [B, ...] index tables (built once per forward,
+    every layer reads)."""
 
     q_row: torch.Tensor  # [B, Lq] int64 rows of q/k/v (0 where padded)
     q_rows_valid: torch.Tensor  # [V] int64 q_row at the valid entries (row-major)
     q_flat_valid: torch.Tensor  # [V] int64 positions of those entries in q_row.flatten()
+    q_pos: torch.Tensor  # [B, Lq] int64 query positions (-1 where padded)
+    win_row: torch.Tensor  # [B, w] int64 rows of the window queries (0 where padded)
+    win_rows_valid: torch.Tensor  # [W] int64 win_row at the valid entries
+    win_flat_valid: torch.Tensor  # [W] int64 positions of those entries in win_row.flatten()
+    win_pos: torch.Tensor  # [B, w] int64 window query positions (-1 where padded)
     sealed_table: torch.Tensor  # [B, S] int64 logical pages of the sealed rows (0 where padded)
     num_sealed: torch.Tensor  # [B] int64 sealed pages per request
     tail_page: torch.Tensor  # [B, Tp] int64 tail page m (TailBatch index; 0 where padded)
-    q_pos: torch.Tensor  # [B, Lq] int64 query positions (-1 where padded)
-    win_pos: torch.Tensor  # [B, w_max] int64 window query positions (-1 where padded)
     tail_pos: torch.Tensor  # [B, Tp * P] int64 tail token positions (past the end: pad)
 
 
-def padded_batch(plans: list[RequestPlan], tails: TailBatch, page_size: int,
+def padded_batches(plans: Sequence[RequestPlan], page_size: int, device: torch.device,
+                   max_padded: int = MAX_PADDED) -> list[PaddedBatch]:
+    """The batch cut into runs of consecutive requests whose padded size stays under
+    max_padded (a request alone may exceed it), each as index tables."""
+    runs: list[list[int]] = [[]]
+    longest_q = longest_k = 0
+    for b, p in enumerate(plans):
+        q_len = max(longest_q, p.q_len)
+        keys = max(longest_k, (p.sealed_pages.numel() + p.tail_pages.numel()) * page_size)
+        if runs[-1] and (len(runs[-1]) + 1) * q_len * keys > max_padded:
+            runs.append([])
+            q_len, keys = p.q_len, (p.sealed_pages.numel() + p.tail_pages.numel()) * page_size
+        runs[-1].append(b)
+        longest_q, longest_k = q_len, keys
+    first_page = [0]
+    for p in plans:
+        first_page.append(first_page[-1] + p.tail_pages.numel())
+    return [padded_batch([plans[b] for b in run], [first_page[b] for b in run], page_size, device)
+            for run in runs]
+
+
+def padded_batch(plans: Sequence[RequestPlan], first_page: Sequence[int], page_size: int,
                  device: torch.device) -> PaddedBatch:
-    """Index tables for these plans (host lists, one copy per table)."""
+    """Index tables for these plans (host lists, one copy per table); first_page[b] is the
+    TailBatch index of request b's first tail page."""
     q_len = max(p.q_len for p in plans)
     n_sealed = max(1, max(p.sealed_pages.numel() for p in plans))
-    n_tail, m0 = max(p.tail_pages.numel() for p in plans), 0
+    n_tail = max(p.tail_pages.numel() for p in plans)
     q_row, q_pos, sealed, tail = [], [], [], []
-    for p in plans:
+    for p, m0 in zip(plans, first_page, strict=True):
         pad = q_len - p.q_len
         q_row.append(list(range(p.q_start, p.q_start + p.q_len)) + [0] * pad)
         q_pos.append(list(range(p.prefix, p.seq_len)) + [-1] * pad)
@@ -68,58 +100,63 @@ def padded_batch(plans: list[RequestPlan], tails: TailBatch, page_size: int,
         sealed.append(pages + [0] * (n_sealed - len(pages)))
         count = p.tail_pages.numel()
         tail.append(list(range(m0, m0 + count)) + [0] * (n_tail - count))
-        m0 += count
     # Tail token positions (past a request's end: never <= any of its query positions).
     tail_pos = torch.tensor([p.tail_start for p in plans])[:, None] + torch.arange(n_tail * page_size)
-    q_pos_t, q_row_t = torch.tensor(q_pos), torch.tensor(q_row)
-    flat_valid = (q_pos_t >= 0).flatten().nonzero().flatten()
+    q_row_t, q_pos_t = torch.tensor(q_row), torch.tensor(q_pos)
+    win_row, win_pos, win_valid = window_tables(plans)
+    q_valid, w_valid = (q_pos_t >= 0).flatten().nonzero().flatten(), win_valid.flatten().nonzero().flatten()
+
+    def dev(x: object) -> torch.Tensor:
+        return torch.as_tensor(x, device=device)
+
     return PaddedBatch(
-        q_row=q_row_t.to(device), q_rows_valid=q_row_t.flatten()[flat_valid].to(device),
-        q_flat_valid=flat_valid.to(device), sealed_table=torch.tensor(sealed, device=device),
-        num_sealed=torch.tensor([p.sealed_pages.numel() for p in plans], device=device),
-        tail_page=torch.tensor(tail, device=device),
-        q_pos=q_pos_t.to(device), win_pos=torch.where(tails.win_valid, tails.win_pos, -1),
-        tail_pos=tail_pos.to(device),
+        q_row=dev(q_row_t), q_rows_valid=dev(q_row_t.flatten()[q_valid]), q_flat_valid=dev(q_valid),
+        q_pos=dev(q_pos_t), win_row=dev(win_row), win_rows_valid=dev(win_row.flatten()[w_valid]),
+        win_flat_valid=dev(w_valid), win_pos=dev(torch.where(win_valid, win_pos, -1)),
+        sealed_table=dev(sealed), num_sealed=dev([p.sealed_pages.numel() for p in plans]),
+        tail_page=dev(tail), tail_pos=dev(tail_pos),
     )
 
 
 class BatchedTorchAttention(AttentionImpl):
     """Ragged attention in torch, batched over requests (one call per head group)."""
 
-    def __init__(self, storage: RaggedStorage) -> None:
+    def __init__(self, storage: RaggedStorage, max_padded: int = MAX_PADDED) -> None:
         super().__init__(storage)
         self.seal = write_rows_sealer(storage)
+        self.max_padded = max_padded
 
     def prepare(self, meta: RaggedForwardMetadata) -> None:
         P, device = self.storage.layout.page_size, self.storage.device
         meta.tails = tail_batch(meta.requests, P, device)
-        meta.padded = padded_batch(meta.requests, meta.tails, P, device)
+        meta.padded = padded_batches(meta.requests, P, device, self.max_padded)
 
     def forward(self, layer: int, meta: RaggedForwardMetadata, q: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
-        tails, pb = meta.tails, meta.padded
-        assert tails is not None and pb is not None, "prepare() did not run for this forward"
-        # 1. Attention per group over padded requests.
+        tails = meta.tails
+        assert tails is not None and meta.padded, "prepare() did not run for this forward"
         k_pages, v_pages = tail_pages(self.storage, layer, tails, k, v)  # [M, P, H, D]
-        out_pad, lse_pad = self._attend(layer, tails, pb, q, k_pages, v_pages, scale, decode)
-        # 2. Back to q's rows: outputs of every query, log-sum-exps of the window queries.
         out = torch.empty_like(q)
-        out.index_copy_(0, pb.q_rows_valid, take(out_pad.flatten(0, 1), pb.q_flat_valid))
-        lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)
-        lse.index_copy_(0, tails.win_rows_valid, take(lse_pad.flatten(0, 1), tails.win_flat_valid))
+        lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)  # window rows only
+        for pb in meta.padded:
+            # 1. Attention per group over the run's padded requests.
+            out_pad, lse_pad = self._attend(layer, pb, q, k_pages, v_pages, scale, decode)
+            # 2. Back to q's rows: every query's output, the window queries' log-sum-exps.
+            out.index_copy_(0, pb.q_rows_valid, take(out_pad.flatten(0, 1), pb.q_flat_valid))
+            lse.index_copy_(0, pb.win_rows_valid, take(lse_pad.flatten(0, 1), pb.win_flat_valid))
         # 3. Seal what leaves the window, stage the rest.
         store_tails(self.storage, layer, tails, k_pages, v_pages, q, lse, scale, self.seal)
         return out
 
-    def _attend(self, layer: int, tails: TailBatch, pb: PaddedBatch, q: torch.Tensor,
-                k_pages: torch.Tensor, v_pages: torch.Tensor, scale: float, decode: bool,
+    def _attend(self, layer: int, pb: PaddedBatch, q: torch.Tensor, k_pages: torch.Tensor,
+                v_pages: torch.Tensor, scale: float, decode: bool,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """out [B, Lq, H_q, D] of every (padded) query and lse [B, w, H_q] float32 of the
         window queries; padded entries hold garbage."""
         tail_k = take(k_pages, pb.tail_page).flatten(1, 2)  # [B, Tp * P, H, D]
         tail_v = take(v_pages, pb.tail_page).flatten(1, 2)
         q_pad = take(q, pb.q_row)  # [B, Lq, H_q, D]
-        q_win = take(q, tails.win_row)  # [B, w, H_q, D]
+        q_win = take(q, pb.win_row)  # [B, w, H_q, D]
         out_pad = torch.empty_like(q_pad)
         lse_pad = torch.zeros(q_win.shape[:3], dtype=torch.float32, device=q.device)
         gsize = q.shape[1] // k_pages.shape[2]

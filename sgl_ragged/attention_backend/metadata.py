@@ -65,7 +65,7 @@ class RaggedForwardMetadata:
     pages_to_seal: torch.Tensor  # [M] int64 logical pages sealed by this forward (CPU)
     kernel: KernelBatch | None = None  # page tables for the Triton kernels (CUDA path only)
     tails: TailBatch | None = None  # the batch's tail pages (batched implementations)
-    padded: PaddedBatch | None = None  # padded per-request tables (batched torch)
+    padded: list[PaddedBatch] | None = None  # padded runs of requests (batched torch)
 
 
 def build_metadata(

@@ -16,9 +16,10 @@ Tail page m (M in all: request 0's tail pages first, each request's in position 
     | fresh[m, i]          | [M, P] | token i is this forward's: row new_row[m, i] of q/k/v    |
     | obs[m, i]            | [M, P] | queries that observed token i, this forward included     |
 
-Tokens neither staged nor fresh are padding past the request's end (zeros). The window of
-request b is its last obs_queries queries: rows win_row[b, j] of q, positions win_pos[b, j],
-j < w_max, valid where win_valid[b, j].
+Tokens neither staged nor fresh are padding past the request's end (zeros). The window of a
+request is its last obs_queries queries (`window_tables`); page m's are rows page_win_row[m, j]
+of q, j < w_max (the longest window), and page_sees / page_saw say which are real and what they
+saw.
 """
 
 from __future__ import annotations
@@ -50,12 +51,7 @@ class TailBatch:
     fresh: torch.Tensor  # [M, P] bool token is this forward's
     new_row: torch.Tensor  # [M, P] int64 row of q/k/v (0 where not fresh)
     obs: torch.Tensor  # [M, P] float32 observation counts after this forward
-    win_row: torch.Tensor  # [B, w_max] int64 rows of q of each request's window queries
-    win_pos: torch.Tensor  # [B, w_max] int64 their positions
-    win_valid: torch.Tensor  # [B, w_max] bool
-    win_rows_valid: torch.Tensor  # [V] int64 win_row[win_valid] (flattened, row-major)
-    win_flat_valid: torch.Tensor  # [V] int64 positions of those in win_row.flatten()
-    page_win_row: torch.Tensor  # [M, w_max] int64 win_row of the page's request
+    page_win_row: torch.Tensor  # [M, w_max] int64 rows of q of the page's request's window
     page_sees: torch.Tensor  # [M, w_max, P] bool window query j saw token i (causal, valid)
     page_saw: torch.Tensor  # [M, w_max] float32 window query j saw the page's first token
     seal_index: torch.Tensor  # [N] int64 tail pages (indices m) sealed by this forward
@@ -99,11 +95,8 @@ def tail_batch(plans: Sequence[RequestPlan], page_size: int, device: torch.devic
     prior_stage[longs(prior)] = _cat([p.prior_stages for p in plans], device)
     has_prior = torch.zeros(len(req), dtype=torch.bool, device=device)
     has_prior[longs(prior)] = True
-    # 4. Windows; each page's window queries, and which of its tokens they saw.
-    win_row, win_pos, win_valid = _windows(plans)  # host tensors
-    flat_valid = win_valid.flatten().nonzero().flatten()
-    rows_valid = win_row.flatten()[flat_valid].to(device)
-    win_row, win_pos, win_valid = win_row.to(device), win_pos.to(device), win_valid.to(device)
+    # 4. Each page's window queries, and which of its tokens they saw.
+    win_row, win_pos, win_valid = (t.to(device) for t in window_tables(plans))
     page_req = longs(req)
     page_win_pos = take(win_pos, page_req)  # [M, w]
     page_win_valid = take(win_valid, page_req)
@@ -112,8 +105,6 @@ def tail_batch(plans: Sequence[RequestPlan], page_size: int, device: torch.devic
         has_prior=has_prior, staged=pos < prefix_t, fresh=fresh,
         new_row=torch.where(fresh, longs(q_start)[:, None] + pos - prefix_t, 0),
         obs=_cat([_pad_to_pages(p.tail_obs, P) for p in plans], device).view(-1, P),
-        win_row=win_row, win_pos=win_pos, win_valid=win_valid,
-        win_rows_valid=rows_valid, win_flat_valid=flat_valid.to(device),
         page_win_row=take(win_row, page_req),
         page_sees=(pos[:, None, :] <= page_win_pos[:, :, None]) & page_win_valid[..., None],
         page_saw=(page_win_valid & (page_win_pos >= page_start[:, None])).float(),
@@ -132,7 +123,7 @@ def _pad_to_pages(x: torch.Tensor, P: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, -x.numel() % P))
 
 
-def _windows(plans: Sequence[RequestPlan]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def window_tables(plans: Sequence[RequestPlan]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[B, w_max] rows, positions and validity of each request's window queries (host)."""
     w_max = max((p.obs_queries for p in plans), default=1)
     j = torch.arange(w_max)

@@ -10,9 +10,17 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention
-from tests.unit.kernel_cases import P, Spec, compare_with_reference, random_specs
+from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention, padded_batches
+from tests.unit.kernel_cases import (
+    P,
+    Spec,
+    compare_with_reference,
+    random_plans,
+    random_specs,
+    random_storage,
+)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -32,3 +40,25 @@ def test_batched_matches_reference(seed, decode):
 ])
 def test_batched_edge_cases(specs, decode):
     compare_with_reference(BatchedTorchAttention, specs, decode, 7, "cpu", layer=1, gap=2)
+
+
+def test_long_chunks_run_apart_from_short_requests():
+    """A small padding cap splits the batch into runs; results stay the reference's."""
+    rng = random.Random(5)
+    specs = [Spec(1, 3, 3 * P, seal=2), Spec(2, 5, 2), Spec(0, 0, 1), Spec(3, P + 1, 7, seal=1)]
+    compare_with_reference(lambda st: BatchedTorchAttention(st, max_padded=4 * P * P), specs,
+                           False, rng.randrange(99), "cpu", layer=1, gap=1)
+
+
+def test_padded_runs_respect_the_cap():
+    storage = random_storage(random.Random(2), "cpu", num_stages=64)
+    specs = [Spec(1, 3, 3 * P, seal=2), Spec(2, 5, 2), Spec(0, 0, 1), Spec(3, P + 1, 7, seal=1)]
+    plans = random_plans(storage, specs, random.Random(2))
+    cap = 4 * P * P
+    runs = padded_batches(plans, P, torch.device("cpu"), max_padded=cap)
+    assert sum(pb.q_row.shape[0] for pb in runs) == len(plans) and len(runs) > 1
+    for pb in runs:
+        B, Lq = pb.q_row.shape
+        keys = (pb.sealed_table.shape[1] + pb.tail_page.shape[1]) * P
+        assert B == 1 or B * Lq * keys <= cap
+    assert len(padded_batches(plans, P, torch.device("cpu"))) == 1  # default cap: one run

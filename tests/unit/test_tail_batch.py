@@ -91,6 +91,10 @@ def test_tail_batch_index_spaces():
     assert tails.seal_index.tolist() == [0] and tails.stay_index.tolist() == [1, 2, 3]
     assert tails.seal_pages.tolist() == plans[0].tail_pages[:1].tolist()
     # Windows: the last min(4, q_len) queries of each request.
-    assert tails.win_valid.tolist() == [[True] * 4, [True] * 3 + [False]]
-    assert tails.win_pos[1, :3].tolist() == [0, 1, 2]
-    assert tails.win_row[0].tolist() == [plans[0].q_start + P - 4 + j for j in range(4)]
+    assert tails.page_win_row[0].tolist() == [plans[0].q_start + P - 4 + j for j in range(4)]
+    assert tails.page_win_row[3, :3].tolist() == [plans[1].q_start + j for j in range(3)]
+    # Request 0's window holds positions 3P - 2 .. 3P + 1: two of them reach its third page.
+    assert tails.page_saw.tolist() == [[1.0] * 4] * 2 + [[0.0, 0.0, 1.0, 1.0], [1.0] * 3 + [0.0]]
+    # Query j of request 1 (position j) sees tokens 0..j of its page; the padded one nothing.
+    sees = tails.page_sees[3, :, :4].int().tolist()
+    assert sees == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]]
