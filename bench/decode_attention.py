@@ -118,28 +118,39 @@ def measure(profile, batch: int, context: int, warmup: int, repeats: int) -> dic
 
         outs[strategy.value] = step()[0]
         result[f"{strategy.value}_s"] = timed(step, warmup, repeats)
-    fi = FlashInferPlannedDecode(storage, tables, GQA)
-    fi.set_batch(batch_t, [p.sealed_pages for p in plans])
+    if flashinfer_available():
+        fi = FlashInferPlannedDecode(storage, tables, GQA)
+        fi.set_batch(batch_t, [p.sealed_pages for p in plans])
 
-    def fi_step():
-        for layer in range(LAYERS):
-            out = fi.layer(layer, q, k, v, scale)
-        return out
+        def fi_step():
+            for layer in range(LAYERS):
+                out = fi.layer(layer, q, k, v, scale)
+            return out
 
-    outs["flashinfer"] = fi_step()[0]
-    result["flashinfer_s"] = timed(fi_step, warmup, repeats)
-    fi.plan_seconds = 0.0
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fi_step()
-    torch.cuda.synchronize()
-    result["flashinfer_plan_share"] = fi.plan_seconds / (time.perf_counter() - t0)
+        outs["flashinfer"] = fi_step()[0]
+        result["flashinfer_s"] = timed(fi_step, warmup, repeats)
+        fi.plan_seconds = 0.0
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fi_step()
+        torch.cuda.synchronize()
+        result["flashinfer_plan_share"] = fi.plan_seconds / (time.perf_counter() - t0)
     result["max_abs_diff_vs_aot"] = {k: float((o.float() - outs["aot"].float()).abs().max())
                                      for k, o in outs.items()}
     result["bytes_read"] = bytes_read(storage, batch, context)
-    for name in ("aot", "uniform", "flashinfer"):
+    for name in outs:
         result[f"{name}_gbps"] = result["bytes_read"] / result[f"{name}_s"] / 1e9
     return result
+
+
+def flashinfer_available() -> bool:
+    """FlashInfer is SGLang's dependency, absent where only torch and Triton are installed (the
+    planned baseline is then left out of the table)."""
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def fits(profile, batch: int, context: int, cap_bytes: float) -> bool:
@@ -158,10 +169,12 @@ def markdown(results: list[dict], copy_gbps: float, profile_name: str) -> str:
         if r.get("skipped"):
             lines.append(f"| {r['batch']} | {r['context']} | skipped: {r['skipped']} |||||||")
             continue
+        fi = ("| not installed | - " if "flashinfer_s" not in r else
+              f"| {r['flashinfer_s'] * 1e3:.3f} | {r['flashinfer_plan_share']:.1%} ")
         lines.append(
             f"| {r['batch']} | {r['context']} | {r['aot_s'] * 1e3:.3f} | {r['uniform_s'] * 1e3:.3f} "
-            f"| {r['flashinfer_s'] * 1e3:.3f} | {r['flashinfer_plan_share']:.1%} "
-            f"| {r['aot_gbps']:.0f} | {r['uniform_gbps']:.0f} | {r['flashinfer_gbps']:.0f} |")
+            + fi + f"| {r['aot_gbps']:.0f} | {r['uniform_gbps']:.0f} "
+            + (f"| {r['flashinfer_gbps']:.0f} |" if "flashinfer_gbps" in r else "| - |"))
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# GPU validation in one command, for a lent GPU machine (the tool library's `device` run) whose
+# python3 has torch, Triton and pytest but no SGLang: the kernel and batched-path tests at full
+# shapes on the GPU, then the decode-attention benchmark (FlashInfer's column only where
+# FlashInfer is installed). Results go to $OUT (or ./results/gpu_check).
+#   device run:  PYTHONUNBUFFERED=1 ./scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${OUT:-results/gpu_check}"
+mkdir -p "$out"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' \
+  | tee -a "$out/device.txt"
+rc=0
+python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_kernels_aot.py \
+  tests/unit/test_kernels_attention.py tests/unit/test_kernels_seal.py \
+  tests/unit/test_kernels_backend.py tests/unit/test_tail_batch.py \
+  tests/unit/test_batched_torch.py 2>&1 | tee "$out/tests.txt" || rc=1
+python3 -m bench.decode_attention --out "$out" "$@" 2>&1 | tee "$out/bench.txt" || rc=1
+exit "$rc"
