@@ -68,15 +68,14 @@ def padded_batches(plans: Sequence[RequestPlan], page_size: int, device: torch.d
     """The batch cut into runs of consecutive requests whose padded size stays under
     max_padded (a request alone may exceed it), each as index tables."""
     runs: list[list[int]] = [[]]
-    longest_q = longest_k = 0
+    longest_q = longest_k = 0  # of the current run
     for b, p in enumerate(plans):
-        q_len = max(longest_q, p.q_len)
-        keys = max(longest_k, (p.sealed_pages.numel() + p.tail_pages.numel()) * page_size)
-        if runs[-1] and (len(runs[-1]) + 1) * q_len * keys > max_padded:
+        keys = (p.sealed_pages.numel() + p.tail_pages.numel()) * page_size  # at most
+        if runs[-1] and (len(runs[-1]) + 1) * max(longest_q, p.q_len) * max(longest_k, keys) > max_padded:
             runs.append([])
-            q_len, keys = p.q_len, (p.sealed_pages.numel() + p.tail_pages.numel()) * page_size
+            longest_q = longest_k = 0
         runs[-1].append(b)
-        longest_q, longest_k = q_len, keys
+        longest_q, longest_k = max(longest_q, p.q_len), max(longest_k, keys)
     first_page = [0]
     for p in plans:
         first_page.append(first_page[-1] + p.tail_pages.numel())
