@@ -61,10 +61,6 @@ class TailBatch:
     num_seal: int  # N (host copy)
     num_stay: int  # K (host copy)
 
-    @property
-    def num_pages(self) -> int:
-        return self.page_req.numel()
-
 
 def tail_batch(plans: Sequence[RequestPlan], page_size: int, device: torch.device) -> TailBatch:
     """Index tensors for these plans: host lists per page, then a few device ops."""
@@ -91,10 +87,11 @@ def tail_batch(plans: Sequence[RequestPlan], page_size: int, device: torch.devic
     prefix_t, seq_t = longs(prefix)[:, None], longs(seq_len)[:, None]
     fresh = (pos >= prefix_t) & (pos < seq_t)
     # 3. Staging pages held before / kept after, scattered to their page slots.
+    prior_index = longs(prior)
     prior_stage = torch.zeros(len(req), dtype=torch.long, device=device)
-    prior_stage[longs(prior)] = _cat([p.prior_stages for p in plans], device)
+    prior_stage[prior_index] = _cat([p.prior_stages for p in plans], device)
     has_prior = torch.zeros(len(req), dtype=torch.bool, device=device)
-    has_prior[longs(prior)] = True
+    has_prior[prior_index] = True
     # 4. Each page's window queries, and which of its tokens they saw.
     win_row, win_pos, win_valid = (t.to(device) for t in window_tables(plans))
     page_req = longs(req)
