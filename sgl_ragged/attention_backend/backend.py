@@ -8,8 +8,13 @@ from typing import TYPE_CHECKING
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from sgl_ragged.attention_backend.graph import DecodeGraphBuffers
 from sgl_ragged.attention_backend.impl import make_attention_impl
-from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata, build_metadata
+from sgl_ragged.attention_backend.metadata import (
+    RaggedForwardMetadata,
+    build_metadata,
+    plan_batch,
+)
 from sgl_ragged.mem_pool.pool import RaggedKVPool
 from sgl_ragged.runtime import get_runtime
 from sgl_ragged.scheduler.metrics import make_metrics
@@ -29,6 +34,10 @@ class RaggedAttnBackend(AttentionBackend):
     staged pages + the new tokens, then seal the pages leaving the recent window and stage the
     rest; after the last layer, mark the sealed pages and release their staging pages. The
     per-layer work is an `AttentionImpl`: Triton kernels on CUDA, the torch reference elsewhere.
+
+    Decode runs under SGLang's CUDA graphs with the Triton kernels (graph.py): the graph runner
+    calls init_cuda_graph_state once, init_forward_metadata_out_graph before each capture and
+    replay, and finish_graph_replay (a plugin hook) after each replay.
     """
 
     def __init__(self, model_runner: ModelRunner) -> None:
@@ -53,6 +62,7 @@ class RaggedAttnBackend(AttentionBackend):
         self.num_layers = self.storage.layout.num_layers
         self.forward_metadata: RaggedForwardMetadata | None = None
         self.metrics = make_metrics()
+        self.graph_buffers: DecodeGraphBuffers | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
@@ -69,6 +79,58 @@ class RaggedAttnBackend(AttentionBackend):
             obs_window=self.config.obs_window,
         )
         self.impl.prepare(self.forward_metadata)
+
+    # ---- CUDA graphs (decode) -------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Static buffers for decode graphs of up to max_bs requests."""
+        if not getattr(self.impl, "supports_cuda_graph", False):
+            raise RuntimeError(
+                f"ragged attention {type(self.impl).__name__} cannot run under CUDA graphs "
+                "(only the Triton kernels can); pass --cuda-graph-backend-decode disabled or "
+                "--ragged-attention triton"
+            )
+        P = self.storage.layout.page_size
+        max_pages = -(-self.req_to_token_pool.req_to_token.shape[1] // P)
+        self.graph_buffers = DecodeGraphBuffers(self.storage, max_bs, self.config.window_pages,
+                                                max_pages)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch,
+                                        in_capture: bool = False) -> None:
+        """Before a decode graph's capture (a batch of padding) or replay (plan the real
+        requests, the first batch_size - num_padding, into the graph's buffers)."""
+        graph = self.graph_buffers
+        assert graph is not None, "init_cuda_graph_state did not run"
+        bs = forward_batch.batch_size
+        mode = getattr(forward_batch, "actual_forward_mode", forward_batch.forward_mode)
+        if in_capture or mode.is_idle():
+            self.forward_metadata = graph.capture_metadata(bs)
+            return
+        if not mode.is_decode():
+            raise NotImplementedError(f"the ragged backend captures decode graphs only, not {mode}")
+        raw = bs - getattr(forward_batch, "num_padding", 0)
+        seq_lens = (forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None
+                    else forward_batch.seq_lens.cpu())[:raw].tolist()
+        planned = plan_batch(self.req_to_token_pool.req_to_token, self.storage,
+                             forward_batch.req_pool_indices[:raw].tolist(),
+                             [n - 1 for n in seq_lens], seq_lens,
+                             self.config.window_pages, self.config.obs_window)
+        self.forward_metadata = graph.load(bs, planned)
+
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
+        """Nothing: the graph's buffers are filled before the replay, on the host."""
+
+    def finish_graph_replay(self) -> None:
+        """After a decode graph's replay: the bookkeeping the eager path does after its last
+        layer (the replay runs no Python)."""
+        meta = self.forward_metadata
+        if meta is not None and meta.graph:
+            self._finish_forward(meta)
+
+    # ---- forward ----------------------------------------------------------------------------
 
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True, **kwargs) -> torch.Tensor:
@@ -88,8 +150,8 @@ class RaggedAttnBackend(AttentionBackend):
         v3 = v.reshape(-1, h_kv, layer.v_head_dim)
         self.storage.scale = layer.scaling  # scorers that model attention logits need it
         out = self.impl.forward(layer.layer_id, meta, q3, k3, v3, layer.scaling, decode)
-        if layer.layer_id == self.num_layers - 1:
-            self._finish_forward(meta)
+        if layer.layer_id == self.num_layers - 1 and not meta.graph:
+            self._finish_forward(meta)  # graphs: finish_graph_replay, after the replay
         return out.reshape(q.shape[0], h_q * d)
 
     def _finish_forward(self, meta: RaggedForwardMetadata) -> None:

@@ -66,6 +66,7 @@ class RaggedForwardMetadata:
     kernel: KernelBatch | None = None  # page tables for the Triton kernels (CUDA path only)
     tails: TailBatch | None = None  # the batch's tail pages (batched implementations)
     padded: list[PaddedBatch] | None = None  # padded runs of requests (batched torch)
+    graph: bool = False  # kernel/tails are a captured decode graph's static buffers (graph.py)
 
 
 def build_metadata(
@@ -82,6 +83,20 @@ def build_metadata(
     else:
         prefixes = list(forward_batch.extend_prefix_lens_cpu)
     pool_idx = forward_batch.req_pool_indices.tolist()
+    return plan_batch(req_to_token, storage, pool_idx, prefixes, seq_lens, window_pages, obs_window)
+
+
+def plan_batch(
+    req_to_token: torch.Tensor,
+    storage: RaggedStorage,
+    pool_idx: list[int],
+    prefixes: list[int],
+    seq_lens: list[int],
+    window_pages: int,
+    obs_window: int,
+) -> RaggedForwardMetadata:
+    """`build_metadata` from plain lists: request r = req_to_token row pool_idx[r] goes from
+    prefixes[r] to seq_lens[r] cached tokens in this forward."""
     plans, q_start = [], 0
     for r, prefix, seq_len in zip(pool_idx, prefixes, seq_lens, strict=True):
         final = storage.chunk_final.pop(r, True)

@@ -38,6 +38,8 @@ logger = logging.getLogger(__name__)
 class TritonAttention(AttentionImpl):
     """Ragged attention with the Triton kernels; the split map is fixed at construction."""
 
+    supports_cuda_graph = True  # decode reads only device tensors (graph.py's static buffers)
+
     def __init__(self, storage: RaggedStorage, split_ratios: Sequence[Sequence[float]],
                  strategy: SplitStrategy = SplitStrategy.AOT, num_ctas: int | None = None,
                  num_q_heads: int | None = None) -> None:
@@ -59,6 +61,8 @@ class TritonAttention(AttentionImpl):
         assert meta.tails is not None, "prepare() did not run for this forward"
         k_pages, v_pages = tail_pages(self.storage, layer, meta.tails, k, v)
         store_tails(self.storage, layer, meta.tails, k_pages, v_pages, q, lse, scale, self.seal)
+        if not meta.graph:  # a captured graph's tails are padded; graph.py counts its real pages
+            self.storage.count_sealed(layer, meta.tails.num_seal)
         return out
 
     def attend(self, layer: int, batch: KernelBatch | None, q: torch.Tensor, k: torch.Tensor,
@@ -74,10 +78,10 @@ class TritonAttention(AttentionImpl):
 
     def seal(self, layer: int, src_k: torch.Tensor, src_v: torch.Tensor, src_index: torch.Tensor,
              pages: torch.Tensor, page_start: torch.Tensor, scores: torch.Tensor) -> None:
-        """The sealing kernel for one layer's pages (a tail_batch.Sealer)."""
+        """The sealing kernel for one layer's pages (a tail_batch.Sealer; pages of -1 are
+        padding and write nothing). Counted by the caller."""
         sinks = sink_mask(page_start, self.storage.layout.page_size)
         seal_pages(self.tables[layer], src_k, src_v, src_index.int(), pages.int(), scores, sinks)
-        self.storage.count_sealed(layer, pages.numel())
 
 
 def decode_parallelism(storage: RaggedStorage, tables: LayerTables,

@@ -51,7 +51,7 @@ def _seal_kernel(
     src_off = src * s_src_n + offs[:, None] * s_src_t + h * D + offs_d[None, :]
     dst_off = ((page * k_g + slot) * (H_P * D) + j * D)[:, None] + offs_d[None, :]
     load_mask = in_page[:, None] & mask_d[None, :]
-    store_mask = keep[:, None] & mask_d[None, :]
+    store_mask = keep[:, None] & mask_d[None, :] & (page >= 0)  # page -1: a padding entry
     k_base = tl.load(rows_k_ptr + g).to(tl.pointer_type(DTYPE))
     v_base = tl.load(rows_v_ptr + g).to(tl.pointer_type(DTYPE))
     tl.store(k_base + dst_off, tl.load(Src_K + src_off, mask=load_mask, other=0.0), mask=store_mask)
@@ -65,7 +65,8 @@ def seal_pages(
     """Write the rows of N sealed pages of one layer (the kernel form of `write_rows`).
 
     src_k, src_v: [M, P, H, D] full K/V of candidate pages (any float dtype; cast on store);
-    src_index: [N] int rows of src_k/src_v to seal; pages: [N] int logical pages to write;
+    src_index: [N] int rows of src_k/src_v to seal; pages: [N] int logical pages to write
+    (-1 writes nothing: the padding entries of a captured decode graph, attention_backend/graph.py);
     scores: [N, H, P] float32 token scores; sinks: [N, P] bool (`sink_mask`).
     """
     n = pages.numel()

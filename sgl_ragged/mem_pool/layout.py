@@ -77,6 +77,7 @@ class RaggedLayout:
         return kv + scores + observed + queries
 
     def num_logical_pages(self, available_bytes: int, num_staging_pages: int) -> int:
-        """Logical pages that fit in `available_bytes` once the staging pool is taken out."""
-        rest = available_bytes - num_staging_pages * self.staging_bytes_per_page()
+        """Logical pages that fit in `available_bytes` once the staging pool (its pages plus
+        the scratch page, RaggedStorage.scratch_stage) is taken out."""
+        rest = available_bytes - (num_staging_pages + 1) * self.staging_bytes_per_page()
         return max(rest, 0) // self.row_bytes_per_page

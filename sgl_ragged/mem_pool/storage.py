@@ -8,6 +8,7 @@ Index spaces (DESIGN.md sections 2 and 4):
     | logical page  | [0, pages+1)          | slot // P; row p of every group's tensor          |
     | row slot      | [0, k[l][g])          | composite slot j: each member head's j-th kept    |
     | staging page  | [0, S)                | a full page [P, H_kv, D] of a running request     |
+    |               | S                     | the scratch page (CUDA-graph padding writes)      |
 
 Page 0 is SGLang's padding page; it is never handed out.
 """
@@ -64,18 +65,20 @@ class RaggedStorage:
         # head_index[l][g]: [H_p] int64 KV-head indices of group g.
         self.head_index = [[torch.tensor(h, dtype=torch.long, device=self.device) for h in gs]
                            for gs in layout.groups]
-        # stage_k[l]: [S, P, H, D], indexed by staging page.
-        self.stage_k = [self._zeros(num_staging_pages, P, H, D) for _ in range(layout.num_layers)]
-        self.stage_v = [self._zeros(num_staging_pages, P, H, D) for _ in range(layout.num_layers)]
-        # stage_attn: [S, L, H, P] float32 summed GQA-reduced attention received per token.
-        self.stage_attn = torch.zeros(num_staging_pages, layout.num_layers, H, P, device=self.device)
-        # stage_obs: [S, P] float32 number of queries that observed each token.
-        self.stage_obs = torch.zeros(num_staging_pages, P, device=self.device)
-        # stage_q_sum, stage_q_sq_sum: [S, L, H, D] float32 sums of the queries (and squares)
-        # observed while staged, pooled per KV head; stage_q_count: [S, L] float32 their count.
-        self.stage_q_sum = torch.zeros(num_staging_pages, layout.num_layers, H, D, device=self.device)
+        # stage_k[l]: [S + 1, P, H, D], indexed by staging page. Page S is the scratch page:
+        # never handed out, it takes the writes of CUDA-graph padding (attention_backend/graph.py).
+        S = num_staging_pages + 1
+        self.stage_k = [self._zeros(S, P, H, D) for _ in range(layout.num_layers)]
+        self.stage_v = [self._zeros(S, P, H, D) for _ in range(layout.num_layers)]
+        # stage_attn: [S + 1, L, H, P] float32 summed GQA-reduced attention received per token.
+        self.stage_attn = torch.zeros(S, layout.num_layers, H, P, device=self.device)
+        # stage_obs: [S + 1, P] float32 number of queries that observed each token.
+        self.stage_obs = torch.zeros(S, P, device=self.device)
+        # stage_q_sum, stage_q_sq_sum: [S + 1, L, H, D] float32 sums of the queries (and squares)
+        # observed while staged, pooled per KV head; stage_q_count: [S + 1, L] float32 their count.
+        self.stage_q_sum = torch.zeros(S, layout.num_layers, H, D, device=self.device)
         self.stage_q_sq_sum = torch.zeros_like(self.stage_q_sum)
-        self.stage_q_count = torch.zeros(num_staging_pages, layout.num_layers, device=self.device)
+        self.stage_q_count = torch.zeros(S, layout.num_layers, device=self.device)
         # Dynamic reference mode (profile dynamic:<rho>): full rows, Eq. 3 picks the kept tokens.
         # row_keep[l]: [num_pages, H, P] bool, indexed by logical page; False = dropped (masked).
         self.dynamic_rho = dynamic_rho
@@ -107,6 +110,11 @@ class RaggedStorage:
     @property
     def num_staging_pages(self) -> int:
         return self.stage_owner.numel()
+
+    @property
+    def scratch_stage(self) -> int:
+        """The staging page no logical page ever holds (padding writes of captured graphs)."""
+        return self.num_staging_pages
 
     @property
     def staging_in_use(self) -> int:

@@ -130,3 +130,13 @@ def after_prepare_for_extend(result: Any, batch: ScheduleBatch, *args: Any, **kw
         return
     for req in batch.reqs:
         storage.chunk_final[req.kv.req_pool_idx] = req.extend_end >= len(req.full_untruncated_fill_ids)
+
+
+def after_decode_graph_replay(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER DecodeCudaGraphRunner.execute: a replayed decode graph ran no Python, so the ragged
+    backend's post-forward bookkeeping (mark sealed pages, metrics) runs here."""
+    from sgl_ragged.attention_backend.backend import RaggedAttnBackend
+
+    backend = runner._replay_attn_backend()
+    if isinstance(backend, RaggedAttnBackend):
+        backend.finish_graph_replay()

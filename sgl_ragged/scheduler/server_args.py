@@ -73,6 +73,7 @@ def resolve_ragged_args(server_args: Any, previous: Any) -> None:
     _check_unsupported(cfg)
     shape = model_shape(cfg.model_path, bool(cfg.trust_remote_code))
     _check_model(shape, config)
+    decode_graphs = _decode_graphs(cfg, config)
     declare_resolution(
         server_args,
         "sgl_ragged",
@@ -84,11 +85,51 @@ def resolve_ragged_args(server_args: Any, previous: Any) -> None:
         # Finish-time sealing runs on the scheduler thread; without overlap it cannot race
         # with the next forward (DESIGN.md section 4).
         disable_overlap_schedule=True,
-        disable_cuda_graph=True,
+        cuda_graph_config=_graph_config(cfg.cuda_graph_config, decode_graphs),
+        **({} if decode_graphs else {"disable_cuda_graph": True}),
     )
     os.environ[ACTIVE_ENV] = "1"
     logger.info("ragged backend: profile %s, scorer %s, window %d page(s)",
                 config.profile, config.scorer, config.window_pages)
+
+
+def _decode_graphs(cfg: Any, config: RaggedConfig) -> bool:
+    """Whether decode keeps SGLang's CUDA graphs: only the Triton kernels run under them
+    (attention_backend/graph.py), so only on CUDA, not with --ragged-attention batched or
+    reference or the dynamic reference mode, and not where the user turned them off."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+
+    graph_config = cfg.cuda_graph_config
+    on_cuda = str(cfg.device or "cuda").startswith("cuda")
+    if (graph_config is None or graph_config.decode.backend == Backend.DISABLED or not on_cuda
+            or config.attention not in ("auto", "triton") or config.profile.startswith("dynamic:")):
+        return False
+    if graph_config.decode.backend != Backend.FULL:
+        raise ValueError(
+            f"--cuda-graph-backend-decode {graph_config.decode.backend} is not supported by the "
+            "ragged backend; use full (the default) or disabled"
+        )
+    if os.environ.get("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "").lower() in ("1", "true", "yes"):
+        raise ValueError(
+            "SGLANG_ENABLE_METADATA_GLUE_GRAPH captures the attention metadata preparation into "
+            "a graph, but the ragged backend plans each decode step on the host (staging pages, "
+            "seal lists); unset it, or pass --cuda-graph-backend-decode disabled"
+        )
+    return True
+
+
+def _graph_config(graph_config: Any, decode: bool) -> Any:
+    """SGLang's CUDA graph config with prefill graphs off (extend batches plan on the host
+    per chunk) and decode graphs off unless `decode`."""
+    from sglang.srt.model_executor.cuda_graph_config import (
+        Backend,
+        CudaGraphConfig,
+        Phase,
+        with_phase,
+    )
+
+    config = with_phase(graph_config or CudaGraphConfig(), Phase.PREFILL, backend=Backend.DISABLED)
+    return config if decode else with_phase(config, Phase.DECODE, backend=Backend.DISABLED)
 
 
 def validate_ragged_args(server_args: Any, previous: Any) -> None:

@@ -121,13 +121,14 @@ def test_normalize():
 
 def test_equal_budget_matches_layout_arithmetic(model_path):
     """The ragged server gets the bytes of 16384 full tokens (256 full pages of 30 layers x 3
-    heads x 64 dims, bf16) less (4 + 1) * (1 + 1) staging pages, at 20 of 64 slots a page."""
+    heads x 64 dims, bf16) less (4 + 1) * (1 + 1) staging pages and the scratch page, at 20 of
+    64 slots a page."""
     base = equal_budget(Target.parse("baseline"), model_path, 16384, 4)
     assert base == (16384, 1.0, 1.0)
     ragged = equal_budget(Target.parse("ragged:uniform:0.3"), model_path, 16384, 4)
     layout = RaggedLayout.from_profile(uniform_profile(0.3, 30, 3), 64, 64, 2)
     assert layout.full_bytes_per_page == 1474560 and layout.row_bytes_per_page == 460800
-    staging = 10 * layout.staging_bytes_per_page()
+    staging = 11 * layout.staging_bytes_per_page()
     assert ragged.kv_tokens == (256 * 1474560 - staging) // 460800 * 64
     assert ragged.rho == 0.3 and ragged.retention == pytest.approx(20 / 64)
     assert 2.9 < ragged.kv_tokens / base.kv_tokens < 64 / 20
