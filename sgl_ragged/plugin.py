@@ -6,6 +6,9 @@ Importing this module changes nothing; SGLang calls `register()` once in every p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
 from sgl_ragged.compat.sgl_kernel_cpu import install_if_needed
@@ -30,14 +33,22 @@ def register() -> None:
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
 
     from sgl_ragged.attention_backend.backend import create_ragged_backend
-    from sgl_ragged.scheduler import hooks, server_args
+    from sgl_ragged.scheduler import server_args
 
     if "ragged" not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices(["ragged"])
     register_attention_backend("ragged")(create_ragged_backend)
     register_resolution_hook("handle_attention_backend_compatibility")(server_args.resolve_ragged_args)
     register_resolution_hook("handle_other_validations")(server_args.validate_ragged_args)
-    for target, hook, kind in (
+    for target, hook, kind in hook_table():
+        HookRegistry.register(target, hook, kind)
+
+
+def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
+    """(dotted SGLang target, hook, kind) of every hook register() installs."""
+    from sgl_ragged.scheduler import hooks, server_args
+
+    return [
         (f"{_SRT}.server_args.ServerArgs.add_cli_args", server_args.after_add_cli_args, HookType.AFTER),
         (f"{_SRT}.server_args.ServerArgs.from_cli_args", server_args.before_from_cli_args, HookType.BEFORE),
         (f"{_POOL_CONFIGURATOR}._compute_cell_size", hooks.compute_cell_size, HookType.AROUND),
@@ -49,5 +60,4 @@ def register() -> None:
         (f"{_SRT}.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
          hooks.after_decode_graph_replay, HookType.AFTER),
         *((tree, hooks.checkpoint, HookType.AROUND) for tree in _TREES),
-    ):
-        HookRegistry.register(target, hook, kind)
+    ]

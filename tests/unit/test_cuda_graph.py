@@ -270,6 +270,8 @@ def test_backend_graph_hooks_plan_only_the_real_requests():
     pytest.importorskip("sglang")
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
+    from sgl_ragged.scheduler.hooks import after_decode_graph_replay
+
     rng = random.Random(4)
     storage = random_storage(rng, "cpu", layers=1, num_pages=40)
     requests = Requests(3, storage.num_pages, rng, "cpu")
@@ -289,22 +291,43 @@ def test_backend_graph_hooks_plan_only_the_real_requests():
     for r in (3, 2):
         storage.stage(int(requests.req_to_token[r, 0]) // P)  # prefilled pages, staged
         storage.stage(int(requests.req_to_token[r, P]) // P)
-    view = SimpleNamespace(batch_size=4, num_padding=2, forward_mode=ForwardMode.DECODE,
-                           actual_forward_mode=ForwardMode.DECODE,
-                           req_pool_indices=torch.tensor([3, 2, 0, 0]),
-                           seq_lens=torch.tensor([2 * P, P - 2, 1, 1]),
-                           seq_lens_cpu=torch.tensor([2 * P, P - 2, 1, 1]))
-    backend.init_forward_metadata_out_graph(view)
+    backend.init_forward_metadata_out_graph(_replay_view([3, 2], [2 * P, P - 2], 4))
     meta = backend.forward_metadata
     assert meta.graph and [p.seq_len for p in meta.requests] == [2 * P, P - 2]
     first_page = int(requests.req_to_token[3, 0]) // P
     assert meta.pages_to_seal.tolist() == [first_page]  # request 3 completed its 2nd page
-    backend.finish_graph_replay()
+    runner = SimpleNamespace(_replay_attn_backend=lambda: backend)
+    after_decode_graph_replay(None, runner)  # the plugin's hook after the runner's execute
     assert storage.sealed[first_page] and storage.page_to_stage[first_page] < 0
     # An idle replay (no requests): padding only again.
-    view.actual_forward_mode = ForwardMode.IDLE
-    backend.init_forward_metadata_out_graph(view)
+    backend.init_forward_metadata_out_graph(_replay_view([], [], 4, ForwardMode.IDLE))
     assert backend.forward_metadata.requests == []
+
+
+def _replay_view(pool_idx: list[int], seq_lens: list[int], bs: int, mode=None):
+    """The batch SGLang's decode graph runner hands the backend before a replay
+    (build_replay_fb_view over its padded input buffers: pool index 0, seq_len 1 past the
+    real requests)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view
+
+    pad = bs - len(pool_idx)
+    lens = torch.tensor(seq_lens + [1] * pad)
+    buffers = SimpleNamespace(input_ids=torch.zeros(bs, dtype=torch.long), positions=lens - 1,
+                              req_pool_indices=torch.tensor(pool_idx + [0] * pad), seq_lens=lens,
+                              seq_lens_cpu=lens.clone(), encoder_lens=None,
+                              mamba_track_indices=None)
+    batch = SimpleNamespace(forward_mode=mode or ForwardMode.DECODE, seq_lens_sum=sum(seq_lens),
+                            seq_lens_cpu=torch.tensor(seq_lens), max_seq_len_host=None,
+                            out_cache_loc=None, out_cache_loc_virtual=None, kv_loc_plan=None,
+                            kv_loc_cols=None, max_seq_len_override=None, spec_info=None,
+                            lora_ids=None, can_run_decode_cuda_graph=True)
+    return build_replay_fb_view(
+        forward_batch=batch, buffers=buffers, bs=bs, raw_bs=len(pool_idx), num_tokens=bs,
+        global_num_tokens_cpu=None, seq_len_fill_value=1,
+        capture_forward_mode=ForwardMode.DECODE, is_encoder_decoder=False)
 
 
 @pytest.mark.parametrize("attention,profile,device,decode", [
