@@ -40,7 +40,7 @@ FULL = "full"
 
 @dataclass(frozen=True)
 class Config:
-    """One server configuration: `kind` in full/uniform/static/dynamic."""
+    """One server configuration: `kind` in full/uniform/static/static-mean/dynamic."""
 
     name: str
     kind: str
@@ -54,8 +54,9 @@ class Config:
 
 
 def plan_configs(rhos: list[float], scorers: list[str], profile_dir: Path) -> tuple[list[Config], list[str]]:
-    """full, then per rho (smallest first): uniform, and static + dynamic per scorer. Returns the
-    configurations and the calibrated profile files that do not exist (skipped)."""
+    """full, then per rho (smallest first): uniform, and per scorer static (margin budgets),
+    static-mean (mean budget = rho, where that profile exists) and dynamic. Returns the
+    configurations and the margin profile files that do not exist (skipped)."""
     configs, missing = [Config(FULL, FULL, 1.0, scorers[0], "uniform:1.0")], []
     for rho in sorted(r for r in rhos if r < 1.0):
         configs.append(Config(f"uniform@{rho}", "uniform", rho, scorers[0], f"uniform:{rho}"))
@@ -65,6 +66,9 @@ def plan_configs(rhos: list[float], scorers: list[str], profile_dir: Path) -> tu
                 configs.append(Config(f"static-{s}@{rho}", "static", rho, s, str(path)))
             else:
                 missing.append(str(path))
+            mean_path = profile_dir / f"{s}-mean-rho{rho}.json"
+            if mean_path.is_file():
+                configs.append(Config(f"static-mean-{s}@{rho}", "static-mean", rho, s, str(mean_path)))
             configs.append(Config(f"dynamic-{s}@{rho}", "dynamic", rho, s, f"dynamic:{rho}"))
     return configs, missing
 
@@ -191,15 +195,17 @@ def summarize(config: Config, records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def comparisons(configs: list[Config], records: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """static vs dynamic (same scorer and rho) and static vs uniform (same rho), paired over the
-    same questions."""
+    """static vs dynamic (same scorer and rho) and static vs uniform (same rho); static-mean
+    (equal memory) vs dynamic and vs static; paired over the same questions."""
     by_name = {c.name: c for c in configs if c.name in records}
+    versus = {"static": ("dynamic-{s}@{r}", "uniform@{r}"),
+              "static-mean": ("dynamic-{s}@{r}", "static-{s}@{r}")}
     pairs = []
     for c in by_name.values():
-        if c.kind == "static":
-            for other in (f"dynamic-{c.scorer}@{c.rho}", f"uniform@{c.rho}"):
-                if other in by_name:
-                    pairs.append((c.name, other))
+        for other in versus.get(c.kind, ()):
+            other = other.format(s=c.scorer, r=c.rho)
+            if other in by_name:
+                pairs.append((c.name, other))
     out = []
     for a, b in pairs:
         ra, rb = records[a], records[b]

@@ -2,6 +2,7 @@
 
     sgl-ragged profile show FILE|uniform:R [--model PATH] [--page-size 64]
     sgl-ragged profile plot FILE [-o out.png] [--layers 3 10 20]
+    sgl-ragged profile derive FILE -o OUT [--budget-mode mean] [--alpha A] [--heads-per-group N]
     sgl-ragged calibrate ...        (same as python -m sgl_ragged.calibrate)
 """
 
@@ -12,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from sgl_ragged.calibrate.statistics import BUDGET_MODES
 from sgl_ragged.profile import BudgetProfile, ProfileError, resolve_profile, uniform_profile
 
 
@@ -31,6 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--page-size", type=int, default=64, help="logical page size (default 64)")
     plot.add_argument("-o", "--output", type=Path, help="PNG path (default: next to the profile)")
     plot.add_argument("--layers", type=int, nargs="+", help="layers to draw (default: 3 most varied)")
+    derive = actions.add_parser(
+        "derive", help="rebuild a calibrated profile from its stored samples with another "
+                       "budget mode, margin or group size (no model run)")  # fmt: skip
+    derive.add_argument("profile", help="calibrated profile JSON file")
+    derive.add_argument("-o", "--output", type=Path, required=True, help="new profile path")
+    derive.add_argument("--budget-mode", choices=BUDGET_MODES, default="margin",
+                        help="margin: B = min(1, mu + alpha*sigma); mean: alpha chosen so that "
+                             "the mean budget equals the profile's rho")  # fmt: skip
+    derive.add_argument("--alpha", type=float, help="margin (default: the profile's)")
+    derive.add_argument("--heads-per-group", type=int, help="H_p (default: the profile's)")
     return parser
 
 
@@ -42,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return calibrate_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
+        if args.action == "derive":
+            return _derive(args)
         profile = load_profile(args.profile, args.model)
         if args.action == "show":
             from sgl_ragged.calibrate.summary import describe
@@ -55,6 +69,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ProfileError, ValueError) as exc:
         print(f"sgl-ragged: error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _derive(args: argparse.Namespace) -> int:
+    from sgl_ragged.budgets import check_heads_per_group
+    from sgl_ragged.calibrate.writer import rebuild_profile, save
+
+    profile = BudgetProfile.load(args.profile)
+    alpha = profile.source.get("alpha", 2.0) if args.alpha is None else args.alpha
+    heads_per_group = args.heads_per_group or profile.heads_per_group
+    check_heads_per_group(profile.num_kv_heads, heads_per_group)
+    derived = rebuild_profile(profile, float(alpha), heads_per_group, args.budget_mode,
+                              Path(args.profile).name)
+    save(derived, args.output)
+    print(f"{args.output}: mean B {derived.mean_budget:.4f} (rho {derived.source['rho']}, "
+          f"alpha {derived.source['alpha']:g}, budget mode {args.budget_mode}, "
+          f"H_p {heads_per_group})")
     return 0
 
 

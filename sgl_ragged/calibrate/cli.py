@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sgl_ragged.calibrate.retention import ChunkingConfig
+from sgl_ragged.calibrate.statistics import BUDGET_MODES
 from sgl_ragged.scoring import SCORERS
 
 DEFAULT_OUTPUT = "calib_profiles/{model}/{{scorer}}-rho{{rho}}.json"
@@ -26,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target global retention ratio(s) in (0, 1], one profile each")
     p.add_argument("--samples", type=int, default=50, help="calibration samples (default 50)")
     p.add_argument("--alpha", type=float, default=2.0, help="safety margin: B = mu + alpha*sigma")
+    p.add_argument("--budget-mode", choices=BUDGET_MODES, default="margin",
+                   help="margin: B = min(1, mu + alpha*sigma) as given (TANGRAM Eq. 5, default); "
+                        "mean: alpha chosen so that the mean budget equals rho (equal memory)")
     p.add_argument("--heads-per-group", type=int, default=1, metavar="H_P",
                    help="KV heads per head group (budget-aware clustering; default 1)")
     p.add_argument("--page-size", type=int, default=64)
@@ -56,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = CalibrationConfig(
             model_path=model, output=output, scorers=tuple(args.scorer), rhos=tuple(args.rho),
-            samples=args.samples, alpha=args.alpha, heads_per_group=args.heads_per_group,
+            samples=args.samples, alpha=args.alpha, budget_mode=args.budget_mode,
+            heads_per_group=args.heads_per_group,
             chunking=ChunkingConfig(args.page_size, args.chunk_size, args.obs_window),
             min_tokens=args.min_tokens, max_tokens=args.max_tokens, seed=args.seed,
             device=args.device, dtype=args.dtype,

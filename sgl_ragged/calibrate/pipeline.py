@@ -23,6 +23,7 @@ from sgl_ragged.calibrate.corpus import CORPUS_NAME, TASK_NAMES
 from sgl_ragged.calibrate.retention import ChunkingConfig, sample_retention
 from sgl_ragged.calibrate.runner import CaptureRunner
 from sgl_ragged.calibrate.samples import build_samples
+from sgl_ragged.calibrate.statistics import BUDGET_MODES
 from sgl_ragged.scoring import make_scorer
 
 T = TypeVar("T")
@@ -38,6 +39,7 @@ class CalibrationConfig:
     rhos: tuple[float, ...] = (0.3,)
     samples: int = 50
     alpha: float = 2.0
+    budget_mode: str = "margin"  # statistics.BUDGET_MODES
     heads_per_group: int = 1
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     min_tokens: int = 1024
@@ -56,6 +58,9 @@ class CalibrationConfig:
             raise ValueError(f"--samples must be >= 1, got {self.samples}")
         if not math.isfinite(self.alpha) or self.alpha < 0:
             raise ValueError(f"--alpha must be a finite number >= 0, got {self.alpha}")
+        if self.budget_mode not in BUDGET_MODES:
+            raise ValueError(f"--budget-mode must be one of {', '.join(BUDGET_MODES)}, "
+                             f"got {self.budget_mode!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not self.chunking.page_size <= self.min_tokens <= self.max_tokens:
@@ -92,6 +97,7 @@ def calibrate(cfg: CalibrationConfig, progress: bool = True) -> list[Path]:
                 _source(cfg, scorer, rho, tasks, tokens),
                 {"run": {"seconds": round(seconds, 1), "profiles": len(paths),
                          "device": cfg.device, "threads": torch.get_num_threads()}},
+                cfg.budget_mode,
             )  # fmt: skip
             writer.save(profile, paths[scorer.name, rho])
     return list(paths.values())

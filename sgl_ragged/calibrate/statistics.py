@@ -30,6 +30,35 @@ def reserved_budgets(mu: np.ndarray, sigma: np.ndarray, alpha: float) -> np.ndar
     return np.clip(mu + alpha * sigma, BUDGET_FLOOR, 1.0)
 
 
+BUDGET_MODES = ("margin", "mean")
+"""margin: B = min(1, mu + alpha * sigma) with the given alpha (Eq. 5, the paper's rule);
+mean: the same rule with the alpha at which the mean of B is rho (DESIGN.md section 5)."""
+
+
+def mean_matched_alpha(mu: np.ndarray, sigma: np.ndarray, rho: float) -> float:
+    """The margin alpha at which mean(reserved_budgets(mu, sigma, alpha)) = rho: a heavier
+    margin where heads are clipped at 1 (their share goes to the others), a negative one where
+    the mean retention alone exceeds rho. The mean is monotone in alpha: bisection."""
+
+    def mean_at(alpha: float) -> float:
+        return float(reserved_budgets(mu, sigma, alpha).mean())
+
+    lo, hi = -1.0, 1.0
+    while mean_at(lo) > rho or mean_at(hi) < rho:
+        lo, hi = (2 * lo, hi) if mean_at(lo) > rho else (lo, 2 * hi)
+        if max(-lo, hi) > 1e6:
+            reach = (mean_at(-1e9), mean_at(1e9))
+            raise ValueError(
+                f"no margin gives a mean budget of {rho}: the budgets' mean only spans "
+                f"[{reach[0]:.4f}, {reach[1]:.4f}] (heads whose retention never varied keep "
+                "their mean); pick a rho inside it or use --budget-mode margin"
+            )
+    for _ in range(100):  # hi - lo shrinks below 1e-20 of the bracket
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean_at(mid) < rho else (lo, mid)
+    return hi
+
+
 def average_ranks(x: np.ndarray) -> np.ndarray:
     """Ranks 1..n along the last axis; tied values share the mean of their ranks."""
     x = np.asarray(x, dtype=np.float64)

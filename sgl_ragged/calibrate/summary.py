@@ -66,11 +66,17 @@ def _source(source: dict[str, Any]) -> str:
     tokens = "-".join(str(t) for t in corpus.get("tokens", []))
     return (
         f"calibrated with {source.get('scorer')} ({params}), rho {source.get('rho')}, "
-        f"alpha {source.get('alpha')}, {source.get('samples')} samples of "
+        f"alpha {source.get('alpha')}{_budget_mode(source)}, {source.get('samples')} samples of "
         f"{corpus.get('name', '?')} ({tasks}; {tokens} tokens), seed {source.get('seed')}, "
         f"chunk {source.get('chunk_size')}, page {source.get('page_size')}, "
         f"obs window {source.get('obs_window')}"
     )
+
+
+def _budget_mode(source: dict[str, Any]) -> str:
+    if source.get("budget_mode", "margin") == "margin":
+        return ""
+    return " (budget mode mean: the margin that makes the mean budget rho)"
 
 
 def _mu_note(profile: BudgetProfile) -> str:

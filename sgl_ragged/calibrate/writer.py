@@ -1,6 +1,7 @@
 """Turn recorded retention into a budget profile file (TANGRAM sections 4.1-4.3).
 
-Budgets B = min(1, mu + alpha * sigma) (Eq. 5), budget-aware clustering into groups of H_p
+Budgets B = min(1, mu + alpha * sigma) (Eq. 5; in mean mode alpha is the margin that makes the
+mean budget rho, DESIGN.md section 5), budget-aware clustering into groups of H_p
 heads (section 4.2.2), the device-independent AOT split ratios (Algorithm 1), the source
 metadata and the regularity statistics, including the per-sample retention itself (for plots).
 """
@@ -25,10 +26,18 @@ SAMPLE_DIGITS = 4  # decimals kept for per-sample retention
 def build_profile(
     shape: ModelShape, retention: np.ndarray, tasks: Sequence[str], tokens: Sequence[int],
     alpha: float, heads_per_group: int, source: dict[str, Any], extra_stats: dict[str, Any],
+    budget_mode: str = "margin",
 ) -> BudgetProfile:  # fmt: skip
-    """A calibrated profile from ``retention`` [S, L, H] (one scorer, one rho)."""
-    # 1. Eq. 5 per head.
+    """A calibrated profile from ``retention`` [S, L, H] (one scorer, one rho = source["rho"]).
+    budget_mode (statistics.BUDGET_MODES): "mean" replaces alpha by the margin at which the
+    mean budget is rho; the source records the alpha used and the mode."""
+    if budget_mode not in statistics.BUDGET_MODES:
+        raise ValueError(f"budget mode must be one of {statistics.BUDGET_MODES}, got {budget_mode!r}")
+    # 1. Eq. 5 per head (in mean mode with the margin that makes the mean budget rho).
     mu, sigma = statistics.mean_and_std(retention)
+    if budget_mode == "mean":
+        alpha = statistics.mean_matched_alpha(mu, sigma, source["rho"])
+    source = {**source, "alpha": round(alpha, DIGITS), "budget_mode": budget_mode}
     budgets = np.round(statistics.reserved_budgets(mu, sigma, alpha), DIGITS)
     # 2. Budget-aware clustering and the AOT split ratios of the clustered groups.
     groups = tuple(budget_math.cluster_heads(row, heads_per_group) for row in budgets.tolist())
@@ -58,6 +67,23 @@ def build_profile(
         split_ratios=ratios,
         stats=stats,
     )
+
+
+def rebuild_profile(profile: BudgetProfile, alpha: float, heads_per_group: int,
+                    budget_mode: str, derived_from: str) -> BudgetProfile:
+    """The profile a calibration with these settings would have written, from the per-sample
+    retention a calibrated profile stores (no model run): another margin, budget mode or group
+    size."""
+    samples = profile.stats.get("samples")
+    if profile.source.get("kind") != "calibrated" or not samples or profile.model is None:
+        raise ValueError(f"{derived_from} is not a calibrated profile with its samples; only "
+                         "profiles written by sgl-ragged-calibrate can be derived from")
+    kept = {k: v for k, v in profile.stats.items() if k == "run"}
+    return build_profile(
+        profile.model, np.asarray(samples["retention"], dtype=np.float64), samples["tasks"],
+        samples["tokens"], alpha, heads_per_group, profile.source,
+        {**kept, "derived_from": derived_from}, budget_mode,
+    )  # fmt: skip
 
 
 def output_paths(pattern: str, scorers: Sequence[str], rhos: Sequence[float]) -> dict[tuple[str, float], Path]:

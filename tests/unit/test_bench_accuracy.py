@@ -100,3 +100,20 @@ def test_comparisons_pair_static_with_dynamic_and_uniform(tmp_path: Path):
     assert vs_dyn["top1_mean"] == pytest.approx(1 / 6)
     vs_uni = comps["static-snapkv@0.5", "uniform@0.5"]
     assert vs_uni["kl_mean"] == pytest.approx(-0.5) and vs_uni["kl_exceeds_2se"]
+    assert len(comps) == 2
+
+
+def test_mean_budget_profiles_join_as_equal_memory_configs(tmp_path: Path):
+    for name in ("snapkv-rho0.5.json", "snapkv-mean-rho0.5.json"):
+        (tmp_path / name).write_text("{}")
+    configs, missing = plan_configs([0.5], ["snapkv"], tmp_path)
+    assert [c.name for c in configs] == ["full", "uniform@0.5", "static-snapkv@0.5",
+                                         "static-mean-snapkv@0.5", "dynamic-snapkv@0.5"]
+    assert not missing and configs[3].profile == str(tmp_path / "snapkv-mean-rho0.5.json")
+    rec = [{"session": 0, "turn": 0, "exact": True, "kl": 0.1, "top1": [True]}]
+    records = {c.name: rec for c in configs}
+    pairs = {(c["a"], c["b"]) for c in comparisons(configs, records)}
+    assert pairs == {("static-snapkv@0.5", "dynamic-snapkv@0.5"),
+                     ("static-snapkv@0.5", "uniform@0.5"),
+                     ("static-mean-snapkv@0.5", "dynamic-snapkv@0.5"),
+                     ("static-mean-snapkv@0.5", "static-snapkv@0.5")}

@@ -19,13 +19,16 @@ from sgl_ragged.calibrate.retention import ChunkingConfig, sample_retention
 from sgl_ragged.calibrate.runner import LayerQKV
 from sgl_ragged.calibrate.samples import build_samples
 from sgl_ragged.calibrate.statistics import (
+    BUDGET_FLOOR,
     average_ranks,
     coverage,
     held_out_coverage,
+    mean_matched_alpha,
+    reserved_budgets,
     spearman,
 )
-from sgl_ragged.calibrate.writer import output_paths
-from sgl_ragged.profile import BudgetProfile, ProfileError, resolve_profile
+from sgl_ragged.calibrate.writer import build_profile, output_paths
+from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileError, resolve_profile
 from sgl_ragged.scheduler.server_args import model_shape
 from sgl_ragged.scoring import SINK_TOKENS, SnapKVScorer
 
@@ -183,6 +186,7 @@ def test_samples_are_exact_deterministic_and_round_robin(tiny_llama: Path) -> No
         ({"scorers": ("nope",)}, "unknown scorer 'nope'"),
         ({"samples": 0}, "--samples must be >= 1"),
         ({"alpha": -1.0}, "--alpha must be"),
+        ({"budget_mode": "median"}, "--budget-mode must be one of margin, mean"),
         ({"rhos": (0.3, 0.5)}, r"several ratios need \{rho\}"),
         ({"min_tokens": 8}, "need page size <= --min-tokens"),
     ],
@@ -205,6 +209,44 @@ def test_output_patterns() -> None:
     assert paths["h2o", 0.5] == Path("d/h2o-rho0.5.json") and len(paths) == 4
     with pytest.raises(ValueError, match="only {scorer} and {rho}"):
         output_paths("d/{model}.json", ["snapkv"], [0.3])
+
+
+# ----- mean budget mode (DESIGN.md section 5) -----------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.floats(0.05, 0.9))
+def test_mean_matched_alpha_matches_a_brute_force_scan(seed: int, rho: float) -> None:
+    """Eq. 5's mean budget, scanned over a fine grid of margins, crosses rho where the
+    bisection says (clipping at 1 and at the floor included)."""
+    rng = np.random.default_rng(seed)
+    mu = rng.uniform(0.0, 1.0, (3, 4))
+    sigma = rng.uniform(0.0, 0.3, (3, 4)) * (rng.random((3, 4)) > 0.2)  # some never vary
+    reach = (reserved_budgets(mu, sigma, -1e9).mean(), reserved_budgets(mu, sigma, 1e9).mean())
+    if not reach[0] < rho < reach[1]:
+        with pytest.raises(ValueError, match="no margin gives a mean budget"):
+            mean_matched_alpha(mu, sigma, rho)
+        return
+    alpha = mean_matched_alpha(mu, sigma, rho)
+    assert reserved_budgets(mu, sigma, alpha).mean() == pytest.approx(rho, abs=1e-9)
+    grid = np.linspace(-200.0, 200.0, 400_001)  # step 1e-3
+    means = np.clip(mu[None] + grid[:, None, None] * sigma[None], BUDGET_FLOOR, 1.0).mean((1, 2))
+    first = grid[np.argmax(means >= rho)]  # the smallest scanned margin that reaches rho
+    assert first - 1e-3 - 1e-9 <= alpha <= first + 1e-9
+
+
+def test_mean_mode_profile_spends_rho_on_average() -> None:
+    rng = np.random.default_rng(3)
+    retention = np.clip(rng.normal(0.3, 0.1, (8, 2, 4)), 0.0, 1.0)  # [S, L, H]
+    shape = ModelShape("LlamaForCausalLM", num_layers=2, num_kv_heads=4, head_dim=16)
+    args = (shape, retention, ["summary"] * 8, [256] * 8, 2.0, 2, {"kind": "calibrated", "rho": 0.3}, {})
+    margin = build_profile(*args)
+    mean = build_profile(*args, budget_mode="mean")
+    assert margin.mean_budget > 0.33 and margin.source["budget_mode"] == "margin"
+    assert mean.mean_budget == pytest.approx(0.3, abs=1e-5)
+    assert mean.source["budget_mode"] == "mean" and mean.source["alpha"] != 2.0
+    with pytest.raises(ValueError, match="budget mode must be one of"):
+        build_profile(*args, budget_mode="median")
 
 
 # ----- whole runs -------------------------------------------------------------------------

@@ -30,11 +30,16 @@ def test_shipped_profiles_fit_the_default_model(path: Path) -> None:
     profile = BudgetProfile.load(path)
     profile.check_model(SMOLLM2)
     rho = profile.source["rho"]
-    assert path.name == f"{profile.source['scorer']}-rho{rho:g}.json"
-    assert profile.source["samples"] == 50 and profile.source["alpha"] == 2.0
+    mean_mode = profile.source.get("budget_mode") == "mean"
+    assert path.name == f"{profile.source['scorer']}-{'mean-' * mean_mode}rho{rho:g}.json"
+    assert profile.source["samples"] == 50
     mean_mu = sum(map(sum, profile.mu)) / 90
     assert math.isclose(mean_mu, rho, abs_tol=0.01)  # Eq. 3 keeps ceil(rho * H * n) per chunk
-    assert profile.mean_budget > mean_mu
+    if mean_mode:  # derived from the margin profile's samples
+        assert math.isclose(profile.mean_budget, rho, abs_tol=1e-5)
+        assert profile.stats["derived_from"] == path.name.replace("mean-", "")
+    else:
+        assert profile.source["alpha"] == 2.0 and profile.mean_budget > mean_mu
     samples = profile.sample_retention
     assert samples is not None and len(samples.tasks) == 50
 
@@ -46,6 +51,35 @@ def test_show_calibrated_profile(capsys: pytest.CaptureFixture[str]) -> None:
                  "rho 0.3", "capacity gain x", "rank stability", "coverage", "H_p=1:"):  # fmt: skip
         assert text in out
     assert len([line for line in out.splitlines() if line[:5].strip().isdigit()]) == 30
+
+
+def test_derive_rebuilds_a_profile_from_its_samples(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    same, mean = tmp_path / "same.json", tmp_path / "mean.json"
+    assert main(["profile", "derive", str(DEFAULT), "-o", str(same)]) == 0
+    original, rebuilt = BudgetProfile.load(DEFAULT), BudgetProfile.load(same)
+    assert rebuilt.groups == original.groups  # the samples are stored to 4 decimals
+    assert max(abs(a - b) for ra, rb in zip(original.budgets, rebuilt.budgets, strict=True)
+               for a, b in zip(ra, rb, strict=True)) < 1e-3
+    assert main(["profile", "derive", str(DEFAULT), "-o", str(mean), "--budget-mode", "mean",
+                 "--heads-per-group", "3"]) == 0
+    derived = BudgetProfile.load(mean)
+    assert math.isclose(derived.mean_budget, 0.3, abs_tol=1e-5) and derived.heads_per_group == 3
+    assert "mean B 0.3000" in capsys.readouterr().out
+    assert main(["profile", "show", str(mean)]) == 0
+    assert "budget mode mean" in capsys.readouterr().out
+
+
+def test_derive_needs_a_calibrated_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from sgl_ragged.profile import uniform_profile
+
+    uniform = tmp_path / "uniform.json"
+    uniform_profile(0.3, 30, 3).save(uniform)
+    assert main(["profile", "derive", str(uniform), "-o", str(tmp_path / "x.json")]) == 2
+    assert "not a calibrated profile with its samples" in capsys.readouterr().err
+    assert main(["profile", "derive", str(DEFAULT), "-o", str(tmp_path / "x.json"),
+                 "--heads-per-group", "2"]) == 2
+    assert "heads" in capsys.readouterr().err
 
 
 def test_show_uniform_spec(capsys: pytest.CaptureFixture[str]) -> None:
