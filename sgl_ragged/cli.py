@@ -1,6 +1,6 @@
 """``sgl-ragged``: command-line tools around budget profiles.
 
-    sgl-ragged profile show FILE|uniform:R [--model PATH] [--page-size 64]
+    sgl-ragged profile show FILE|uniform:R|dynamic:R [--model PATH] [--page-size 64]
     sgl-ragged profile plot FILE [-o out.png] [--layers 3 10 20]
     sgl-ragged profile derive FILE -o OUT [--budget-mode mean] [--alpha A] [--heads-per-group N]
     sgl-ragged calibrate ...        (same as python -m sgl_ragged.calibrate)
@@ -14,7 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sgl_ragged.calibrate.statistics import BUDGET_MODES
-from sgl_ragged.profile import BudgetProfile, ProfileError, resolve_profile, uniform_profile
+from sgl_ragged.profile import (
+    MODEL_FREE_KINDS,
+    BudgetProfile,
+    ProfileError,
+    resolve_profile,
+    uniform_profile,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,9 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     show = actions.add_parser("show", help="print a readable summary")
     plot = actions.add_parser("plot", help="draw retention boxes and memory reclaimed (PNG)")
     for sub in (show, plot):
-        sub.add_argument("profile", help="profile JSON file, or uniform:<ratio>")
+        sub.add_argument("profile", help="profile JSON file, uniform:<ratio> or dynamic:<rho>")
         sub.add_argument("--model", help="HF checkpoint: check the profile against it "
-                                         "(and give uniform:<ratio> its shape)")  # fmt: skip
+                                         "(and give uniform:/dynamic: specs its shape)")  # fmt: skip
         sub.add_argument("--page-size", type=int, default=64, help="logical page size (default 64)")
     plot.add_argument("-o", "--output", type=Path, help="PNG path (default: next to the profile)")
     plot.add_argument("--layers", type=int, nargs="+", help="layers to draw (default: 3 most varied)")
@@ -90,14 +96,17 @@ def _derive(args: argparse.Namespace) -> int:
 
 
 def load_profile(spec: str, model: str | None) -> BudgetProfile:
-    """A profile file (checked against ``model`` if given) or ``uniform:<ratio>``."""
-    is_uniform = spec.partition(":")[0].strip().lower() == "uniform"
-    if model is None and not is_uniform:
+    """A profile file (checked against ``model`` if given), ``uniform:<ratio>`` or
+    ``dynamic:<rho>``."""
+    kind = spec.partition(":")[0].strip().lower()
+    if model is None and kind not in MODEL_FREE_KINDS:
         return BudgetProfile.load(spec)
     model = model or _default_model()
-    if model is None:  # uniform without a model: one layer, one head (shape-free numbers)
-        from sgl_ragged.profile import parse_uniform_spec
+    if model is None:  # a spec without a model: one layer, one head (shape-free numbers)
+        from sgl_ragged.profile import dynamic_profile, parse_dynamic_spec, parse_uniform_spec
 
+        if kind == "dynamic":
+            return dynamic_profile(parse_dynamic_spec(spec), 1, 1)
         return uniform_profile(parse_uniform_spec(spec), 1, 1)
     from sgl_ragged.scheduler.server_args import model_shape
 
@@ -113,7 +122,7 @@ def _default_model() -> str | None:
 
 
 def _default_png(spec: str) -> Path:
-    if spec.partition(":")[0].strip().lower() == "uniform":
+    if spec.partition(":")[0].strip().lower() in MODEL_FREE_KINDS:
         return Path(f"profile-{spec.replace(':', '-').strip()}.png")
     return Path(spec).with_suffix(".png")
 

@@ -88,6 +88,15 @@ def test_show_uniform_spec(capsys: pytest.CaptureFixture[str]) -> None:
     assert "kind uniform, rho 0.3" in out and "mean B 0.300" in out and "x3.20" in out
 
 
+def test_show_dynamic_spec(capsys: pytest.CaptureFixture[str]) -> None:
+    """The dynamic reference keeps full pages: no memory saved, whatever rho."""
+    assert main(["profile", "show", "dynamic:0.3"]) == 0
+    out = capsys.readouterr().out
+    assert "kind dynamic, rho 0.3" in out and "mean B 1.000" in out and "x1.00" in out
+    assert main(["profile", "show", "dynamic:1.5"]) == 2
+    assert "dynamic:<rho>" in capsys.readouterr().err
+
+
 def test_plot_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "fig.png"
     assert main(["profile", "plot", str(DEFAULT), "-o", str(out), "--layers", "0", "29"]) == 0
