@@ -196,10 +196,10 @@ def summarize(config: Config, records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def comparisons(configs: list[Config], records: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """static vs dynamic (same scorer and rho) and static vs uniform (same rho); static-mean
-    (equal memory) vs dynamic and vs static; paired over the same questions."""
+    (equal memory) vs uniform, dynamic and static; paired over the same questions."""
     by_name = {c.name: c for c in configs if c.name in records}
     versus = {"static": ("dynamic-{s}@{r}", "uniform@{r}"),
-              "static-mean": ("dynamic-{s}@{r}", "static-{s}@{r}")}
+              "static-mean": ("uniform@{r}", "dynamic-{s}@{r}", "static-{s}@{r}")}
     pairs = []
     for c in by_name.values():
         for other in versus.get(c.kind, ()):

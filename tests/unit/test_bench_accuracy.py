@@ -115,5 +115,6 @@ def test_mean_budget_profiles_join_as_equal_memory_configs(tmp_path: Path):
     pairs = {(c["a"], c["b"]) for c in comparisons(configs, records)}
     assert pairs == {("static-snapkv@0.5", "dynamic-snapkv@0.5"),
                      ("static-snapkv@0.5", "uniform@0.5"),
+                     ("static-mean-snapkv@0.5", "uniform@0.5"),
                      ("static-mean-snapkv@0.5", "dynamic-snapkv@0.5"),
                      ("static-mean-snapkv@0.5", "static-snapkv@0.5")}
