@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     derive.add_argument("--budget-mode", choices=BUDGET_MODES, default="margin",
                         help="margin: B = min(1, mu + alpha*sigma); mean: alpha chosen so that "
                              "the mean budget equals the profile's rho")  # fmt: skip
-    derive.add_argument("--alpha", type=float, help="margin (default: the profile's)")
+    derive.add_argument("--alpha", type=float,
+                        help="margin of --budget-mode margin (default: the profile's)")
     derive.add_argument("--heads-per-group", type=int, help="H_p (default: the profile's)")
     return parser
 

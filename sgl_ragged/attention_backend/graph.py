@@ -101,7 +101,7 @@ class DecodeGraphBuffers:
     def capture_metadata(self, bs: int) -> RaggedForwardMetadata:
         """Metadata of a graph capture (and its warm-up runs): a batch of padding only."""
         kernel, tails = self.views(bs)
-        self._pad(kernel, tails, 0)
+        self._pad(kernel, tails)
         return self._metadata([], torch.empty(0, dtype=torch.long), kernel, tails)
 
     def load(self, bs: int, meta: RaggedForwardMetadata) -> RaggedForwardMetadata:
@@ -116,7 +116,7 @@ class DecodeGraphBuffers:
         live_kernel = kernel_batch(plans, self.storage.device)
         live_tails = tail_batch(plans, self.storage.layout.page_size, self.storage.device)
         self._check_capacity(bs, live_kernel, live_tails)
-        self._pad(kernel, tails, len(plans))
+        self._pad(kernel, tails)
         for name in ("q_start", "q_len", "num_sealed", "sealed_table", "num_staged", "stage_table"):
             _copy_leading(getattr(kernel, name), getattr(live_kernel, name))
         for name in (*_TAIL_PER_PAGE, "seal_index", "seal_pages", "stay_index", "stay_stage"):
@@ -142,7 +142,7 @@ class DecodeGraphBuffers:
                 "--cuda-graph-backend-decode disabled and report it."
             )
 
-    def _pad(self, kernel: KernelBatch, tails: TailBatch, live: int) -> None:
+    def _pad(self, kernel: KernelBatch, tails: TailBatch) -> None:
         """Padding values everywhere; request b's own row as its q_start."""
         for t in (kernel, tails):
             for f in fields(t):
