@@ -157,6 +157,12 @@ def _check_unsupported(cfg: Any) -> None:
             "--attention-backend ragged supports --tp-size 1 only for now (profiles are not "
             "yet sliced per rank); use data parallelism (--dp-size) to scale out"
         )
+    if getattr(cfg, "enable_torch_compile", False):
+        raise ValueError(
+            "--enable-torch-compile is not supported by --attention-backend ragged (each step is "
+            "planned on the host, and the CPU graph runner it enables has no ragged support); "
+            "drop the flag (decode CUDA graphs stay on without it)"
+        )
     if cfg.page_size is not None and cfg.page_size < 4:
         raise ValueError(
             f"--page-size {cfg.page_size} is too small for the ragged backend: a page is the "

@@ -367,3 +367,17 @@ def test_server_args_reject_graph_setups_the_backend_cannot_run(monkeypatch):
     monkeypatch.setenv("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "1")
     with pytest.raises(ValueError, match="METADATA_GLUE_GRAPH"):
         _decode_graphs(SimpleNamespace(cuda_graph_config=CudaGraphConfig(), device="cuda"), config)
+
+
+def test_server_args_reject_torch_compile():
+    from types import SimpleNamespace
+
+    pytest.importorskip("sglang")
+    from sgl_ragged.scheduler.server_args import _check_unsupported
+
+    cfg = SimpleNamespace(speculative_algorithm=None, tp_size=1, page_size=64,
+                          enable_torch_compile=True)
+    with pytest.raises(ValueError, match="--enable-torch-compile is not supported"):
+        _check_unsupported(cfg)
+    _check_unsupported(SimpleNamespace(**{**vars(cfg), "enable_torch_compile": False}))
+
