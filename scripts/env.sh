@@ -5,7 +5,8 @@
 # It is built on first use (several minutes, ~11 GB) and marked complete only on success;
 # then this checkout is installed into it in editable mode, with a startup hook (.pth) for
 # the sgl_kernel stand-in. Exports SGL_RAGGED_VENV, PATH (venv bin first),
-# SGLANG_USE_CPU_ENGINE=1, HF_HUB_OFFLINE=1 and OMP_WAIT_POLICY=PASSIVE.
+# SGLANG_USE_CPU_ENGINE=1, HF_HUB_OFFLINE=1, OMP_WAIT_POLICY=PASSIVE and glibc malloc
+# thresholds (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_).
 # Safe under `set -euo pipefail`; returns non-zero (without exiting an interactive shell)
 # on failure.
 
@@ -99,6 +100,12 @@ _sgl_ragged_setup() {  # build (if needed) and activate the venv, under a lock
   # a server sharing a small CPU with any other busy process slowed 100x (a 30-layer decode
   # step of the ragged torch path: 5.3 s instead of 40 ms; many small ops per step).
   export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+  # glibc malloc keeps freed memory instead of handing large blocks back to the kernel and
+  # faulting them in again: the CPU attention's multi-MB temporaries otherwise cost page faults
+  # on every step (bench.cpu_attention, decode of 8 requests at 4K: 110-280 ms, bimodal across
+  # runs, instead of 110-116 ms).
+  export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-33554432}"
+  export MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-1073741824}"
 }
 
 _sgl_ragged_setup || return 1

@@ -16,7 +16,8 @@ query i sees key k iff key_pos[b, k] <= q_pos[b, i]:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,13 @@ MAX_PADDED = 2**24
 requests x longest query run x longest key run stays below this (one long prefill chunk
 beside short ones would otherwise pad every request to its size); decode batches fit whole."""
 
+SINGLE_THREAD_PAIRS = {True: 2**17, False: 2**19}
+"""Decode (True) / extend (False) forwards with at most this many (query, logical key) pairs
+run their attention on one intra-op thread: their ops are small, and waking the thread pool
+for each (OMP_WAIT_POLICY=PASSIVE) costs more than the second core gives. Measured with
+bench.cpu_attention on 2 cores: decode of 1-64 requests 1.2-3x faster at <= 70K pairs, 10%
+slower at 133K; a 256-token prefill chunk 1.4x faster at 330K, slower from 650K."""
+
 
 @dataclass(frozen=True)
 class PaddedBatch:
@@ -61,6 +69,7 @@ class PaddedBatch:
     num_sealed: torch.Tensor  # [B] int64 sealed pages per request
     tail_page: torch.Tensor  # [B, Tp] int64 tail page m (TailBatch index; 0 where padded)
     tail_pos: torch.Tensor  # [B, Tp * P] int64 tail token positions (past the end: pad)
+    pairs: int  # (query, logical key) pairs of the run's requests, unpadded (host)
 
 
 def padded_batches(plans: Sequence[RequestPlan], page_size: int, device: torch.device,
@@ -114,6 +123,8 @@ def padded_batch(plans: Sequence[RequestPlan], first_page: Sequence[int], page_s
         win_flat_valid=dev(w_valid), win_pos=dev(torch.where(win_valid, win_pos, -1)),
         sealed_table=dev(sealed), num_sealed=dev([p.sealed_pages.numel() for p in plans]),
         tail_page=dev(tail), tail_pos=dev(tail_pos),
+        pairs=sum(p.q_len * (p.sealed_pages.numel() + p.tail_pages.numel()) * page_size
+                  for p in plans),
     )
 
 
@@ -132,8 +143,14 @@ class BatchedTorchAttention(AttentionImpl):
 
     def forward(self, layer: int, meta: RaggedForwardMetadata, q: torch.Tensor,
                 k: torch.Tensor, v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
+        assert meta.tails is not None and meta.padded, "prepare() did not run for this forward"
+        small = sum(pb.pairs for pb in meta.padded) <= SINGLE_THREAD_PAIRS[decode]
+        with _intra_op_threads(1 if small else torch.get_num_threads()):
+            return self._forward(layer, meta, q, k, v, scale, decode)
+
+    def _forward(self, layer: int, meta: RaggedForwardMetadata, q: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
         tails = meta.tails
-        assert tails is not None and meta.padded, "prepare() did not run for this forward"
         k_pages, v_pages = tail_pages(self.storage, layer, tails, k, v)  # [M, P, H, D]
         out = torch.empty_like(q)
         lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)  # window rows only
@@ -191,6 +208,20 @@ class BatchedTorchAttention(AttentionImpl):
         exists = torch.arange(S * k_g, device=st.device)[None, :] < pb.num_sealed[:, None] * k_g
         key_pos = torch.cat([torch.where(exists, -1, NEVER), pb.tail_pos], 1)
         return torch.cat([sealed_k, group_k], 1), torch.cat([sealed_v, group_v], 1), key_pos
+
+
+@contextmanager
+def _intra_op_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to n inside the block (restored after)."""
+    before = torch.get_num_threads()
+    if n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _logits(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -62,3 +62,27 @@ def test_padded_runs_respect_the_cap():
         keys = (pb.sealed_table.shape[1] + pb.tail_page.shape[1]) * P
         assert B == 1 or B * Lq * keys <= cap
     assert len(padded_batches(plans, P, torch.device("cpu"))) == 1  # default cap: one run
+
+
+@pytest.mark.parametrize("limit,inside", [(2**17, 1), (0, 2)])
+def test_small_forwards_attend_on_one_thread(monkeypatch, limit, inside):
+    """Below SINGLE_THREAD_PAIRS the layer runs on one intra-op thread (the count is restored
+    after it); above, on the process's threads. Results are the reference's either way."""
+    from sgl_ragged.attention_backend import batched_torch
+
+    seen, forward = [], BatchedTorchAttention._forward
+
+    def spy(self, *args):
+        seen.append(torch.get_num_threads())
+        return forward(self, *args)
+
+    monkeypatch.setattr(BatchedTorchAttention, "_forward", spy)
+    monkeypatch.setitem(batched_torch.SINGLE_THREAD_PAIRS, True, limit)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        compare_with_reference(BatchedTorchAttention, [Spec(2, 3, 1), Spec(0, 5, 1)], True, 3,
+                               "cpu")
+        assert seen == [inside] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
