@@ -60,7 +60,9 @@ def _graph() -> RecordedGraph | CudaGraph:
 class Requests:
     """Requests with distinct random pages in a req_to_token table (row 0 = padding)."""
 
-    def __init__(self, n: int, num_pages: int, rng: random.Random, device: str) -> None:
+    def __init__(self, n: int, num_pages: int, rng: random.Random, device: str,
+                 window: int = WINDOW) -> None:
+        self.window = window  # --ragged-window-pages
         pages = rng.sample(range(1, num_pages), n * CONTEXT_PAGES)
         slots = torch.tensor(pages).view(n, CONTEXT_PAGES, 1) * P + torch.arange(P)
         self.req_to_token = torch.zeros(n + 1, CONTEXT_PAGES * P, dtype=torch.int32)
@@ -71,7 +73,7 @@ class Requests:
     def plan(self, storage: RaggedStorage, rows: list[int], new: list[int]) -> RaggedForwardMetadata:
         prefixes = [self.seq_lens[r] for r in rows]
         seq_lens = [s + n for s, n in zip(prefixes, new, strict=True)]
-        return plan_batch(self.req_to_token, storage, rows, prefixes, seq_lens, WINDOW, OBS)
+        return plan_batch(self.req_to_token, storage, rows, prefixes, seq_lens, self.window, OBS)
 
     def advance(self, rows: list[int], new: list[int]) -> None:
         for r, n in zip(rows, new, strict=True):
@@ -110,13 +112,14 @@ def _assert_same(got: RaggedStorage, want: RaggedStorage) -> None:
     assert got.counters == want.counters
 
 
-@pytest.mark.parametrize("seed", range(2))
-def test_replayed_decode_graph_matches_eager_decode(kernel_device, seed):
+@pytest.mark.parametrize("seed,window", [(0, 1), (1, 0), (2, 2)])
+def test_replayed_decode_graph_matches_eager_decode(kernel_device, seed, window):
+    """window: --ragged-window-pages, which sizes the graph's tail buffers (W + 1 per request)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     n_req, bs = 3, 4
     graph_store = random_storage(rng, kernel_device, layers=LAYERS, num_pages=40, num_stages=16)
-    requests = Requests(n_req, graph_store.num_pages, rng, kernel_device)
+    requests = Requests(n_req, graph_store.num_pages, rng, kernel_device, window)
     # Prefill (eager) to random lengths: sealed pages, staged window pages, partial pages.
     rows = list(range(1, n_req + 1))
     lens = [rng.randint(P // 2, 3 * P) for _ in rows]
@@ -128,7 +131,7 @@ def test_replayed_decode_graph_matches_eager_decode(kernel_device, seed):
     # Capture once, on a batch of padding only (after one eager warm-up, as SGLang does).
     impl = TritonAttention(graph_store, layout_split_ratios(graph_store.layout.groups,
                                                             graph_store.layout.slots))
-    buffers = DecodeGraphBuffers(graph_store, max_bs=bs, window_pages=WINDOW,
+    buffers = DecodeGraphBuffers(graph_store, max_bs=bs, window_pages=window,
                                  max_pages_per_request=CONTEXT_PAGES)
     static = _random_qkv(bs, gen, kernel_device)
     capture_meta = buffers.capture_metadata(bs)
