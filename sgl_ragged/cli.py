@@ -19,6 +19,7 @@ from sgl_ragged.profile import (
     BudgetProfile,
     ProfileError,
     resolve_profile,
+    spec_kind,
     uniform_profile,
 )
 
@@ -99,7 +100,7 @@ def _derive(args: argparse.Namespace) -> int:
 def load_profile(spec: str, model: str | None) -> BudgetProfile:
     """A profile file (checked against ``model`` if given), ``uniform:<ratio>`` or
     ``dynamic:<rho>``."""
-    kind = spec.partition(":")[0].strip().lower()
+    kind = spec_kind(spec)
     if model is None and kind not in MODEL_FREE_KINDS:
         return BudgetProfile.load(spec)
     model = model or _default_model()
@@ -123,7 +124,7 @@ def _default_model() -> str | None:
 
 
 def _default_png(spec: str) -> Path:
-    if spec.partition(":")[0].strip().lower() in MODEL_FREE_KINDS:
+    if spec_kind(spec) in MODEL_FREE_KINDS:
         return Path(f"profile-{spec.replace(':', '-').strip()}.png")
     return Path(spec).with_suffix(".png")
 

@@ -556,6 +556,12 @@ def _parse_ratio_spec(spec: str, kind: str, help_text: str) -> float:
     return ratio
 
 
+def spec_kind(spec: str) -> str:
+    """The kind a --ragged-profile value names: "uniform" / "dynamic" for those specs (any
+    case), else what precedes its first colon (a file path names no kind)."""
+    return spec.partition(":")[0].strip().lower()
+
+
 def resolve_profile(
     spec: str, shape: ModelShape, heads_per_group: int | None = None
 ) -> BudgetProfile:
@@ -567,7 +573,7 @@ def resolve_profile(
     """
     if heads_per_group is not None:
         _check_heads_per_group(shape.num_kv_heads, heads_per_group)
-    kind = spec.partition(":")[0].strip().lower()
+    kind = spec_kind(spec)
     if kind == "uniform":
         ratio = parse_uniform_spec(spec)
         return uniform_profile(ratio, shape.num_layers, shape.num_kv_heads, heads_per_group)

@@ -67,18 +67,18 @@ class RaggedStorage:
                            for gs in layout.groups]
         # stage_k[l]: [S + 1, P, H, D], indexed by staging page. Page S is the scratch page:
         # never handed out, it takes the writes of CUDA-graph padding (attention_backend/graph.py).
-        S = num_staging_pages + 1
-        self.stage_k = [self._zeros(S, P, H, D) for _ in range(layout.num_layers)]
-        self.stage_v = [self._zeros(S, P, H, D) for _ in range(layout.num_layers)]
+        rows = num_staging_pages + 1  # S + 1
+        self.stage_k = [self._zeros(rows, P, H, D) for _ in range(layout.num_layers)]
+        self.stage_v = [self._zeros(rows, P, H, D) for _ in range(layout.num_layers)]
         # stage_attn: [S + 1, L, H, P] float32 summed GQA-reduced attention received per token.
-        self.stage_attn = torch.zeros(S, layout.num_layers, H, P, device=self.device)
+        self.stage_attn = torch.zeros(rows, layout.num_layers, H, P, device=self.device)
         # stage_obs: [S + 1, P] float32 number of queries that observed each token.
-        self.stage_obs = torch.zeros(S, P, device=self.device)
+        self.stage_obs = torch.zeros(rows, P, device=self.device)
         # stage_q_sum, stage_q_sq_sum: [S + 1, L, H, D] float32 sums of the queries (and squares)
         # observed while staged, pooled per KV head; stage_q_count: [S + 1, L] float32 their count.
-        self.stage_q_sum = torch.zeros(S, layout.num_layers, H, D, device=self.device)
+        self.stage_q_sum = torch.zeros(rows, layout.num_layers, H, D, device=self.device)
         self.stage_q_sq_sum = torch.zeros_like(self.stage_q_sum)
-        self.stage_q_count = torch.zeros(S, layout.num_layers, device=self.device)
+        self.stage_q_count = torch.zeros(rows, layout.num_layers, device=self.device)
         # Dynamic reference mode (profile dynamic:<rho>): full rows, Eq. 3 picks the kept tokens.
         # row_keep[l]: [num_pages, H, P] bool, indexed by logical page; False = dropped (masked).
         self.dynamic_rho = dynamic_rho

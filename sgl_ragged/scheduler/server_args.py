@@ -19,7 +19,7 @@ from sgl_ragged.config import (
     add_cli_args,
     move_cli_args_to_env,
 )
-from sgl_ragged.profile import ModelShape, resolve_profile
+from sgl_ragged.profile import ModelShape, resolve_profile, spec_kind
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def _decode_graphs(cfg: Any, config: RaggedConfig) -> bool:
     graph_config = cfg.cuda_graph_config
     on_cuda = str(cfg.device or "cuda").startswith("cuda")
     if (graph_config is None or graph_config.decode.backend == Backend.DISABLED or not on_cuda
-            or config.attention not in ("auto", "triton") or config.profile.startswith("dynamic:")):
+            or config.attention not in ("auto", "triton") or spec_kind(config.profile) == "dynamic"):
         return False
     if graph_config.decode.backend != Backend.FULL:
         raise ValueError(

@@ -337,6 +337,7 @@ def _replay_view(pool_idx: list[int], seq_lens: list[int], bs: int, mode=None):
     ("auto", "uniform:0.3", "cuda", "full"), ("triton", "uniform:0.3", None, "full"),
     ("auto", "uniform:0.3", "cpu", "disabled"), ("reference", "uniform:0.3", "cuda", "disabled"),
     ("batched", "uniform:0.3", "cuda", "disabled"), ("auto", "dynamic:0.3", "cuda", "disabled"),
+    ("auto", " Dynamic:0.3", "cuda", "disabled"),  # any case, as the profile resolver reads it
 ])
 def test_server_args_keep_decode_graphs_only_for_the_triton_path(attention, profile, device,
                                                                  decode):
