@@ -40,7 +40,8 @@ FULL = "full"
 
 @dataclass(frozen=True)
 class Config:
-    """One server configuration: `kind` in full/uniform/static/static-mean/dynamic."""
+    """One server configuration: `kind` in full/uniform/static/static-mean/kvcompose/baklava/
+    dynamic."""
 
     name: str
     kind: str
@@ -55,8 +56,10 @@ class Config:
 
 def plan_configs(rhos: list[float], scorers: list[str], profile_dir: Path) -> tuple[list[Config], list[str]]:
     """full, then per rho (smallest first): uniform, and per scorer static (margin budgets),
-    static-mean (mean budget = rho, where that profile exists) and dynamic. Returns the
-    configurations and the margin profile files that do not exist (skipped)."""
+    static-mean (mean budget = rho, where that profile exists), the other equal-memory budget
+    sources where their profiles exist (kvcompose: kvcompose-<s>-mean-rho<r>.json, baklava:
+    baklava-<s>-rho<r>.json) and dynamic. Returns the configurations and the margin profile
+    files that do not exist (skipped)."""
     configs, missing = [Config(FULL, FULL, 1.0, scorers[0], "uniform:1.0")], []
     for rho in sorted(r for r in rhos if r < 1.0):
         configs.append(Config(f"uniform@{rho}", "uniform", rho, scorers[0], f"uniform:{rho}"))
@@ -69,6 +72,10 @@ def plan_configs(rhos: list[float], scorers: list[str], profile_dir: Path) -> tu
             mean_path = profile_dir / f"{s}-mean-rho{rho}.json"
             if mean_path.is_file():
                 configs.append(Config(f"static-mean-{s}@{rho}", "static-mean", rho, s, str(mean_path)))
+            for source, file in (("kvcompose", f"kvcompose-{s}-mean-rho{rho}.json"),
+                                 ("baklava", f"baklava-{s}-rho{rho}.json")):
+                if (profile_dir / file).is_file():
+                    configs.append(Config(f"{source}-{s}@{rho}", source, rho, s, str(profile_dir / file)))
             configs.append(Config(f"dynamic-{s}@{rho}", "dynamic", rho, s, f"dynamic:{rho}"))
     return configs, missing
 
@@ -196,10 +203,13 @@ def summarize(config: Config, records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def comparisons(configs: list[Config], records: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """static vs dynamic (same scorer and rho) and static vs uniform (same rho); static-mean
-    (equal memory) vs uniform, dynamic and static; paired over the same questions."""
+    (equal memory) vs uniform, dynamic and static; kvcompose and baklava (equal memory) vs
+    uniform and static-mean; paired over the same questions."""
     by_name = {c.name: c for c in configs if c.name in records}
     versus = {"static": ("dynamic-{s}@{r}", "uniform@{r}"),
-              "static-mean": ("uniform@{r}", "dynamic-{s}@{r}", "static-{s}@{r}")}
+              "static-mean": ("uniform@{r}", "dynamic-{s}@{r}", "static-{s}@{r}"),
+              "kvcompose": ("uniform@{r}", "static-mean-{s}@{r}"),
+              "baklava": ("uniform@{r}", "static-mean-{s}@{r}")}
     pairs = []
     for c in by_name.values():
         for other in versus.get(c.kind, ()):

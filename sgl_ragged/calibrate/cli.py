@@ -8,17 +8,23 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sgl_ragged.calibrate.retention import ChunkingConfig
+from sgl_ragged.calibrate.sources import SOURCES
 from sgl_ragged.calibrate.statistics import BUDGET_MODES
 from sgl_ragged.scoring import SCORERS
 
-DEFAULT_OUTPUT = "calib_profiles/{model}/{{scorer}}-rho{{rho}}.json"
+DEFAULT_OUTPUT = "calib_profiles/{model}/{prefix}{{scorer}}-rho{{rho}}.json"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sgl-ragged-calibrate",
-        description="Calibrate per-KV-head retention budgets (TANGRAM Eq. 3-5) and write profiles.",
+        description="Calibrate per-KV-head retention budgets (TANGRAM Eq. 3-5, or KVCompose's "
+                    "or BaKlaVa's budgets) and write profiles.",
     )
+    p.add_argument("--source", choices=SOURCES, default="tangram",
+                   help="tangram: Eq. 3 per head, budgets mu + alpha*sigma (default); kvcompose: "
+                        "layer-adaptive budgets, uniform within a layer (H_p = H); baklava: head "
+                        "importance reallocation, (r, t) searched by compressed loss")
     p.add_argument("model", nargs="?", help="HF checkpoint directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--model", dest="model_opt", metavar="PATH", help="same as the positional MODEL")
     p.add_argument("--scorer", nargs="+", default=["snapkv"],
@@ -30,8 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-mode", choices=BUDGET_MODES, default="margin",
                    help="margin: B = min(1, mu + alpha*sigma) as given (TANGRAM Eq. 5, default); "
                         "mean: alpha chosen so that the mean budget equals rho (equal memory)")
-    p.add_argument("--heads-per-group", type=int, default=1, metavar="H_P",
-                   help="KV heads per head group (budget-aware clustering; default 1)")
+    p.add_argument("--heads-per-group", type=int, default=None, metavar="H_P",
+                   help="KV heads per head group (budget-aware clustering; default 1, or all the "
+                        "KV heads of a layer for --source kvcompose)")
+    p.add_argument("--eval-samples", type=int, default=2,
+                   help="baklava: held-out samples whose compressed loss picks (r, t) (default 2)")
+    p.add_argument("--baklava-reductions", type=float, nargs="+", default=[0.25, 0.5, 0.75, 0.9],
+                   metavar="R", help="baklava: candidate reductions r of low-importance heads")
+    p.add_argument("--baklava-quantiles", type=float, nargs="+", default=[0.25, 0.5, 0.75, 0.9],
+                   metavar="Q", help="baklava: candidate thresholds t at these quantiles of the "
+                                     "head importances")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (multiple of page size)")
     p.add_argument("--obs-window", type=int, default=32, help="window queries that score a chunk")
@@ -56,20 +70,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sgl_ragged.models.smollm2 import ensure_smollm2
 
         model = str(ensure_smollm2())
-    output = args.output or DEFAULT_OUTPUT.format(model=Path(model).name.lower())
+    prefix = "" if args.source == "tangram" else f"{args.source}-"
+    output = args.output or DEFAULT_OUTPUT.format(model=Path(model).name.lower(), prefix=prefix)
     try:
+        heads_per_group = args.heads_per_group
+        if heads_per_group is None:
+            heads_per_group = _num_kv_heads(model) if args.source == "kvcompose" else 1
         cfg = CalibrationConfig(
             model_path=model, output=output, scorers=tuple(args.scorer), rhos=tuple(args.rho),
             samples=args.samples, alpha=args.alpha, budget_mode=args.budget_mode,
-            heads_per_group=args.heads_per_group,
+            heads_per_group=heads_per_group, source=args.source, eval_samples=args.eval_samples,
+            reductions=tuple(args.baklava_reductions), quantiles=tuple(args.baklava_quantiles),
             chunking=ChunkingConfig(args.page_size, args.chunk_size, args.obs_window),
             min_tokens=args.min_tokens, max_tokens=args.max_tokens, seed=args.seed,
             device=args.device, dtype=args.dtype,
         )  # fmt: skip
         paths = calibrate(cfg, progress=not args.quiet)
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:  # OSError: a model path transformers cannot load
         print(f"sgl-ragged-calibrate: error: {exc}", file=sys.stderr)
         return 2
     for path in paths:
         print(path)
     return 0
+
+
+def _num_kv_heads(model: str) -> int:
+    from sgl_ragged.scheduler.server_args import model_shape
+
+    return model_shape(model).num_kv_heads

@@ -23,6 +23,7 @@ from sgl_ragged.calibrate.corpus import CORPUS_NAME, TASK_NAMES
 from sgl_ragged.calibrate.retention import ChunkingConfig, sample_retention
 from sgl_ragged.calibrate.runner import CaptureRunner
 from sgl_ragged.calibrate.samples import build_samples
+from sgl_ragged.calibrate.sources import SOURCES
 from sgl_ragged.calibrate.statistics import BUDGET_MODES
 from sgl_ragged.scoring import make_scorer
 
@@ -41,6 +42,10 @@ class CalibrationConfig:
     alpha: float = 2.0
     budget_mode: str = "margin"  # statistics.BUDGET_MODES
     heads_per_group: int = 1
+    source: str = "tangram"  # sources.SOURCES: tangram (Eq. 3), kvcompose, baklava
+    eval_samples: int = 2  # baklava: samples of the (r, t) search's compressed loss
+    reductions: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9)  # baklava: r candidates
+    quantiles: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9)  # baklava: t at these importance quantiles
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     min_tokens: int = 1024
     max_tokens: int = 1536
@@ -68,6 +73,23 @@ class CalibrationConfig:
                 f"need page size <= --min-tokens <= --max-tokens, got {self.chunking.page_size}, "
                 f"{self.min_tokens}, {self.max_tokens}"
             )
+        if self.source not in SOURCES:
+            raise ValueError(f"--source must be one of {', '.join(SOURCES)}, got {self.source!r}")
+        if self.source == "baklava":
+            if self.budget_mode != "margin":
+                raise ValueError("--budget-mode applies to tangram and kvcompose (mu + alpha * "
+                                 "sigma); BaKlaVa's budgets already spend rho on average")
+            if self.eval_samples < 1:
+                raise ValueError(f"--eval-samples must be >= 1, got {self.eval_samples}")
+            if not all(0.0 <= r < 1.0 for r in self.reductions) or not self.reductions:
+                raise ValueError(f"--baklava-reductions must be in [0, 1), got {list(self.reductions)}")
+            if not all(0.0 <= q <= 1.0 for q in self.quantiles) or not self.quantiles:
+                raise ValueError(f"--baklava-quantiles must be in [0, 1], got {list(self.quantiles)}")
+            if self.min_tokens <= self.chunking.chunk_size:
+                raise ValueError(
+                    f"BaKlaVa's search scores the tokens after the first prefill chunk: --min-tokens "
+                    f"({self.min_tokens}) must exceed --chunk-size ({self.chunking.chunk_size})"
+                )
         for name in self.scorers:
             make_scorer(name)  # unknown names fail here, before the model loads
         writer.output_paths(self.output, self.scorers, self.rhos)
@@ -80,11 +102,13 @@ def calibrate(cfg: CalibrationConfig, progress: bool = True) -> list[Path]:
     check_heads_per_group(runner.shape.num_kv_heads, cfg.heads_per_group)
     samples = build_samples(runner.tokenizer, cfg.samples, cfg.seed, cfg.min_tokens,
                             cfg.max_tokens, cfg.chunking.page_size)  # fmt: skip
+    if cfg.source == "baklava":
+        return _calibrate_baklava(cfg, runner, samples, started, progress)
     scorers = [make_scorer(name) for name in cfg.scorers]
     per_sample = []  # [S] of [S_c, R, L, H]
     for sample in _progress(samples, progress):
         layers = runner.run(sample.input_ids)
-        per_sample.append(sample_retention(layers, scorers, cfg.rhos, cfg.chunking, runner.scale))
+        per_sample.append(sample_retention(layers, scorers, cfg.rhos, cfg.chunking, runner.scale, cfg.source))
     retention = torch.stack(per_sample, dim=2).numpy()  # [S_c, R, S, L, H]
     seconds = time.perf_counter() - started
     tasks = [s.task for s in samples]
@@ -100,6 +124,64 @@ def calibrate(cfg: CalibrationConfig, progress: bool = True) -> list[Path]:
                 cfg.budget_mode,
             )  # fmt: skip
             writer.save(profile, paths[scorer.name, rho])
+    return list(paths.values())
+
+
+def _calibrate_baklava(cfg: CalibrationConfig, runner: CaptureRunner, samples: list[Any],
+                       started: float, progress: bool) -> list[Path]:  # fmt: skip
+    """BaKlaVa: head importance over the samples (Algorithm 1), then per scorer and rho the
+    (r, t) of Algorithm 2 with the lowest compressed loss on ``eval_samples`` other samples
+    (Algorithm 3)."""
+    from sgl_ragged import budgets as budget_math
+    from sgl_ragged.calibrate import sources
+    from sgl_ragged.calibrate.compressed import CompressedLoss, SlotSelection, head_slots
+
+    importance = []  # [S] of [L, H]
+    for sample in _progress(samples, progress, "importance"):
+        layers = runner.run(sample.input_ids)
+        importance.append(torch.stack([sources.head_importance(x, runner.scale) for x in layers]))
+    per_sample = torch.stack(importance).numpy()  # [S, L, H]
+    mean_importance = per_sample.mean(0)
+    held_out = build_samples(runner.tokenizer, cfg.eval_samples, cfg.seed + 1, cfg.min_tokens,
+                             cfg.max_tokens, cfg.chunking.page_size)  # fmt: skip
+    grid = sources.baklava_grid(mean_importance, cfg.reductions, cfg.quantiles)
+    page = cfg.chunking.page_size
+    jobs = [(name, rho, r, t) for name in cfg.scorers for rho in cfg.rhos for r, t in grid]
+    losses: dict[Any, float] = {}  # (scorer, slots) -> mean NLL over the held-out tokens
+    evaluators = {name: CompressedLoss(runner, make_scorer(name), cfg.chunking) for name in cfg.scorers}
+    full = torch.cat([evaluators[cfg.scorers[0]].token_nll(s.input_ids, None) for s in held_out])
+    searched: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for name, rho, r, t in _progress(jobs, progress, "BaKlaVa search"):
+        budgets = sources.baklava_budgets(mean_importance, rho, r, t)
+        groups = [budget_math.cluster_heads(row, cfg.heads_per_group) for row in budgets.tolist()]
+        slots = head_slots(budgets.tolist(), groups, page)
+        key = (name, tuple(map(tuple, slots)))
+        if key not in losses:
+            selection = SlotSelection(slots)
+            nll = torch.cat([evaluators[name].token_nll(s.input_ids, selection) for s in held_out])
+            losses[key] = float(nll.mean())
+        searched.setdefault((name, rho), []).append(
+            {"reduction": r, "threshold": t, "nll": round(losses[key], 6),
+             "mean_budget": round(float(budgets.mean()), 6)}
+        )  # fmt: skip
+    seconds = time.perf_counter() - started
+    tasks = [s.task for s in samples]
+    tokens = [s.num_tokens for s in samples]
+    paths = writer.output_paths(cfg.output, cfg.scorers, cfg.rhos)
+    for name in cfg.scorers:
+        for rho in cfg.rhos:
+            rows = searched[name, rho]
+            best = min(rows, key=lambda row: row["nll"])  # the first of equals: uniform wins ties
+            profile = writer.build_baklava_profile(
+                runner.shape, mean_importance, per_sample, tasks, best, rows, float(full.mean()),
+                cfg.heads_per_group,
+                {**{k: v for k, v in _source(cfg, make_scorer(name), rho, tasks, tokens).items()
+                    if k != "alpha"},  # no margin: the budgets come from Algorithm 2
+                 "kind": "baklava", "eval_samples": cfg.eval_samples, "eval_seed": cfg.seed + 1},
+                {"run": {"seconds": round(seconds, 1), "profiles": len(paths),
+                         "device": cfg.device, "threads": torch.get_num_threads()}},
+            )  # fmt: skip
+            writer.save(profile, paths[name, rho])
     return list(paths.values())
 
 
@@ -125,21 +207,31 @@ def _source(cfg: CalibrationConfig, scorer: Any, rho: float, tasks: list[str],
         "obs_window": cfg.chunking.obs_window,
         "model_path_name": Path(cfg.model_path).name,
         "dtype": cfg.dtype,
-        "selection": "TANGRAM Eq. 3 per layer and prefill chunk; budgets Eq. 5",
+        "method": cfg.source,
+        "selection": SELECTION[cfg.source],
     }
 
 
-def _progress(items: list[T], enabled: bool) -> Iterable[T]:
+SELECTION = {
+    "tangram": "TANGRAM Eq. 3 per layer and prefill chunk; budgets Eq. 5",
+    "kvcompose": "KVCompose Eq. 16-22 (layer-adaptive composite tokens) per prefill chunk; "
+                 "budgets Eq. 5 over the per-layer retention",
+    "baklava": "BaKlaVa Algorithm 1 (head importance), Algorithm 2 per layer from uniform "
+               "rho, (r, t) with the lowest compressed loss on held-out samples (Algorithm 3)",
+}
+
+
+def _progress(items: list[T], enabled: bool, desc: str = "calibrating") -> Iterable[T]:
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm ships with transformers
-        return _plain_progress(items) if enabled else items
-    return tqdm(items, desc="calibrating", unit="sample", file=sys.stderr, disable=not enabled)
+        return _plain_progress(items, desc) if enabled else items
+    return tqdm(items, desc=desc, unit="step", file=sys.stderr, disable=not enabled)
 
 
-def _plain_progress(items: list[T]) -> Iterator[T]:
+def _plain_progress(items: list[T], desc: str) -> Iterator[T]:
     for i, item in enumerate(items):
-        print(f"\rcalibrating: sample {i + 1}/{len(items)}", end="", file=sys.stderr, flush=True)
+        print(f"\r{desc}: {i + 1}/{len(items)}", end="", file=sys.stderr, flush=True)
         yield item
     print(file=sys.stderr)
 

@@ -101,17 +101,31 @@ def flat_top_kept(scores: torch.Tensor, start: int, rhos: Sequence[float]) -> to
 
 def sample_retention(
     layers: Sequence[LayerQKV], scorers: Sequence[Scorer], rhos: Sequence[float],
-    cfg: ChunkingConfig, scale: float,
+    cfg: ChunkingConfig, scale: float, source: str = "tangram",
 ) -> torch.Tensor:  # fmt: skip
     """Per-head retention of one sample: [S_c, R, L, H_kv] float64 kept / offered.
 
     S_c = len(scorers), R = len(rhos), L = len(layers); one model run serves them all.
+    source "tangram": Eq. 3 per layer and chunk (heads of a layer compete); "kvcompose": the
+    layers compete through their composite tokens (calibrate/sources.py) and every head of a
+    layer keeps the layer's count.
     """
+    from sgl_ragged.calibrate import sources
+
+    if source not in ("tangram", "kvcompose"):
+        raise ValueError(f"per-sample retention exists for tangram and kvcompose, not {source!r}")
     num_tokens, h_kv = layers[0].k.shape[:2]
     kept = torch.zeros(len(scorers), len(rhos), len(layers), h_kv, dtype=torch.int64)
-    for li, layer in enumerate(layers):
-        for start, end in cfg.chunks(num_tokens):
-            stats = chunk_page_stats(layer, start, end, cfg, scale)
-            for si, scorer in enumerate(scorers):
-                kept[si, :, li] += flat_top_kept(scorer.page_scores(stats), start, rhos).cpu()
+    for start, end in cfg.chunks(num_tokens):
+        pages = (end - start) // cfg.page_size
+        sinks = sink_mask(start + cfg.page_size * torch.arange(pages), cfg.page_size)
+        stats = [chunk_page_stats(layer, start, end, cfg, scale) for layer in layers]
+        for si, scorer in enumerate(scorers):
+            scores = [scorer.page_scores(st).cpu() for st in stats]
+            if source == "tangram":
+                for li, layer_scores in enumerate(scores):
+                    kept[si, :, li] += flat_top_kept(layer_scores, start, rhos)
+            else:
+                composite = [sources.composite_scores(x, sinks) for x in scores]
+                kept[si] += sources.layer_kept_counts(composite, rhos)[:, :, None]
     return kept.double() / num_tokens

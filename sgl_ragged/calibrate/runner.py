@@ -46,6 +46,22 @@ class CaptureRunner:
         self.shape = model_shape(str(model_path))  # the fingerprint the server checks
         self.scale = float(self.model.model.layers[0].self_attn.scaling)
         self._captured: list[LayerQKV] = []
+        self._capture = True
+        self._attention: Any = None  # (layer_idx, q, k, v) -> out, replacing SDPA when set
+
+    def logits(self, input_ids: torch.Tensor, attention: Any = None, start: int = 0) -> torch.Tensor:
+        """[T - start, V] float32 next-token logits of input_ids [T] at positions start.. (the
+        LM head runs on those only). ``attention``, if given, computes
+        every layer's attention instead of SDPA: (layer_idx, q [H_q, T, D], k [H_kv, T, D],
+        v [H_kv, T, D]) -> [H_q, T, D] (queries and keys after RoPE)."""
+        self._capture, self._attention = False, attention
+        try:
+            with torch.inference_mode():
+                hidden = self.model.model(input_ids=input_ids[None].to(self.device), use_cache=False)
+                logits = self.model.lm_head(hidden.last_hidden_state[0, start:])
+        finally:
+            self._capture, self._attention = True, None
+        return logits.float()
 
     def run(self, input_ids: torch.Tensor) -> list[LayerQKV]:
         """input_ids [T] int64 -> one LayerQKV per layer, in layer order."""
@@ -69,7 +85,11 @@ class CaptureRunner:
         def attend(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: torch.Tensor | None, **kwargs: Any) -> Any:  # fmt: skip
             # query [1, H_q, T, D], key/value [1, H_kv, T, D] -> [T, H, D] float32
-            self._captured.append(LayerQKV(*(x[0].transpose(0, 1).float() for x in (query, key, value))))
+            if self._attention is not None:
+                out = self._attention(module.layer_idx, query[0], key[0], value[0])
+                return out[None].transpose(1, 2).contiguous().to(query.dtype), None
+            if self._capture:
+                self._captured.append(LayerQKV(*(x[0].transpose(0, 1).float() for x in (query, key, value))))
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
         AttentionInterface.register(self._attn_name, attend)

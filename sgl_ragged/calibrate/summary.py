@@ -58,15 +58,24 @@ def describe(profile: BudgetProfile, name: str, page_size: int = PAGE_SIZE) -> s
 
 
 def _source(source: dict[str, Any]) -> str:
-    if source.get("kind") != "calibrated":
+    kind = source.get("kind")
+    if kind not in ("calibrated", "baklava"):
         return ", ".join(f"{k} {v}" for k, v in source.items())
     params = ", ".join(f"{k}={v}" for k, v in source.get("scorer_params", {}).items())
     corpus = source.get("corpus", {})
     tasks = ", ".join(f"{t} {n}" for t, n in corpus.get("tasks", {}).items())
     tokens = "-".join(str(t) for t in corpus.get("tokens", []))
+    if kind == "baklava":
+        head = (f"BaKlaVa for {source.get('scorer')} ({params}), rho {source.get('rho')}, "
+                f"r {source.get('reduction')}, t {_f(source.get('threshold'))} (searched on "
+                f"{source.get('eval_samples')} held-out samples), importance from ")  # fmt: skip
+    else:
+        method = source.get("method", "tangram")
+        via = "" if method == "tangram" else f" ({method} budgets)"
+        head = (f"calibrated{via} with {source.get('scorer')} ({params}), rho {source.get('rho')}, "
+                f"alpha {source.get('alpha')}{_budget_mode(source)}, ")  # fmt: skip
     return (
-        f"calibrated with {source.get('scorer')} ({params}), rho {source.get('rho')}, "
-        f"alpha {source.get('alpha')}{_budget_mode(source)}, {source.get('samples')} samples of "
+        f"{head}{source.get('samples')} samples of "
         f"{corpus.get('name', '?')} ({tasks}; {tokens} tokens), seed {source.get('seed')}, "
         f"chunk {source.get('chunk_size')}, page {source.get('page_size')}, "
         f"obs window {source.get('obs_window')}"
@@ -126,6 +135,20 @@ def _stats_lines(stats: dict[str, Any]) -> list[str]:
         ]
     elif cover is not None:
         lines.append(f"coverage   {cover}")
+    baklava = stats.get("baklava")
+    if isinstance(baklava, dict):
+        lines += ["", f"BaKlaVa search (mean NLL of held-out tokens after the first chunk; full KV "
+                      f"{_f(baklava.get('full_nll'))})", "  r      t      mean B  NLL"]
+        for row in baklava.get("search", []):
+            chosen = "  <- chosen" if (row.get("reduction"), row.get("threshold")) == (
+                baklava.get("reduction"), baklava.get("threshold")) else ""
+            lines.append(f"  {row.get('reduction'):<5}  {_f(row.get('threshold')):<5}  "
+                         f"{_f(row.get('mean_budget'))}   {_f(row.get('nll'))}{chosen}")
+        rank = baklava.get("importance_rank_stability")
+        if isinstance(rank, dict):
+            lines.append(f"importance rank stability across samples: "
+                         f"{_f(rank.get('samples_global_mean'))} (all heads), "
+                         f"{_f(rank.get('samples_within_layer_mean'))} (within layers)")
     run = stats.get("run")
     if isinstance(run, dict):
         lines.append(f"run        {run.get('seconds')} s on {run.get('device')} "

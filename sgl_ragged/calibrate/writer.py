@@ -69,6 +69,41 @@ def build_profile(
     )
 
 
+def build_baklava_profile(
+    shape: ModelShape, importance: np.ndarray, per_sample: np.ndarray, tasks: Sequence[str],
+    best: dict[str, Any], searched: Sequence[dict[str, Any]], full_nll: float,
+    heads_per_group: int, source: dict[str, Any], extra_stats: dict[str, Any],
+) -> BudgetProfile:  # fmt: skip
+    """A BaKlaVa profile (calibrate/sources.py): Algorithm 2's budgets at the searched (r, t)
+    ``best``, from the mean head ``importance`` [L, H] of the samples ``per_sample`` [S, L, H].
+    The stats keep the importance, its rank stability across samples and the whole search."""
+    from sgl_ragged.calibrate.sources import baklava_budgets
+
+    r, t = best["reduction"], best["threshold"]
+    budgets = np.round(baklava_budgets(importance, source["rho"], r, t), DIGITS)
+    groups = tuple(budget_math.cluster_heads(row, heads_per_group) for row in budgets.tolist())
+    stats = {
+        "mean_budget": round(float(budgets.mean()), DIGITS),
+        "baklava": {
+            "reduction": r,
+            "threshold": t,
+            "importance": np.round(importance, DIGITS).tolist(),
+            "importance_rank_stability": statistics.rank_stability(per_sample, tasks),
+            "full_nll": round(full_nll, 6),
+            "search": list(searched),
+        },
+        **extra_stats,
+    }
+    return BudgetProfile(
+        model=shape,
+        budgets=budgets.tolist(),
+        groups=groups,
+        source={**source, "reduction": r, "threshold": t},
+        split_ratios=budget_math.split_ratios(budgets.tolist(), groups),
+        stats=stats,
+    )
+
+
 def rebuild_profile(profile: BudgetProfile, alpha: float, heads_per_group: int,
                     budget_mode: str, derived_from: str) -> BudgetProfile:
     """The profile a calibration with these settings would have written, from the per-sample

@@ -118,3 +118,18 @@ def test_mean_budget_profiles_join_as_equal_memory_configs(tmp_path: Path):
                      ("static-mean-snapkv@0.5", "uniform@0.5"),
                      ("static-mean-snapkv@0.5", "dynamic-snapkv@0.5"),
                      ("static-mean-snapkv@0.5", "static-snapkv@0.5")}
+
+
+def test_other_budget_sources_join_as_equal_memory_configs(tmp_path: Path):
+    for name in ("snapkv-mean-rho0.5.json", "kvcompose-snapkv-mean-rho0.5.json",
+                 "kvcompose-snapkv-rho0.5.json", "baklava-snapkv-rho0.5.json"):
+        (tmp_path / name).write_text("{}")
+    configs, _ = plan_configs([0.5], ["snapkv"], tmp_path)
+    assert [c.name for c in configs] == ["full", "uniform@0.5", "static-mean-snapkv@0.5",
+                                         "kvcompose-snapkv@0.5", "baklava-snapkv@0.5",
+                                         "dynamic-snapkv@0.5"]
+    assert configs[3].profile == str(tmp_path / "kvcompose-snapkv-mean-rho0.5.json")
+    rec = [{"session": 0, "turn": 0, "exact": True, "kl": 0.1, "top1": [True]}]
+    pairs = {(c["a"], c["b"]) for c in comparisons(configs, {c.name: rec for c in configs})}
+    assert {("kvcompose-snapkv@0.5", "uniform@0.5"), ("kvcompose-snapkv@0.5", "static-mean-snapkv@0.5"),
+            ("baklava-snapkv@0.5", "uniform@0.5"), ("baklava-snapkv@0.5", "static-mean-snapkv@0.5")} <= pairs

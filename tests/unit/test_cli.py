@@ -30,11 +30,20 @@ def test_shipped_profiles_fit_the_default_model(path: Path) -> None:
     profile = BudgetProfile.load(path)
     profile.check_model(SMOLLM2)
     rho = profile.source["rho"]
+    if profile.source["kind"] == "baklava":  # reallocates uniform rho: no samples of retention
+        assert path.name == f"baklava-{profile.source['scorer']}-rho{rho:g}.json"
+        assert profile.mean_budget <= rho + 1e-6 and profile.stats["baklava"]["search"]
+        assert profile.source["samples"] == 16 and profile.source["eval_samples"] == 2
+        return
+    method = profile.source.get("method", "tangram")
+    prefix = "" if method == "tangram" else f"{method}-"
     mean_mode = profile.source.get("budget_mode") == "mean"
-    assert path.name == f"{profile.source['scorer']}-{'mean-' * mean_mode}rho{rho:g}.json"
+    assert path.name == f"{prefix}{profile.source['scorer']}-{'mean-' * mean_mode}rho{rho:g}.json"
     assert profile.source["samples"] == 50
     mean_mu = sum(map(sum, profile.mu)) / 90
     assert math.isclose(mean_mu, rho, abs_tol=0.01)  # Eq. 3 keeps ceil(rho * H * n) per chunk
+    if method == "kvcompose":  # one budget per layer, all heads in one group
+        assert all(len(set(row)) == 1 for row in profile.budgets) and profile.heads_per_group == 3
     if mean_mode:  # derived from the margin profile's samples
         assert math.isclose(profile.mean_budget, rho, abs_tol=1e-5)
         assert profile.stats["derived_from"] == path.name.replace("mean-", "")

@@ -1,0 +1,191 @@
+"""Offline accuracy of budget configurations: next-token KL and NLL under page compression.
+
+Every configuration of bench.accuracy (full, uniform, the calibrated static profiles, the
+equal-memory ones -- static-mean, kvcompose, baklava -- and the dynamic Eq. 3 reference) is run
+on the same held-out samples through ``sgl_ragged.calibrate.compressed``: one forward per sample
+that emulates chunked prefill with the server's page compression (same scorer code, same group
+slots), no server. Per sample: the mean over the tokens after the first chunk of
+KL(full || config) and of the NLL; the table gives the mean over samples ± its standard error
+(samples are the independent units), and paired differences against uniform at the same rho.
+
+Much cheaper per token than bench.accuracy (thousands of scored tokens per configuration in a
+few seconds each), but it covers prefill compression only: decode-time sealing and the
+multi-turn radix reuse are bench.accuracy's.
+
+    python -m bench.offline_loss --rho 0.7 0.5 0.3 --scorer snapkv --samples 12 --out results/offline-loss
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.accuracy import FULL, Config, plan_configs
+from bench.accuracy_stats import mean_se, paired_diff
+
+SEED = 7  # calibration draws seed 0, BaKlaVa's search seed 1: these samples are held out
+
+
+def selection_for(config: Config, shape: Any, page_size: int) -> tuple[Any, float]:
+    """The compressed forward's selection for a configuration, and the KV memory it keeps
+    (fraction of the full cache: group slots of the budgets; dynamic keeps rho of the entries)."""
+    from sgl_ragged import budgets as budget_math
+    from sgl_ragged.calibrate.compressed import FlatTopSelection, SlotSelection, head_slots
+    from sgl_ragged.profile import resolve_profile
+
+    if config.kind == FULL:
+        return None, 1.0
+    if config.kind == "dynamic":
+        return FlatTopSelection(config.rho), config.rho
+    profile = resolve_profile(config.profile, shape)
+    memory = budget_math.group_memory_fraction(profile.budgets, profile.groups, page_size)
+    return SlotSelection(head_slots(profile.budgets, profile.groups, page_size)), memory
+
+
+def evaluate(configs: list[Config], model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Per configuration and sample: mean KL(full || config) and NLL over the scored tokens."""
+    from sgl_ragged.calibrate.compressed import CompressedLoss, token_kl
+    from sgl_ragged.calibrate.retention import ChunkingConfig
+    from sgl_ragged.calibrate.runner import CaptureRunner
+    from sgl_ragged.calibrate.samples import build_samples
+    from sgl_ragged.scoring import make_scorer
+
+    runner = CaptureRunner(model)
+    cfg = ChunkingConfig(args.page_size, args.chunk_size, args.obs_window)
+    samples = build_samples(runner.tokenizer, args.samples, args.seed, args.min_tokens,
+                            args.max_tokens, args.page_size)  # fmt: skip
+    selections = {c.name: selection_for(c, runner.shape, args.page_size) for c in configs}
+    losses = {name: CompressedLoss(runner, make_scorer(name), cfg) for name in {c.scorer for c in configs}}
+    out: dict[str, Any] = {c.name: {"kl": [], "nll": [], "memory": selections[c.name][1]} for c in configs}
+    t0 = time.monotonic()
+    for si, sample in enumerate(samples, start=1):
+        full = losses[configs[0].scorer].log_probs(sample.input_ids, None)
+        targets = sample.input_ids[cfg.chunk_size + 1 :]
+        for c in configs:
+            logp = full if c.kind == FULL else losses[c.scorer].log_probs(sample.input_ids, selections[c.name][0])
+            out[c.name]["kl"].append(float(token_kl(full, logp).mean()))
+            out[c.name]["nll"].append(float(-logp.gather(1, targets[:, None]).double().mean()))
+        print(f"\rsample {si}/{len(samples)} ({len(configs)} configs, "
+              f"{time.monotonic() - t0:.0f} s)", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    out["_meta"] = {"tokens": [int(s.num_tokens) for s in samples], "tasks": [s.task for s in samples],
+                    "scored_tokens": sum(int(s.num_tokens) - cfg.chunk_size - 1 for s in samples)}
+    return out
+
+
+def summarize(configs: list[Config], raw: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Mean ± SE over samples per configuration; paired differences vs uniform at the same rho
+    (and vs static-mean for the other equal-memory sources)."""
+    rows = []
+    for c in configs:
+        kl, nll = mean_se(raw[c.name]["kl"]), mean_se(raw[c.name]["nll"])
+        rows.append({"name": c.name, "kind": c.kind, "rho": c.rho, "memory": raw[c.name]["memory"],
+                     "kl": kl._asdict(), "nll": nll._asdict()})
+    names = {c.name for c in configs}
+    diffs = []
+    for c in configs:
+        others = [] if c.kind in (FULL, "uniform") else [f"uniform@{c.rho}"]
+        if c.kind in ("kvcompose", "baklava"):
+            others.append(f"static-mean-{c.scorer}@{c.rho}")
+        for other in (o for o in others if o in names):
+            d = paired_diff(raw[c.name]["kl"], raw[other]["kl"])
+            diffs.append({"a": c.name, "b": other, "rho": c.rho, "kl_mean": d.mean, "kl_se": d.se,
+                          "kl_z": d.z})
+    return rows, diffs
+
+
+def markdown(rows: list[dict[str, Any]], diffs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [f"{meta['samples']} held-out samples (seed {meta['seed']}, {meta['scored_tokens']} scored "
+             f"tokens after the first {meta['chunk_size']}-token chunk, page {meta['page_size']}); "
+             "mean over samples ± standard error.", "",
+             "| config | rho | KV kept | KL(full ‖ config) (nats/token) | NLL (nats/token) |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['rho']} | {r['memory']:.3f} | {r['kl']['mean']:.4f} ± "
+                     f"{r['kl']['se']:.4f} | {r['nll']['mean']:.4f} ± {r['nll']['se']:.4f} |")
+    lines += ["", "Paired KL differences (a − b over the same samples):", "",
+              "| rho | a | b | Δ KL | z |", "|---|---|---|---|---|"]
+    for d in diffs:
+        lines.append(f"| {d['rho']} | {d['a']} | {d['b']} | {d['kl_mean']:+.4f} ± {d['kl_se']:.4f} | "
+                     f"{d['kl_z']:+.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    families: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["kind"] != FULL:
+            families.setdefault(r["name"].split("@")[0], []).append(r)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rs in sorted(families.items()):
+        rs = sorted(rs, key=lambda r: r["memory"])
+        ax.errorbar([r["memory"] for r in rs], [r["kl"]["mean"] for r in rs],
+                    yerr=[r["kl"]["se"] for r in rs], marker="o", capsize=3, label=name)
+    ax.set_xlabel("KV memory kept (fraction of full)")
+    ax.set_ylabel("mean KL(full || config), nats/token")
+    ax.set_title("Prefill compression, offline (held-out samples)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--rho", type=float, nargs="+", default=[0.7, 0.5, 0.3])
+    p.add_argument("--scorer", nargs="+", default=["snapkv"])
+    p.add_argument("--profile-dir", type=Path, default=None,
+                   help="profiles as bench.accuracy finds them (default calib_profiles/<model>)")
+    p.add_argument("--samples", type=int, default=12)
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--min-tokens", type=int, default=1024)
+    p.add_argument("--max-tokens", type=int, default=1536)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--chunk-size", type=int, default=512)
+    p.add_argument("--obs-window", type=int, default=32)
+    p.add_argument("--only", nargs="+", default=None, help="run only these config names (and full)")
+    p.add_argument("--out", type=Path, default=Path("results/offline-loss"))
+    return p.parse_args(argv)  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from sgl_ragged.models.smollm2 import ensure_smollm2
+
+    model = args.model or str(ensure_smollm2())
+    profile_dir = args.profile_dir or Path("calib_profiles") / Path(model).name.lower()
+    configs, missing = plan_configs(args.rho, args.scorer, profile_dir)
+    if args.only:
+        configs = [c for c in configs if c.name in set(args.only) or c.kind == FULL]
+    for path in missing:
+        print(f"missing calibrated profile (skipped): {path}", flush=True)
+    t0 = time.monotonic()
+    raw = evaluate(configs, model, args)
+    sample_meta = raw.pop("_meta")
+    rows, diffs = summarize(configs, raw)
+    meta = {"model": model, "samples": args.samples, "seed": args.seed, "page_size": args.page_size,
+            "chunk_size": args.chunk_size, "obs_window": args.obs_window, **sample_meta,
+            "wall_s": round(time.monotonic() - t0, 1)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "offline_loss.json").write_text(json.dumps(
+        {"meta": meta, "configs": rows, "comparisons": diffs, "per_sample": raw}, indent=2))
+    table = markdown(rows, diffs, meta)
+    (args.out / "offline_loss.md").write_text(table)
+    plot(rows, args.out / "kl_vs_memory.png")
+    print(table)
+    print(f"wrote {args.out}/offline_loss.json, offline_loss.md, kl_vs_memory.png ({meta['wall_s']} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""The model's loss with a compressed KV cache, offline (BaKlaVa Algorithm 3's objective).
+
+One forward over a sample emulates chunked prefill with page compression exactly as serving
+applies it to a prompt: the queries of chunk c attend causally to their own chunk in full and to
+the earlier chunks' pages as sealed, i.e. per KV head only the ``slots`` tokens of each page its
+scorer ranks best (sinks forced in). The selection runs inside the forward, layer by layer, on
+the keys and queries that the compressed lower layers produce, through the same scoring code as
+serving (``chunk_page_stats`` + ``Scorer.page_scores`` + ``select_top_k``). As in calibration,
+a chunk's observation window scores its pages against the uncompressed prefix (serving scores
+them against the sealed rows), and decode is not modelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from sgl_ragged import budgets as budget_math
+from sgl_ragged.calibrate.retention import ChunkingConfig, chunk_page_stats
+from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
+from sgl_ragged.scoring import SINK_TOKENS, Scorer
+from sgl_ragged.scoring.select import select_flat_top_pages, select_top_k, sink_mask
+
+
+def head_slots(budgets: Sequence[Sequence[float]], groups: Any, page_size: int) -> list[list[int]]:
+    """[L][H] tokens each head keeps per sealed page: its group's slots, as serving stores them
+    (a group row has the slots of its largest budget, every member head fills them)."""
+    slots = budget_math.group_slots(budgets, groups, page_size, min(SINK_TOKENS, page_size))
+    out = [[0] * len(layer) for layer in budgets]
+    for li, (layer_groups, layer_slots) in enumerate(zip(groups, slots, strict=True)):
+        for group, k in zip(layer_groups, layer_slots, strict=True):
+            for h in group:
+                out[li][h] = k
+    return out
+
+
+class Selection(Protocol):
+    """Which tokens of a chunk's pages each head keeps once sealed."""
+
+    def keep(self, layer_idx: int, scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        """scores [N, H, P] of one layer's chunk, sinks [N, P] bool -> keep [N, H, P] bool."""
+        ...
+
+
+@dataclass(frozen=True)
+class SlotSelection:
+    """Static budgets: head h of layer l keeps its ``slots[l][h]`` best tokens of every page."""
+
+    slots: Sequence[Sequence[int]]  # [L][H] (head_slots)
+
+    def keep(self, layer_idx: int, scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        return slot_keep(scores, self.slots[layer_idx], sinks)
+
+
+@dataclass(frozen=True)
+class FlatTopSelection:
+    """The dynamic reference (``dynamic:<rho>``): Eq. 3 over each chunk's pages, all heads of a
+    layer ranked together (select_flat_top_pages, as the server's dynamic mode)."""
+
+    rho: float
+
+    def keep(self, layer_idx: int, scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        return select_flat_top_pages(scores, self.rho, sinks)
+
+
+def slot_keep(scores: torch.Tensor, slots: Sequence[int], sinks: torch.Tensor) -> torch.Tensor:
+    """[N, H, P] bool: per page, head h keeps its slots[h] best tokens (select_top_k)."""
+    pages, h_kv, p = scores.shape
+    keep = torch.zeros(pages, h_kv, p, dtype=torch.bool, device=scores.device)
+    for k in sorted(set(slots)):
+        heads = [h for h in range(h_kv) if slots[h] == k]
+        idx = select_top_k(scores[:, heads], k, sinks)  # [N, len(heads), k]
+        sub = torch.zeros(pages, len(heads), p, dtype=torch.bool, device=scores.device)
+        keep[:, heads] = sub.scatter_(2, idx, True)
+    return keep
+
+
+def sealed_keep(layer: LayerQKV, layer_idx: int, selection: Selection, scorer: Scorer,
+                cfg: ChunkingConfig, scale: float) -> torch.Tensor:  # fmt: skip
+    """[H_kv, T] bool: which tokens each head still has once their chunk is sealed. Tokens of
+    the last chunk are never sealed before its own queries run: all True."""
+    num_tokens, h_kv = layer.k.shape[:2]
+    keep = torch.ones(h_kv, num_tokens, dtype=torch.bool, device=layer.k.device)
+    p = cfg.page_size
+    for start, end in cfg.chunks(num_tokens)[:-1]:
+        scores = scorer.page_scores(chunk_page_stats(layer, start, end, cfg, scale))  # [N, H, P]
+        sinks = sink_mask(start + p * torch.arange((end - start) // p, device=scores.device), p)
+        chunk_keep = selection.keep(layer_idx, scores, sinks)
+        keep[:, start:end] = chunk_keep.permute(1, 0, 2).reshape(h_kv, end - start)
+    return keep
+
+
+def attention_mask(keep: torch.Tensor, cfg: ChunkingConfig) -> torch.Tensor:
+    """[H_kv, T, T] bool: query i sees key j iff j <= i and (same chunk, or j is kept)."""
+    num_tokens = keep.shape[1]
+    pos = torch.arange(num_tokens, device=keep.device)
+    chunk = pos // cfg.chunk_size
+    causal = pos[None, :] <= pos[:, None]
+    same = chunk[None, :] == chunk[:, None]
+    return causal[None] & (same[None] | keep[:, None, :])
+
+
+class CompressedLoss:
+    """Next-token loss of a model whose prefill KV cache is compressed per head."""
+
+    def __init__(self, runner: CaptureRunner, scorer: Scorer, cfg: ChunkingConfig) -> None:
+        self.runner, self.scorer, self.cfg = runner, scorer, cfg
+
+    def log_probs(self, input_ids: torch.Tensor, selection: Selection | None) -> torch.Tensor:
+        """[T - chunk_size - 1, V] float32 log-probabilities of the next token at every
+        position after the first chunk (the queries that see sealed pages); ``selection`` None
+        runs the full cache."""
+        first = self.cfg.chunk_size
+        if input_ids.numel() <= first + 1:
+            raise ValueError(f"a {input_ids.numel()}-token sample has no token after the first "
+                             f"{first}-token chunk; use longer samples or a smaller chunk size")
+        attention = None if selection is None else self._attention(selection)
+        logits = self.runner.logits(input_ids, attention, start=first)  # [T - first, V]
+        return torch.log_softmax(logits[:-1].float(), dim=-1)
+
+    def token_nll(self, input_ids: torch.Tensor, selection: Selection | None) -> torch.Tensor:
+        """[T - chunk_size - 1] float64 NLL of each token after the first chunk."""
+        logp = self.log_probs(input_ids, selection)
+        targets = input_ids[self.cfg.chunk_size + 1 :].to(logp.device)
+        return -logp.gather(1, targets[:, None])[:, 0].double()
+
+    def _attention(self, selection: Selection) -> Any:
+        cfg, scorer, scale = self.cfg, self.scorer, self.runner.scale
+
+        def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # q [H_q, T, D], k / v [H_kv, T, D] -> [H_q, T, D]
+            layer = LayerQKV(q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float())
+            keep = sealed_keep(layer, layer_idx, selection, scorer, cfg, scale)
+            group = q.shape[0] // k.shape[0]
+            mask = attention_mask(keep, cfg).repeat_interleave(group, dim=0)
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), attn_mask=mask, scale=scale
+            )  # fmt: skip
+
+        return attend
+
+
+def token_kl(full: torch.Tensor, compressed: torch.Tensor) -> torch.Tensor:
+    """[T] float64 KL(full || compressed) of two [T, V] log-probability tensors."""
+    return (full.exp() * (full - compressed)).sum(-1).double()
