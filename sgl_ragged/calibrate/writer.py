@@ -112,7 +112,9 @@ def rebuild_profile(profile: BudgetProfile, alpha: float, heads_per_group: int,
     samples = profile.stats.get("samples")
     if profile.source.get("kind") != "calibrated" or not samples or profile.model is None:
         raise ValueError(f"{derived_from} is not a calibrated profile with its samples; only "
-                         "profiles written by sgl-ragged-calibrate can be derived from")
+                         "profiles of sgl-ragged-calibrate's tangram and kvcompose sources "
+                         "store per-sample retention to derive from (for other BaKlaVa "
+                         "budgets, rerun the calibrator with --source baklava)")
     kept = {k: v for k, v in profile.stats.items() if k == "run"}
     return build_profile(
         profile.model, np.asarray(samples["retention"], dtype=np.float64), samples["tasks"],
