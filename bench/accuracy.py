@@ -266,23 +266,32 @@ def markdown(summaries: list[dict[str, Any]], comps: list[dict[str, Any]], meta:
 
 
 def plot(summaries: list[dict[str, Any]], path: Path) -> None:
+    plot_kl(summaries, path, "rho", "target retention rho",
+            "Next-token KL vs full KV (answer tokens, teacher-forced)", full_at=1.0)
+
+
+def plot_kl(rows: list[dict[str, Any]], path: Path, x: str, xlabel: str, title: str,
+            full_at: float | None = None) -> None:  # fmt: skip
+    """Mean KL ± SE of each configuration family (the name before "@") against ``rows[i][x]``;
+    ``full_at`` ends every line at the full cache's point (full_at, 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     families: dict[str, list[dict[str, Any]]] = {}
-    for s in summaries:
-        if s["kind"] != FULL:
-            families.setdefault(s["name"].split("@")[0], []).append(s)
+    for r in rows:
+        if r["kind"] != FULL:
+            families.setdefault(r["name"].split("@")[0], []).append(r)
+    tail = [] if full_at is None else [(full_at, 0.0, 0.0)]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, ss in sorted(families.items()):
-        ss = sorted(ss, key=lambda s: s["rho"])
-        ax.errorbar([s["rho"] for s in ss] + [1.0], [s["kl"]["mean"] for s in ss] + [0.0],
-                    yerr=[s["kl"]["se"] for s in ss] + [0.0], marker="o", capsize=3, label=name)
-    ax.set_xlabel("target retention rho")
+    for name, rs in sorted(families.items()):
+        points = sorted((r[x], r["kl"]["mean"], r["kl"]["se"]) for r in rs) + tail
+        xs, ys, es = zip(*points, strict=True)
+        ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=name)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("mean KL(full || config), nats/token")
-    ax.set_title("Next-token KL vs full KV (answer tokens, teacher-forced)")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.accuracy import FULL, Config, plan_configs
+from bench.accuracy import FULL, Config, plan_configs, plot_kl
 from bench.accuracy_stats import mean_se, paired_diff
 
 SEED = 7  # calibration draws seed 0, BaKlaVa's search seed 1: these samples are held out
@@ -115,31 +115,6 @@ def markdown(rows: list[dict[str, Any]], diffs: list[dict[str, Any]], meta: dict
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    families: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        if r["kind"] != FULL:
-            families.setdefault(r["name"].split("@")[0], []).append(r)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, rs in sorted(families.items()):
-        rs = sorted(rs, key=lambda r: r["memory"])
-        ax.errorbar([r["memory"] for r in rs], [r["kl"]["mean"] for r in rs],
-                    yerr=[r["kl"]["se"] for r in rs], marker="o", capsize=3, label=name)
-    ax.set_xlabel("KV memory kept (fraction of full)")
-    ax.set_ylabel("mean KL(full || config), nats/token")
-    ax.set_title("Prefill compression, offline (held-out samples)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
@@ -182,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         {"meta": meta, "configs": rows, "comparisons": diffs, "per_sample": raw}, indent=2))
     table = markdown(rows, diffs, meta)
     (args.out / "offline_loss.md").write_text(table)
-    plot(rows, args.out / "kl_vs_memory.png")
+    plot_kl(rows, args.out / "kl_vs_memory.png", "memory", "KV memory kept (fraction of full)",
+            "Prefill compression, offline (held-out samples)")
     print(table)
     print(f"wrote {args.out}/offline_loss.json, offline_loss.md, kl_vs_memory.png ({meta['wall_s']} s)")
 

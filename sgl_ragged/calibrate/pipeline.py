@@ -132,57 +132,66 @@ def _calibrate_baklava(cfg: CalibrationConfig, runner: CaptureRunner, samples: l
     """BaKlaVa: head importance over the samples (Algorithm 1), then per scorer and rho the
     (r, t) of Algorithm 2 with the lowest compressed loss on ``eval_samples`` other samples
     (Algorithm 3)."""
+    from sgl_ragged.calibrate import sources
+
+    # 1. Importance of every head in every sample: [S, L, H].
+    per_sample = torch.stack([
+        torch.stack([sources.head_importance(x, runner.scale) for x in runner.run(s.input_ids)])
+        for s in _progress(samples, progress, "importance")
+    ]).numpy()  # fmt: skip
+    importance = per_sample.mean(0)
+    # 2. The search, 3. one profile per (scorer, rho) with its best (r, t).
+    searched, full_nll = _baklava_search(cfg, runner, importance, progress)
+    run = {"seconds": round(time.perf_counter() - started, 1), "device": cfg.device,
+           "threads": torch.get_num_threads()}  # fmt: skip
+    tasks = [s.task for s in samples]
+    tokens = [s.num_tokens for s in samples]
+    paths = writer.output_paths(cfg.output, cfg.scorers, cfg.rhos)
+    for (name, rho), rows in searched.items():
+        source = {k: v for k, v in _source(cfg, make_scorer(name), rho, tasks, tokens).items()
+                  if k != "alpha"}  # no margin: Algorithm 2 gives the budgets  # fmt: skip
+        source.update(kind="baklava", eval_samples=cfg.eval_samples, eval_seed=cfg.seed + 1)
+        best = min(rows, key=lambda row: row["nll"])  # the first of equals: uniform wins ties
+        profile = writer.build_baklava_profile(
+            runner.shape, importance, per_sample, tasks, best, rows, full_nll, cfg.heads_per_group,
+            source, {"run": {**run, "profiles": len(paths)}},
+        )  # fmt: skip
+        writer.save(profile, paths[name, rho])
+    return list(paths.values())
+
+
+def _baklava_search(cfg: CalibrationConfig, runner: CaptureRunner, importance: Any,
+                    progress: bool) -> tuple[dict[tuple[str, float], list[dict[str, Any]]], float]:  # fmt: skip
+    """Algorithm 3 over the (r, t) grid for every (scorer, rho): the mean next-token NLL of the
+    held-out samples under each candidate's budgets (identical budgets evaluated once). Returns
+    the rows per (scorer, rho) and the full cache's NLL."""
     from sgl_ragged import budgets as budget_math
     from sgl_ragged.calibrate import sources
     from sgl_ragged.calibrate.compressed import CompressedLoss, SlotSelection, head_slots
 
-    importance = []  # [S] of [L, H]
-    for sample in _progress(samples, progress, "importance"):
-        layers = runner.run(sample.input_ids)
-        importance.append(torch.stack([sources.head_importance(x, runner.scale) for x in layers]))
-    per_sample = torch.stack(importance).numpy()  # [S, L, H]
-    mean_importance = per_sample.mean(0)
     held_out = build_samples(runner.tokenizer, cfg.eval_samples, cfg.seed + 1, cfg.min_tokens,
                              cfg.max_tokens, cfg.chunking.page_size)  # fmt: skip
-    grid = sources.baklava_grid(mean_importance, cfg.reductions, cfg.quantiles)
-    page = cfg.chunking.page_size
+    losses = {name: CompressedLoss(runner, make_scorer(name), cfg.chunking) for name in cfg.scorers}
+
+    def mean_nll(name: str, selection: Any) -> float:
+        return float(torch.cat([losses[name].token_nll(s.input_ids, selection) for s in held_out]).mean())
+
+    grid = sources.baklava_grid(importance, cfg.reductions, cfg.quantiles)
     jobs = [(name, rho, r, t) for name in cfg.scorers for rho in cfg.rhos for r, t in grid]
-    losses: dict[Any, float] = {}  # (scorer, slots) -> mean NLL over the held-out tokens
-    evaluators = {name: CompressedLoss(runner, make_scorer(name), cfg.chunking) for name in cfg.scorers}
-    full = torch.cat([evaluators[cfg.scorers[0]].token_nll(s.input_ids, None) for s in held_out])
+    seen: dict[Any, float] = {}  # (scorer, slots) -> mean NLL
     searched: dict[tuple[str, float], list[dict[str, Any]]] = {}
     for name, rho, r, t in _progress(jobs, progress, "BaKlaVa search"):
-        budgets = sources.baklava_budgets(mean_importance, rho, r, t)
+        budgets = sources.baklava_budgets(importance, rho, r, t)
         groups = [budget_math.cluster_heads(row, cfg.heads_per_group) for row in budgets.tolist()]
-        slots = head_slots(budgets.tolist(), groups, page)
+        slots = head_slots(budgets.tolist(), groups, cfg.chunking.page_size)
         key = (name, tuple(map(tuple, slots)))
-        if key not in losses:
-            selection = SlotSelection(slots)
-            nll = torch.cat([evaluators[name].token_nll(s.input_ids, selection) for s in held_out])
-            losses[key] = float(nll.mean())
+        if key not in seen:
+            seen[key] = mean_nll(name, SlotSelection(slots))
         searched.setdefault((name, rho), []).append(
-            {"reduction": r, "threshold": t, "nll": round(losses[key], 6),
+            {"reduction": r, "threshold": t, "nll": round(seen[key], 6),
              "mean_budget": round(float(budgets.mean()), 6)}
         )  # fmt: skip
-    seconds = time.perf_counter() - started
-    tasks = [s.task for s in samples]
-    tokens = [s.num_tokens for s in samples]
-    paths = writer.output_paths(cfg.output, cfg.scorers, cfg.rhos)
-    for name in cfg.scorers:
-        for rho in cfg.rhos:
-            rows = searched[name, rho]
-            best = min(rows, key=lambda row: row["nll"])  # the first of equals: uniform wins ties
-            profile = writer.build_baklava_profile(
-                runner.shape, mean_importance, per_sample, tasks, best, rows, float(full.mean()),
-                cfg.heads_per_group,
-                {**{k: v for k, v in _source(cfg, make_scorer(name), rho, tasks, tokens).items()
-                    if k != "alpha"},  # no margin: the budgets come from Algorithm 2
-                 "kind": "baklava", "eval_samples": cfg.eval_samples, "eval_seed": cfg.seed + 1},
-                {"run": {"seconds": round(seconds, 1), "profiles": len(paths),
-                         "device": cfg.device, "threads": torch.get_num_threads()}},
-            )  # fmt: skip
-            writer.save(profile, paths[name, rho])
-    return list(paths.values())
+    return searched, mean_nll(cfg.scorers[0], None)
 
 
 def _source(cfg: CalibrationConfig, scorer: Any, rho: float, tasks: list[str],
