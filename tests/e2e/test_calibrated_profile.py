@@ -1,5 +1,7 @@
-"""A shipped calibrated profile served end to end: the server reserves exactly the page cost the
-profile predicts, serves requests and compresses with it (the README's default)."""
+"""Shipped calibrated profiles served end to end: the server reserves exactly the page cost the
+profile predicts, serves requests and compresses with it. The README's default (TANGRAM, H_p 1)
+and the other budget sources: BaKlaVa (kind "baklava", some heads at B = 1) and KVCompose (one
+group of all heads per layer)."""
 
 from __future__ import annotations
 
@@ -17,19 +19,24 @@ from tests.e2e.test_serving import FACTS
 
 pytestmark = pytest.mark.e2e
 
-PROFILE = Path(__file__).parents[2] / "calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json"
+PROFILES = Path(__file__).parents[2] / "calib_profiles/smollm2-135m-instruct"
+NAMES = ["snapkv-rho0.3", "baklava-snapkv-rho0.5", "kvcompose-snapkv-mean-rho0.3"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=NAMES)
 def calibrated_server(request: pytest.FixtureRequest, model_path: str):
-    return _start(request, ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
-                            "--ragged-profile", str(PROFILE), "--mem-fraction-static", "0.05",
-                            "--max-running-requests", "4", "--enable-metrics"], "calibrated")
+    profile = PROFILES / f"{request.param}.json"
+    server = _start(request, ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
+                              "--ragged-profile", str(profile), "--mem-fraction-static", "0.05",
+                              "--max-running-requests", "4", "--enable-metrics"],
+                    f"calibrated-{request.param}")
+    server.profile = profile
+    return server
 
 
 def test_capacity_is_what_the_profile_predicts(calibrated_server, model_path):
     cfg = AutoConfig.from_pretrained(model_path)
-    layout = RaggedLayout.from_profile(BudgetProfile.load(PROFILE), 64, 64, 2)  # bf16 cache
+    layout = RaggedLayout.from_profile(BudgetProfile.load(calibrated_server.profile), 64, 64, 2)  # bf16
     assert layout.num_kv_heads == cfg.num_key_value_heads
     log = calibrated_server.log_text()
     cell = int(re.search(r"ragged capacity: (\d+) bytes per logical token", log).group(1))
