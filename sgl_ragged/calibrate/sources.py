@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from sgl_ragged.calibrate.runner import LayerQKV
+from sgl_ragged.scoring.snapkv import window_attention_probs
 
 SOURCES = ("tangram", "kvcompose", "baklava")
 """--source of the calibrator: tangram (Eq. 3 per head, the default), kvcompose, baklava."""
@@ -80,13 +81,11 @@ def head_importance(layer: LayerQKV, scale: float) -> torch.Tensor:
     t, h_q, _ = layer.q.shape
     h_kv = layer.k.shape[1]
     group = h_q // h_kv
-    k = layer.k.repeat_interleave(group, dim=1)  # [T, H_q, D]
-    v = layer.v.repeat_interleave(group, dim=1)
-    logits = torch.einsum("ihd,jhd->hij", layer.q.float(), k.float()) * scale  # [H_q, T, T]
-    causal = torch.ones(t, t, dtype=torch.bool, device=logits.device).tril()
-    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1)
-    out = torch.einsum("hij,jhd->ihd", probs, v.float())  # [T, H_q, D]
-    cos = torch.nn.functional.cosine_similarity(out, v.float(), dim=-1, eps=1e-12)  # [T, H_q]
+    pos = torch.arange(t, device=layer.q.device)
+    probs = window_attention_probs(layer.q, layer.k, pos, pos, scale)  # [T, H_q, T] causal
+    v = layer.v.float().repeat_interleave(group, dim=1)  # [T, H_q, D]
+    out = torch.einsum("ihj,jhd->ihd", probs, v)  # [T, H_q, D]
+    cos = torch.nn.functional.cosine_similarity(out, v, dim=-1, eps=1e-12)  # [T, H_q]
     similarity = (cos.double().mean(0) + 1.0) / 2.0  # [H_q] in [0, 1]
     return 1.0 - similarity.view(h_kv, group).mean(1)
 
