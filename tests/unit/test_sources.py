@@ -365,3 +365,21 @@ def test_token_kl_matches_the_definition() -> None:
     want = [sum(math.exp(float(a[t, v])) * float(a[t, v] - b[t, v]) for v in range(7)) for t in range(3)]
     assert token_kl(a, b).tolist() == pytest.approx(want, rel=1e-5)
     assert token_kl(a, a).abs().max() < 1e-7
+
+
+def test_calibrate_cli_names_and_groups_by_source(tiny_llama: Path, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from sgl_ragged.calibrate.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    small = ["--rho", "0.5", "--samples", "2", "--page-size", "16", "--chunk-size", "32",
+             "--obs-window", "8", "--min-tokens", "128", "--max-tokens", "128", "--quiet"]  # fmt: skip
+    assert main([str(tiny_llama), "--source", "kvcompose", *small]) == 0
+    path = Path("calib_profiles", tiny_llama.name.lower(), "kvcompose-snapkv-rho0.5.json")
+    assert capsys.readouterr().out.split() == [str(path)]
+    assert BudgetProfile.load(path).heads_per_group == 2  # kvcompose: all KV heads of a layer
+    assert main([str(tiny_llama), "--source", "baklava", "--budget-mode", "mean", *small]) == 2
+    assert "--budget-mode applies to tangram and kvcompose" in capsys.readouterr().err
+    assert main([str(tmp_path / "no-model"), "--source", "kvcompose", *small]) == 2
+    assert "sgl-ragged-calibrate: error:" in capsys.readouterr().err
