@@ -64,11 +64,11 @@ def evaluate(configs: list[Config], model: str, args: argparse.Namespace) -> dic
     t0 = time.monotonic()
     for si, sample in enumerate(samples, start=1):
         full = losses[configs[0].scorer].log_probs(sample.input_ids, None)
-        targets = sample.input_ids[cfg.chunk_size + 1 :]
         for c in configs:
-            logp = full if c.kind == FULL else losses[c.scorer].log_probs(sample.input_ids, selections[c.name][0])
+            loss = losses[c.scorer]
+            logp = full if c.kind == FULL else loss.log_probs(sample.input_ids, selections[c.name][0])
             out[c.name]["kl"].append(float(token_kl(full, logp).mean()))
-            out[c.name]["nll"].append(float(-logp.gather(1, targets[:, None]).double().mean()))
+            out[c.name]["nll"].append(float(loss.nll_of(logp, sample.input_ids).mean()))
         print(f"\rsample {si}/{len(samples)} ({len(configs)} configs, "
               f"{time.monotonic() - t0:.0f} s)", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)

@@ -19,10 +19,10 @@ from typing import Any, Protocol
 import torch
 
 from sgl_ragged import budgets as budget_math
-from sgl_ragged.calibrate.retention import ChunkingConfig, chunk_page_stats
+from sgl_ragged.calibrate.retention import ChunkingConfig, chunk_page_stats, chunk_sinks
 from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
 from sgl_ragged.scoring import SINK_TOKENS, Scorer
-from sgl_ragged.scoring.select import select_flat_top_pages, select_top_k, sink_mask
+from sgl_ragged.scoring.select import select_flat_top_pages, select_top_k
 
 
 def head_slots(budgets: Sequence[Sequence[float]], groups: Any, page_size: int) -> list[list[int]]:
@@ -87,7 +87,7 @@ def sealed_keep(layer: LayerQKV, layer_idx: int, selection: Selection, scorer: S
     p = cfg.page_size
     for start, end in cfg.chunks(num_tokens)[:-1]:
         scores = scorer.page_scores(chunk_page_stats(layer, start, end, cfg, scale))  # [N, H, P]
-        sinks = sink_mask(start + p * torch.arange((end - start) // p, device=scores.device), p)
+        sinks = chunk_sinks(start, (end - start) // p, p, scores.device)
         chunk_keep = selection.keep(layer_idx, scores, sinks)
         keep[:, start:end] = chunk_keep.permute(1, 0, 2).reshape(h_kv, end - start)
     return keep
@@ -123,7 +123,10 @@ class CompressedLoss:
 
     def token_nll(self, input_ids: torch.Tensor, selection: Selection | None) -> torch.Tensor:
         """[T - chunk_size - 1] float64 NLL of each token after the first chunk."""
-        logp = self.log_probs(input_ids, selection)
+        return self.nll_of(self.log_probs(input_ids, selection), input_ids)
+
+    def nll_of(self, logp: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T - chunk_size - 1] float64 NLL of the tokens ``log_probs(input_ids, ...)`` predicts."""
         targets = input_ids[self.cfg.chunk_size + 1 :].to(logp.device)
         return -logp.gather(1, targets[:, None])[:, 0].double()
 

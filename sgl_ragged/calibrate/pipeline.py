@@ -148,9 +148,7 @@ def _calibrate_baklava(cfg: CalibrationConfig, runner: CaptureRunner, samples: l
     tokens = [s.num_tokens for s in samples]
     paths = writer.output_paths(cfg.output, cfg.scorers, cfg.rhos)
     for (name, rho), rows in searched.items():
-        source = {k: v for k, v in _source(cfg, make_scorer(name), rho, tasks, tokens).items()
-                  if k != "alpha"}  # no margin: Algorithm 2 gives the budgets  # fmt: skip
-        source.update(kind="baklava", eval_samples=cfg.eval_samples, eval_seed=cfg.seed + 1)
+        source = _source(cfg, make_scorer(name), rho, tasks, tokens)
         best = min(rows, key=lambda row: row["nll"])  # the first of equals: uniform wins ties
         profile = writer.build_baklava_profile(
             runner.shape, importance, per_sample, tasks, best, rows, full_nll, cfg.heads_per_group,
@@ -197,12 +195,13 @@ def _baklava_search(cfg: CalibrationConfig, runner: CaptureRunner, importance: A
 def _source(cfg: CalibrationConfig, scorer: Any, rho: float, tasks: list[str],
             tokens: list[int]) -> dict[str, Any]:  # fmt: skip
     params = {k: v for k, v in vars(scorer).items() if isinstance(v, int | float | str | bool)}
+    baklava = cfg.source == "baklava"  # no margin (Algorithm 2 gives the budgets); a search
     return {
-        "kind": "calibrated",
+        "kind": "baklava" if baklava else "calibrated",
         "scorer": scorer.name,
         "scorer_params": params,
         "rho": rho,
-        "alpha": cfg.alpha,
+        **({} if baklava else {"alpha": cfg.alpha}),
         "samples": cfg.samples,
         "corpus": {
             "name": CORPUS_NAME,
@@ -218,6 +217,7 @@ def _source(cfg: CalibrationConfig, scorer: Any, rho: float, tasks: list[str],
         "dtype": cfg.dtype,
         "method": cfg.source,
         "selection": SELECTION[cfg.source],
+        **({"eval_samples": cfg.eval_samples, "eval_seed": cfg.seed + 1} if baklava else {}),
     }
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_ragged.calibrate import sources
 from sgl_ragged.calibrate.runner import LayerQKV
 from sgl_ragged.scoring import SINK_TOKENS, PageStats, Scorer, page_query_stats
 from sgl_ragged.scoring.select import select_flat_top_pages, sink_mask
@@ -88,6 +89,11 @@ def chunk_page_stats(
     )
 
 
+def chunk_sinks(start: int, pages: int, page_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[N, P] bool sink tokens of the ``pages`` consecutive pages starting at position ``start``."""
+    return sink_mask(start + page_size * torch.arange(pages, device=device), page_size)
+
+
 def flat_top_kept(scores: torch.Tensor, start: int, rhos: Sequence[float]) -> torch.Tensor:
     """Tokens each head keeps under Eq. 3, for each rho.
 
@@ -95,7 +101,7 @@ def flat_top_kept(scores: torch.Tensor, start: int, rhos: Sequence[float]) -> to
     ``start``. Returns [R, H_kv] int64 kept counts (R = len(rhos)).
     """
     pages, _, p = scores.shape
-    sinks = sink_mask(start + p * torch.arange(pages, device=scores.device), p)  # [N, P]
+    sinks = chunk_sinks(start, pages, p, scores.device)  # [N, P]
     return torch.stack([select_flat_top_pages(scores, rho, sinks).sum((0, 2)) for rho in rhos])
 
 
@@ -110,15 +116,12 @@ def sample_retention(
     layers compete through their composite tokens (calibrate/sources.py) and every head of a
     layer keeps the layer's count.
     """
-    from sgl_ragged.calibrate import sources
-
     if source not in ("tangram", "kvcompose"):
         raise ValueError(f"per-sample retention exists for tangram and kvcompose, not {source!r}")
     num_tokens, h_kv = layers[0].k.shape[:2]
     kept = torch.zeros(len(scorers), len(rhos), len(layers), h_kv, dtype=torch.int64)
     for start, end in cfg.chunks(num_tokens):
-        pages = (end - start) // cfg.page_size
-        sinks = sink_mask(start + cfg.page_size * torch.arange(pages), cfg.page_size)
+        sinks = chunk_sinks(start, (end - start) // cfg.page_size, cfg.page_size)
         stats = [chunk_page_stats(layer, start, end, cfg, scale) for layer in layers]
         for si, scorer in enumerate(scorers):
             scores = [scorer.page_scores(st).cpu() for st in stats]
