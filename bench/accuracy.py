@@ -26,6 +26,7 @@ import json
 import math
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -48,13 +49,47 @@ class Config:
     rho: float
     scorer: str
     profile: str  # --ragged-profile
+    precision: str = "bf16"  # --ragged-precision
 
     def server_args(self) -> list[str]:
         return ["--attention-backend", "ragged", "--ragged-profile", self.profile,
-                "--ragged-scorer", self.scorer]
+                "--ragged-scorer", self.scorer, "--ragged-precision", self.precision]
 
 
-def plan_configs(rhos: list[float], scorers: list[str], profile_dir: Path) -> tuple[list[Config], list[str]]:
+def precision_configs(rhos: list[float], precisions: list[str], scorer: str) -> list[Config]:
+    """Row tiers (DESIGN.md section 11) at uniform byte budgets: per low precision p, "p@rho"
+    spends rho of the bytes by the default composition (tiers.compose: every token at p, the
+    best upgraded, or the best at p and the rest dropped), and "p-all@r" keeps every token at p
+    and nothing else (r: the budget that buys exactly that, in bf16 bytes)."""
+    from sgl_ragged.mem_pool.quant import low_precision
+
+    configs = []
+    for p in precisions:
+        fmt = low_precision(p)
+        whole = fmt.tier_bytes(64, 1, 64) / (2 * 64 * 64 * 2)  # a full page of p, bf16 SmolLM2
+        r = round(-(-whole * 64 // 1) / 64, 6)  # whole slots of budget
+        configs.append(Config(f"{p}-all@{r}", "tiers-all", r, scorer, f"uniform:{r}", p))
+        configs += [Config(f"{p}@{rho}", "tiers", rho, scorer, f"uniform:{rho}", p)
+                    for rho in sorted(rhos) if rho < 1.0]
+    return configs
+
+
+def config_bytes(config: Config, shape: Any, page_size: int = 64) -> float:
+    """KV bytes per logical token of a configuration, as a fraction of a full bf16 cache (the
+    dynamic reference counts the entries it keeps, rho; its pages stay full-size)."""
+    from sgl_ragged.mem_pool.layout import RaggedLayout
+    from sgl_ragged.profile import resolve_profile
+
+    if config.kind == "dynamic":
+        return config.rho
+    if config.kind == "stock-fp8":
+        return 0.5
+    profile = resolve_profile(config.profile, shape)
+    return RaggedLayout.from_profile(profile, page_size, shape.head_dim, 2, config.precision).retention
+
+
+def plan_configs(rhos: list[float], scorers: list[str], profile_dir: Path,
+                 precisions: Sequence[str] = ()) -> tuple[list[Config], list[str]]:
     """full, then per rho (smallest first): uniform, and per scorer static (margin budgets),
     static-mean (mean budget = rho, where that profile exists), the other equal-memory budget
     sources where their profiles exist (kvcompose: kvcompose-<s>-mean-rho<r>.json, baklava:
@@ -77,7 +112,7 @@ def plan_configs(rhos: list[float], scorers: list[str], profile_dir: Path) -> tu
                 if (profile_dir / file).is_file():
                     configs.append(Config(f"{source}-{s}@{rho}", source, rho, s, str(profile_dir / file)))
             configs.append(Config(f"dynamic-{s}@{rho}", "dynamic", rho, s, f"dynamic:{rho}"))
-    return configs, missing
+    return configs + precision_configs(rhos, list(precisions), scorers[0]), missing
 
 
 # ---- token-level plan of the sessions -------------------------------------------------------
@@ -191,12 +226,12 @@ def evaluate(base_url: str, plans: list[SessionPlan], top_k: int,
 # ---- summary ---------------------------------------------------------------------------------
 
 
-def summarize(config: Config, records: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(config: Config, records: list[dict[str, Any]], kv_bytes: float) -> dict[str, Any]:
     acc = binomial_se(sum(r["exact"] for r in records), len(records))
     kl = mean_se([r["kl"] for r in records])
     by_task = {t: binomial_se(sum(r["exact"] for r in rs), len(rs))._asdict()
                for t in SCORED_TASKS if (rs := [r for r in records if r["task"] == t])}
-    return {**asdict(config), "exact": acc._asdict(), "kl": kl._asdict(), "exact_by_task": by_task,
+    return {**asdict(config), "bytes": kv_bytes, "exact": acc._asdict(), "kl": kl._asdict(), "exact_by_task": by_task,
             "token_acc": mean_se([sum(r["top1"]) / len(r["top1"]) for r in records])._asdict(),
             "kl_token_mean": mean_se([x for r in records for x in r["kl_tokens"]]).mean}
 
@@ -209,7 +244,8 @@ def comparisons(configs: list[Config], records: dict[str, list[dict[str, Any]]])
     versus = {"static": ("dynamic-{s}@{r}", "uniform@{r}"),
               "static-mean": ("uniform@{r}", "dynamic-{s}@{r}", "static-{s}@{r}"),
               "kvcompose": ("uniform@{r}", "static-mean-{s}@{r}"),
-              "baklava": ("uniform@{r}", "static-mean-{s}@{r}")}
+              "baklava": ("uniform@{r}", "static-mean-{s}@{r}"),
+              "tiers": ("uniform@{r}",)}
     pairs = []
     for c in by_name.values():
         for other in versus.get(c.kind, ()):
@@ -248,11 +284,12 @@ def markdown(summaries: list[dict[str, Any]], comps: list[dict[str, Any]], meta:
              f"tasks {', '.join(meta['tasks'])}, ~{meta['context_tokens']}-token contexts, seed "
              f"{meta['seed']}); KL over the top-{meta['top_k']} tokens of full + rest bucket; "
              "mean ± standard error.", "",
-             "| config | rho | exact match | answer-token top-1 | mean KL(full ‖ config) (nats/token) |",
-             "|---|---|---|---|---|"]
+             "| config | rho | KV bytes (vs bf16) | exact match | answer-token top-1 | "
+             "mean KL(full ‖ config) (nats/token) |",
+             "|---|---|---|---|---|---|"]
     for s in summaries:
         e, t, k = s["exact"], s["token_acc"], s["kl"]
-        lines.append(f"| {s['name']} | {s['rho']} | {e['mean']:.3f} ± {e['se']:.3f} | "
+        lines.append(f"| {s['name']} | {s['rho']} | {s['bytes']:.3f} | {e['mean']:.3f} ± {e['se']:.3f} | "
                      f"{t['mean']:.3f} ± {t['se']:.3f} | {k['mean']:.4f} ± {k['se']:.4f} |")
     lines += ["", "Paired differences (a − b over the same questions; SE of the per-question "
               "differences; flag: does |Δ| exceed its SE):", "",
@@ -266,7 +303,7 @@ def markdown(summaries: list[dict[str, Any]], comps: list[dict[str, Any]], meta:
 
 
 def plot(summaries: list[dict[str, Any]], path: Path) -> None:
-    plot_kl(summaries, path, "rho", "target retention rho",
+    plot_kl(summaries, path, "bytes", "KV bytes per token (fraction of full bf16)",
             "Next-token KL vs full KV (answer tokens, teacher-forced)", full_at=1.0)
 
 
@@ -329,6 +366,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--scorer", nargs="+", default=["snapkv", "expected_attention"])
     p.add_argument("--profile-dir", type=Path, default=None,
                    help="calibrated profiles <scorer>-rho<rho>.json (default calib_profiles/<model>)")
+    p.add_argument("--precision", nargs="*", default=[],
+                   help="also row tiers at these low precisions (int8 int4 int2 fp8): p@rho per rho "
+                        "and p-all (every token at p)")
     p.add_argument("--sessions", type=int, default=12)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--context-tokens", type=int, default=1024)
@@ -357,7 +397,7 @@ def main() -> None:
 
     model = args.model or str(ensure_smollm2())
     profile_dir = args.profile_dir or Path("calib_profiles") / Path(model).name.lower()
-    configs, missing = plan_configs(args.rho, args.scorer, profile_dir)
+    configs, missing = plan_configs(args.rho, args.scorer, profile_dir, args.precision)
     if args.base_url or args.only:
         wanted = {args.config} if args.base_url else set(args.only)
         configs = [c for c in configs if c.name in wanted or (c.name == FULL and not args.base_url)]
@@ -398,7 +438,8 @@ def main() -> None:
                 records[FULL] = json.loads(ref_path.read_text())["records"]
             ref = {(r["session"], r["turn"]): r for r in records[FULL]}
         print(f"[{i}/{len(configs)}] {config.name} (--ragged-profile {config.profile} "
-              f"--ragged-scorer {config.scorer}), {time.monotonic() - t_start:.0f} s elapsed", flush=True)
+              f"--ragged-scorer {config.scorer} --ragged-precision {config.precision}), "
+              f"{time.monotonic() - t_start:.0f} s elapsed", flush=True)
         t0 = time.monotonic()
         recs, startup = run_one(config, model, args, plans, ref)
         timings[config.name] = {"startup_s": startup, "eval_s": time.monotonic() - t0 - startup}
@@ -406,8 +447,12 @@ def main() -> None:
         raw.write_text(json.dumps({"meta": meta, "config": asdict(config),
                                    "timing": timings[config.name], "records": recs}))
 
-    done = [c for c in plan_configs(args.rho, args.scorer, profile_dir)[0] if c.name in records]
-    summaries = [summarize(c, records[c.name]) for c in done]
+    done = [c for c in plan_configs(args.rho, args.scorer, profile_dir, args.precision)[0]
+            if c.name in records]
+    from sgl_ragged.scheduler.server_args import model_shape
+
+    shape = model_shape(model)
+    summaries = [summarize(c, records[c.name], config_bytes(c, shape)) for c in done]
     comps = comparisons(done, records)
     result = {"meta": meta, "missing_profiles": missing, "timings": timings,
               "wall_s": time.monotonic() - t_start, "configs": summaries, "comparisons": comps}

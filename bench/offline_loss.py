@@ -31,19 +31,31 @@ SEED = 7  # calibration draws seed 0, BaKlaVa's search seed 1: these samples are
 
 
 def selection_for(config: Config, shape: Any, page_size: int) -> tuple[Any, float]:
-    """The compressed forward's selection for a configuration, and the KV memory it keeps
-    (fraction of the full cache: group slots of the budgets; dynamic keeps rho of the entries)."""
-    from sgl_ragged import budgets as budget_math
-    from sgl_ragged.calibrate.compressed import FlatTopSelection, SlotSelection, head_slots
+    """The compressed forward's selection for a configuration, and the KV bytes it keeps per
+    token (fraction of a full bf16 cache: the server's layout of the budgets and precision;
+    dynamic keeps rho of the entries)."""
+    from sgl_ragged.calibrate.compressed import (
+        FlatTopSelection,
+        SlotSelection,
+        StockFp8,
+        TierSelection,
+        head_slots,
+        head_tiers,
+    )
+    from sgl_ragged.mem_pool.layout import RaggedLayout
     from sgl_ragged.profile import resolve_profile
 
     if config.kind == FULL:
         return None, 1.0
     if config.kind == "dynamic":
         return FlatTopSelection(config.rho), config.rho
+    if config.kind == "stock-fp8":
+        return StockFp8(), 0.5
     profile = resolve_profile(config.profile, shape)
-    memory = budget_math.group_memory_fraction(profile.budgets, profile.groups, page_size)
-    return SlotSelection(head_slots(profile.budgets, profile.groups, page_size)), memory
+    layout = RaggedLayout.from_profile(profile, page_size, shape.head_dim, 2, config.precision)
+    if layout.quantized:
+        return TierSelection(head_tiers(layout.tiers, layout.groups), layout.low), layout.retention
+    return SlotSelection(head_slots(profile.budgets, profile.groups, page_size)), layout.retention
 
 
 def evaluate(configs: list[Config], model: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -88,7 +100,7 @@ def summarize(configs: list[Config], raw: dict[str, Any]) -> tuple[list[dict[str
     names = {c.name for c in configs}
     diffs = []
     for c in configs:
-        others = [] if c.kind in (FULL, "uniform") else [f"uniform@{c.rho}"]
+        others = [] if c.kind in (FULL, "uniform", "tiers-all", "stock-fp8") else [f"uniform@{c.rho}"]
         if c.kind in ("kvcompose", "baklava"):
             others.append(f"static-mean-{c.scorer}@{c.rho}")
         for other in (o for o in others if o in names):
@@ -102,7 +114,7 @@ def markdown(rows: list[dict[str, Any]], diffs: list[dict[str, Any]], meta: dict
     lines = [f"{meta['samples']} held-out samples (seed {meta['seed']}, {meta['scored_tokens']} scored "
              f"tokens after the first {meta['chunk_size']}-token chunk, page {meta['page_size']}); "
              "mean over samples ± standard error.", "",
-             "| config | rho | KV kept | KL(full ‖ config) (nats/token) | NLL (nats/token) |",
+             "| config | rho | KV bytes (vs bf16) | KL(full ‖ config) (nats/token) | NLL (nats/token) |",
              "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['rho']} | {r['memory']:.3f} | {r['kl']['mean']:.4f} ± "
@@ -122,6 +134,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scorer", nargs="+", default=["snapkv"])
     p.add_argument("--profile-dir", type=Path, default=None,
                    help="profiles as bench.accuracy finds them (default calib_profiles/<model>)")
+    p.add_argument("--precision", nargs="*", default=[],
+                   help="also row tiers at these low precisions (int8 int4 int2 fp8), as bench.accuracy")
+    p.add_argument("--stock-fp8", action="store_true",
+                   help="also SGLang's own FP8 KV cache (every token cast to float8_e4m3fn, scale 1)")
     p.add_argument("--samples", type=int, default=12)
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--min-tokens", type=int, default=1024)
@@ -140,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
 
     model = args.model or str(ensure_smollm2())
     profile_dir = args.profile_dir or Path("calib_profiles") / Path(model).name.lower()
-    configs, missing = plan_configs(args.rho, args.scorer, profile_dir)
+    configs, missing = plan_configs(args.rho, args.scorer, profile_dir, args.precision)
+    if args.stock_fp8:
+        configs.append(Config("sglang-fp8", "stock-fp8", 0.5, args.scorer[0], "uniform:1.0"))
     if args.only:
         configs = [c for c in configs if c.name in set(args.only) or c.kind == FULL]
     for path in missing:
@@ -157,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         {"meta": meta, "configs": rows, "comparisons": diffs, "per_sample": raw}, indent=2))
     table = markdown(rows, diffs, meta)
     (args.out / "offline_loss.md").write_text(table)
-    plot_kl(rows, args.out / "kl_vs_memory.png", "memory", "KV memory kept (fraction of full)",
+    plot_kl(rows, args.out / "kl_vs_memory.png", "memory", "KV bytes per token (fraction of full bf16)",
             "Prefill compression, offline (held-out samples)")
     print(table)
     print(f"wrote {args.out}/offline_loss.json, offline_loss.md, kl_vs_memory.png ({meta['wall_s']} s)")

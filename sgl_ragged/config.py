@@ -11,6 +11,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from sgl_ragged.mem_pool.quant import FULL_PRECISION, PRECISION_CHOICES, low_precision
 from sgl_ragged.scoring import SCORERS
 
 SUPPORTED_ARCHITECTURES = (
@@ -49,6 +50,10 @@ FLAGS = (
     Flag("attention", "RAGGED_ATTENTION", "auto",
          "Attention implementation: auto (Triton kernels on CUDA, batched torch elsewhere), "
          "triton, batched, or reference (the per-request torch oracle)."),
+    Flag("precision", "RAGGED_PRECISION", FULL_PRECISION,
+         "How rows spend their bytes: bf16 (the model dtype; budgets drop tokens) or a low "
+         f"precision ({', '.join(PRECISION_CHOICES[1:])}) that keeps more tokens per byte: the "
+         "page's best tokens at the model dtype, the next ones quantized, the rest dropped."),
     Flag("check-integrity", "RAGGED_CHECK_INTEGRITY", "0",
          "1 = run the pool's integrity check after every forward pass (debugging, tests)."),
 )
@@ -64,6 +69,7 @@ class RaggedConfig:
     heads_per_group: int | None = None
     obs_window: int = 32
     attention: str = "auto"
+    precision: str = FULL_PRECISION
     check_integrity: bool = False
 
     def __post_init__(self) -> None:
@@ -84,6 +90,13 @@ class RaggedConfig:
             raise ValueError(
                 f"--ragged-attention {self.attention!r} is unknown; choose one of {ATTENTION_IMPLS}"
             )
+        low_precision(self.precision)  # raises for an unknown precision
+        if self.precision != FULL_PRECISION and self.profile.strip().lower().startswith("dynamic:"):
+            raise ValueError(
+                f"--ragged-precision {self.precision} cannot be combined with the dynamic "
+                "reference mode (--ragged-profile dynamic:<rho> keeps full-size, full-precision "
+                "rows and masks dropped tokens); use --ragged-precision bf16 or a static profile"
+            )
         if self.heads_per_group is not None and self.heads_per_group < 1:
             raise ValueError(f"--ragged-heads-per-group must be >= 1, got {self.heads_per_group}")
 
@@ -103,6 +116,7 @@ class RaggedConfig:
             heads_per_group=None if hpg is None else _parse_int("--ragged-heads-per-group", hpg),
             obs_window=_parse_int("--ragged-obs-window", get("obs-window")),
             attention=get("attention") or "auto",
+            precision=(get("precision") or FULL_PRECISION).strip().lower(),
             check_integrity=(get("check-integrity") or "0").lower() in ("1", "true", "yes"),
         )
 

@@ -201,8 +201,9 @@ class BatchedTorchAttention(AttentionImpl):
         st = self.storage
         k_g = st.layout.slots[layer][g]
         B, S = pb.sealed_table.shape
-        sealed_k = take(st.rows_k[layer][g], pb.sealed_table).view(B, S * k_g, len(heads), -1)
-        sealed_v = take(st.rows_v[layer][g], pb.sealed_table).view(B, S * k_g, len(heads), -1)
+        sealed_k, sealed_v = st.page_kv(layer, g, pb.sealed_table)  # [B, S, k_g, H_p, D]
+        sealed_k = sealed_k.view(B, S * k_g, len(heads), -1)
+        sealed_v = sealed_v.view(B, S * k_g, len(heads), -1)
         group_k = tail_k.index_select(2, heads).to(sealed_k.dtype)
         group_v = tail_v.index_select(2, heads).to(sealed_v.dtype)
         exists = torch.arange(S * k_g, device=st.device)[None, :] < pb.num_sealed[:, None] * k_g

@@ -17,6 +17,9 @@ from sgl_ragged.attention_backend.torch_ref import request_forward
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.profile import BudgetProfile
 
+TRITON_LOW_TIERS = False
+"""Whether the Triton kernels read rows with a low-precision tier (--ragged-precision)."""
+
 
 class AttentionImpl(ABC):
     """One layer's ragged attention for a planned batch, with the tail's staging and sealing."""
@@ -60,8 +63,14 @@ def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
     if dynamic and choice not in ("auto", "reference"):
         raise ValueError(f"--ragged-attention {choice} does not support the dynamic reference "
                          "mode (profile dynamic:<rho>); use auto or reference")
+    quantized_on_triton = storage.layout.quantized and not TRITON_LOW_TIERS
     if choice == "auto":
-        choice = "reference" if dynamic else "triton" if storage.device.type == "cuda" else "batched"
+        cuda = storage.device.type == "cuda" and not quantized_on_triton
+        choice = "reference" if dynamic else "triton" if cuda else "batched"
+    if choice == "triton" and quantized_on_triton:
+        raise ValueError("--ragged-attention triton does not read low-precision tiers yet; use "
+                         "--ragged-attention batched (or auto) with --ragged-precision "
+                         f"{storage.layout.low.name}")
     if choice == "reference":
         return TorchAttention(storage)
     if choice == "batched":

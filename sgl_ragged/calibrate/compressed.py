@@ -8,6 +8,12 @@ the keys and queries that the compressed lower layers produce, through the same 
 serving (``chunk_page_stats`` + ``Scorer.page_scores`` + ``select_top_k``). As in calibration,
 a chunk's observation window scores its pages against the uncompressed prefix (serving scores
 them against the sealed rows), and decode is not modelled.
+
+Row tiers (DESIGN.md section 11, ``TierSelection``): sealed tokens of the low tier are seen
+quantized and dequantized exactly as the server stores them (mem_pool/quant.py, per page and
+head), while a chunk's own tokens stay full precision, as in the server's staging pages.
+``StockFp8`` emulates SGLang's own FP8 KV cache (every cached token cast to float8_e4m3fn with
+scale 1), the alternative a GPU user has.
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ import torch
 from sgl_ragged import budgets as budget_math
 from sgl_ragged.calibrate.retention import ChunkingConfig, chunk_page_stats, chunk_sinks
 from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
+from sgl_ragged.mem_pool.quant import LowPrecision, dequantize, quantize
+from sgl_ragged.mem_pool.tiers import RowTiers
 from sgl_ragged.scoring import SINK_TOKENS, Scorer
-from sgl_ragged.scoring.select import select_flat_top_pages, select_top_k
+from sgl_ragged.scoring.select import select_flat_top_pages, select_tiers, select_top_k
 
 
 def head_slots(budgets: Sequence[Sequence[float]], groups: Any, page_size: int) -> list[list[int]]:
@@ -66,6 +74,73 @@ class FlatTopSelection:
         return select_flat_top_pages(scores, self.rho, sinks)
 
 
+@dataclass(frozen=True)
+class TierSelection:
+    """Static row tiers: head h of layer l keeps, of every page, its ``tiers[l][h].hi`` best
+    tokens exactly and the next ``.lo`` quantized in ``fmt`` (as the server's rows)."""
+
+    tiers: Sequence[Sequence[RowTiers]]  # [L][H] (head_tiers)
+    fmt: LowPrecision | None
+
+    def keep(self, layer_idx: int, scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        keep = torch.zeros_like(scores, dtype=torch.bool)
+        for heads, t in _heads_by_tiers(self.tiers[layer_idx]):
+            hi, lo = select_tiers(scores[:, heads], t.hi, t.total, sinks)
+            keep[:, heads] = _mask(torch.cat([hi, lo], -1), scores.shape[-1])
+        return keep
+
+    def sealed_kv(self, layer_idx: int, scores: torch.Tensor, sinks: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [N, P, H, D] of a chunk's pages -> the values its kept tokens are read as
+        (low tier dequantized; other entries unchanged, the mask hides them)."""
+        k, v = k.clone(), v.clone()
+        for heads, t in _heads_by_tiers(self.tiers[layer_idx]):
+            if not t.lo:
+                continue
+            lo = select_tiers(scores[:, heads], t.hi, t.total, sinks)[1]  # [N, H', lo]
+            index = lo.transpose(1, 2)[..., None].expand(-1, -1, -1, k.shape[-1])  # [N, lo, H', D]
+            lo_k = torch.gather(k[:, :, heads], 1, index)
+            lo_v = torch.gather(v[:, :, heads], 1, index)
+            deq_k, deq_v = dequantize(self.fmt, quantize(self.fmt, lo_k, lo_v), k.dtype)
+            for dst, src in ((k, deq_k), (v, deq_v)):
+                part = dst[:, :, heads]
+                part.scatter_(1, index, src)
+                dst[:, :, heads] = part
+        return k, v
+
+
+@dataclass(frozen=True)
+class StockFp8:
+    """SGLang's FP8 KV cache (--kv-cache-dtype fp8_e4m3 without scales): every cached token
+    kept, cast to float8_e4m3fn and back with scale 1."""
+
+    def keep(self, layer_idx: int, scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(scores, dtype=torch.bool)
+
+    def sealed_kv(self, layer_idx: int, scores: torch.Tensor, sinks: torch.Tensor,
+                  k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (k.to(torch.float8_e4m3fn).to(k.dtype), v.to(torch.float8_e4m3fn).to(v.dtype))
+
+
+def head_tiers(layout_tiers: Any, groups: Any) -> list[list[RowTiers]]:
+    """[L][H] tiers of each head: its group's (every member head fills the group's row)."""
+    out = []
+    for layer_groups, layer_tiers in zip(groups, layout_tiers, strict=True):
+        per_head = {h: t for heads, t in zip(layer_groups, layer_tiers, strict=True) for h in heads}
+        out.append([per_head[h] for h in range(len(per_head))])
+    return out
+
+
+def _heads_by_tiers(tiers: Sequence[RowTiers]) -> list[tuple[list[int], RowTiers]]:
+    return [([h for h, x in enumerate(tiers) if x == t], t) for t in sorted(set(tiers), key=repr)]
+
+
+def _mask(idx: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[N, H, k] token offsets -> [N, H, P] bool."""
+    out = torch.zeros(*idx.shape[:-1], page_size, dtype=torch.bool, device=idx.device)
+    return out.scatter_(-1, idx, True)
+
+
 def slot_keep(scores: torch.Tensor, slots: Sequence[int], sinks: torch.Tensor) -> torch.Tensor:
     """[N, H, P] bool: per page, head h keeps its slots[h] best tokens (select_top_k)."""
     pages, h_kv, p = scores.shape
@@ -91,6 +166,25 @@ def sealed_keep(layer: LayerQKV, layer_idx: int, selection: Selection, scorer: S
         chunk_keep = selection.keep(layer_idx, scores, sinks)
         keep[:, start:end] = chunk_keep.permute(1, 0, 2).reshape(h_kv, end - start)
     return keep
+
+
+def sealed_layer(layer: LayerQKV, layer_idx: int, selection: Any, scorer: Scorer,
+                 cfg: ChunkingConfig, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantizing selections: keep [H_kv, T] bool (as sealed_keep) and the K, V [H_kv, T, D]
+    that queries of later chunks read for those tokens."""
+    num_tokens, h_kv, d = layer.k.shape
+    keep = torch.ones(h_kv, num_tokens, dtype=torch.bool, device=layer.k.device)
+    k, v = layer.k.clone(), layer.v.clone()  # [T, H, D]
+    p = cfg.page_size
+    for start, end in cfg.chunks(num_tokens)[:-1]:
+        scores = scorer.page_scores(chunk_page_stats(layer, start, end, cfg, scale))  # [N, H, P]
+        n = (end - start) // p
+        sinks = chunk_sinks(start, n, p, scores.device)
+        keep[:, start:end] = selection.keep(layer_idx, scores, sinks).permute(1, 0, 2).reshape(h_kv, end - start)
+        k_pages, v_pages = selection.sealed_kv(layer_idx, scores, sinks, k[start:end].view(n, p, h_kv, d),
+                                               v[start:end].view(n, p, h_kv, d))
+        k[start:end], v[start:end] = k_pages.flatten(0, 1), v_pages.flatten(0, 1)
+    return keep, k.transpose(0, 1), v.transpose(0, 1)
 
 
 def attention_mask(keep: torch.Tensor, cfg: ChunkingConfig) -> torch.Tensor:
@@ -136,12 +230,32 @@ class CompressedLoss:
         def attend(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # q [H_q, T, D], k / v [H_kv, T, D] -> [H_q, T, D]
             layer = LayerQKV(q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float())
+            if hasattr(selection, "sealed_kv"):
+                return _attend_sealed_values(layer, layer_idx, q, k, v)
             keep = sealed_keep(layer, layer_idx, selection, scorer, cfg, scale)
             group = q.shape[0] // k.shape[0]
             mask = attention_mask(keep, cfg).repeat_interleave(group, dim=0)
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k.repeat_interleave(group, 0), v.repeat_interleave(group, 0), attn_mask=mask, scale=scale
             )  # fmt: skip
+
+        def _attend_sealed_values(layer: LayerQKV, layer_idx: int, q: torch.Tensor,
+                                  k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # Keys [H_kv, 2T, D]: the chunk's own tokens at full precision, then earlier
+            # chunks' tokens as the sealed rows hold them.
+            keep, k_sealed, v_sealed = sealed_layer(layer, layer_idx, selection, scorer, cfg, scale)
+            num_tokens = k.shape[1]
+            pos = torch.arange(num_tokens, device=k.device)
+            chunk = pos // cfg.chunk_size
+            causal = pos[None, :] <= pos[:, None]
+            same = chunk[None, :] == chunk[:, None]
+            mask = torch.cat([(causal & same)[None].expand(k.shape[0], -1, -1),
+                              (causal & ~same)[None] & keep[:, None, :]], dim=2)
+            group = q.shape[0] // k.shape[0]
+            keys = torch.cat([k, k_sealed.to(k.dtype)], 1).repeat_interleave(group, 0)
+            values = torch.cat([v, v_sealed.to(v.dtype)], 1).repeat_interleave(group, 0)
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask.repeat_interleave(group, 0), scale=scale)
 
         return attend
 

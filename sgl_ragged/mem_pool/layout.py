@@ -2,14 +2,19 @@
 
 DESIGN.md section 2. A logical page of P tokens lives at row p of every group's tensor
 `[num_pages, k[l][g], H_p, head_dim]`; `k[l][g] = ceil(max_{h in g} B[l,h] * P)` clamped to
-[SINK_TOKENS, P]. The bytes of one logical page are therefore fixed by the profile, which is
-what lets admission reserve exactly the post-compression footprint (Budget Reservation).
+[SINK_TOKENS, P]. With a low precision (DESIGN.md section 11) the same bytes are spent on tiers
+instead (tiers.py): `hi[l][g]` slots at the model dtype, then `lo[l][g]` quantized ones
+(quant.py). The bytes of one logical page are therefore fixed by the profile and the precision,
+which is what lets admission reserve exactly the post-compression footprint (Budget
+Reservation).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sgl_ragged.mem_pool.quant import FULL_PRECISION, LowPrecision, low_precision
+from sgl_ragged.mem_pool.tiers import RowTiers, compose, tier_bytes
 from sgl_ragged.profile import BudgetProfile
 from sgl_ragged.scoring import SINK_TOKENS
 
@@ -22,23 +27,42 @@ class RaggedLayout:
     head_dim: int
     dtype_bytes: int
     groups: tuple[tuple[tuple[int, ...], ...], ...]  # [L][G] -> KV-head indices of the group
-    slots: tuple[tuple[int, ...], ...]  # [L][G] -> k, kept row slots per logical page
+    slots: tuple[tuple[int, ...], ...]  # [L][G] -> k, kept row slots per logical page (hi + lo)
+    tiers: tuple[tuple[RowTiers, ...], ...] | None = None  # [L][G]; None: all slots full precision
+    low: LowPrecision | None = None  # format of the lo slots
+
+    def __post_init__(self) -> None:
+        if self.tiers is None:
+            object.__setattr__(self, "tiers", tuple(tuple(RowTiers(k) for k in layer)
+                                                    for layer in self.slots))
+        totals = tuple(tuple(t.total for t in layer) for layer in self.tiers)
+        if totals != tuple(map(tuple, self.slots)):
+            raise ValueError(f"row tiers {self.tiers} do not add up to the slots {self.slots}")
+        if self.low is None and any(t.lo for layer in self.tiers for t in layer):
+            raise ValueError("a layout with low-precision slots needs their format")
 
     @classmethod
     def from_profile(
-        cls, profile: BudgetProfile, page_size: int, head_dim: int, dtype_bytes: int
+        cls, profile: BudgetProfile, page_size: int, head_dim: int, dtype_bytes: int,
+        precision: str = FULL_PRECISION,
     ) -> RaggedLayout:
         if page_size < SINK_TOKENS:
             raise ValueError(
                 f"--page-size {page_size} is too small for the ragged backend: a page must hold "
                 f"the {SINK_TOKENS} sink tokens; use --page-size 64 (the default) or any >= {SINK_TOKENS}"
             )
+        fmt = low_precision(precision)
+        budget_slots = profile.slots_per_group(page_size, min_slots=SINK_TOKENS)
+        tiers = tuple(tuple(compose(k, page_size, head_dim, dtype_bytes, fmt, SINK_TOKENS)
+                            for k in layer) for layer in budget_slots)
         return cls(
             page_size=page_size,
             head_dim=head_dim,
             dtype_bytes=dtype_bytes,
             groups=profile.groups,
-            slots=profile.slots_per_group(page_size, min_slots=SINK_TOKENS),
+            slots=tuple(tuple(t.total for t in layer) for layer in tiers),
+            tiers=tiers,
+            low=fmt if any(t.lo for layer in tiers for t in layer) else None,
         )
 
     @property
@@ -53,10 +77,24 @@ class RaggedLayout:
     def row_bytes_per_page(self) -> int:
         """Bytes of K+V rows one logical page occupies across all layers and groups."""
         return sum(
-            2 * k * len(heads) * self.head_dim * self.dtype_bytes
-            for layer_groups, layer_slots in zip(self.groups, self.slots, strict=True)
-            for heads, k in zip(layer_groups, layer_slots, strict=True)
+            tier_bytes(t, self.low, len(heads), self.head_dim, self.dtype_bytes)
+            for layer_groups, layer_tiers in zip(self.groups, self.tiers, strict=True)
+            for heads, t in zip(layer_groups, layer_tiers, strict=True)
         )
+
+    @property
+    def quantized(self) -> bool:
+        """Some group keeps low-precision slots."""
+        return self.low is not None
+
+    def describe_tiers(self) -> str:
+        """One line for logs: the low format and the mean slots per page of each tier."""
+        if self.low is None:
+            return "full precision"
+        flat = [t for layer in self.tiers for t in layer]
+        hi = sum(t.hi for t in flat) / len(flat)
+        lo = sum(t.lo for t in flat) / len(flat)
+        return f"{self.low.name}: {hi:.1f} full + {lo:.1f} {self.low.name} slots per page (mean)"
 
     @property
     def full_bytes_per_page(self) -> int:

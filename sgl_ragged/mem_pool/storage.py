@@ -7,6 +7,8 @@ Index spaces (DESIGN.md sections 2 and 4):
     | logical slot  | [0, (pages+1) * P)    | SGLang's token slots (req_to_token, radix tree)   |
     | logical page  | [0, pages+1)          | slot // P; row p of every group's tensor          |
     | row slot      | [0, k[l][g])          | composite slot j: each member head's j-th kept    |
+    |               |                       | (slots [0, hi) at the model dtype, [hi, k) in the |
+    |               |                       | low tier, quantized: quant.py, tiers.py)          |
     | staging page  | [0, S)                | a full page [P, H_kv, D] of a running request     |
     |               | S                     | the scratch page (CUDA-graph padding writes)      |
 
@@ -20,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from sgl_ragged.mem_pool.layout import RaggedLayout
+from sgl_ragged.mem_pool.quant import QuantTier, dequantize, empty_tier, quantize
 from sgl_ragged.scoring import PageStats, Scorer
-from sgl_ragged.scoring.select import select_flat_top_pages, select_top_k, sink_mask
+from sgl_ragged.scoring.select import select_flat_top_pages, select_tiers, sink_mask
 
 
 class StagingExhaustedError(RuntimeError):
@@ -57,11 +60,17 @@ class RaggedStorage:
         self.device = torch.device(device)
         self.scorer = scorer
         P, H, D = layout.page_size, layout.num_kv_heads, layout.head_dim
-        # rows_k[l][g]: [num_pages, k[l][g], H_p, D], indexed by logical page.
-        self.rows_k = [[self._zeros(num_pages, k, len(heads), D) for heads, k in zip(gs, ks, strict=True)]
-                       for gs, ks in zip(layout.groups, layout.slots, strict=True)]
-        self.rows_v = [[self._zeros(num_pages, k, len(heads), D) for heads, k in zip(gs, ks, strict=True)]
-                       for gs, ks in zip(layout.groups, layout.slots, strict=True)]
+        # rows_k[l][g]: [num_pages, hi[l][g], H_p, D] the full-precision slots (all k[l][g] of
+        # them without a low tier), indexed by logical page.
+        self.rows_k = [[self._zeros(num_pages, t.hi, len(heads), D) for heads, t in zip(gs, ts, strict=True)]
+                       for gs, ts in zip(layout.groups, layout.tiers, strict=True)]
+        self.rows_v = [[self._zeros(num_pages, t.hi, len(heads), D) for heads, t in zip(gs, ts, strict=True)]
+                       for gs, ts in zip(layout.groups, layout.tiers, strict=True)]
+        # low_rows[l][g]: the lo[l][g] quantized slots of every logical page (None if lo is 0).
+        self.low_rows: list[list[QuantTier | None]] = [
+            [empty_tier(layout.low, num_pages, t.lo, len(heads), D, self.device) if t.lo else None
+             for heads, t in zip(gs, ts, strict=True)]
+            for gs, ts in zip(layout.groups, layout.tiers, strict=True)]
         # head_index[l][g]: [H_p] int64 KV-head indices of group g.
         self.head_index = [[torch.tensor(h, dtype=torch.long, device=self.device) for h in gs]
                            for gs in layout.groups]
@@ -84,8 +93,9 @@ class RaggedStorage:
         self.dynamic_rho = dynamic_rho
         self.row_keep: list[torch.Tensor] | None = None
         if dynamic_rho is not None:
-            if any(k != P for layer in layout.slots for k in layer):
-                raise ValueError("the dynamic reference mode needs full-size rows (budgets of 1.0)")
+            if any(t.hi != P for layer in layout.tiers for t in layer):
+                raise ValueError("the dynamic reference mode needs full-size, full-precision rows "
+                                 "(budgets of 1.0, --ragged-precision bf16)")
             self.row_keep = [torch.zeros(num_pages, H, P, dtype=torch.bool, device=self.device)
                              for _ in range(layout.num_layers)]
         # scale: the model's attention softmax scale (the backend sets it from its layers).
@@ -122,6 +132,8 @@ class RaggedStorage:
 
     def nbytes(self) -> int:
         tensors = [t for rows in (self.rows_k, self.rows_v) for layer in rows for t in layer]
+        tensors += [t for layer in self.low_rows for tier in layer if tier is not None
+                    for t in tier.tensors()]
         tensors += self.row_keep or []
         tensors += self.stage_k + self.stage_v + [self.stage_attn, self.stage_obs, self.stage_q_sum,
                                                   self.stage_q_sq_sum, self.stage_q_count]
@@ -190,13 +202,23 @@ class RaggedStorage:
         if self.row_keep is not None:
             self._write_dynamic(layer, pages, k_tok, v_tok, scores, sinks)
             return
-        for g, k in enumerate(self.layout.slots[layer]):
+        for g, t in enumerate(self.layout.tiers[layer]):
             heads = self.head_index[layer][g]
-            keep = select_top_k(scores[:, heads], k, sinks)  # [N, H_p, k] token offsets
-            idx = keep.transpose(1, 2).unsqueeze(-1).expand(-1, -1, -1, k_tok.shape[-1])
-            self.rows_k[layer][g][pages] = torch.gather(k_tok[:, :, heads], 1, idx).to(self.dtype)
-            self.rows_v[layer][g][pages] = torch.gather(v_tok[:, :, heads], 1, idx).to(self.dtype)
+            hi_idx, lo_idx = select_tiers(scores[:, heads], t.hi, t.total, sinks)  # [N, H_p, *]
+            k_g, v_g = k_tok[:, :, heads], v_tok[:, :, heads]  # [N, P, H_p, D]
+            self.rows_k[layer][g][pages] = _gather_tokens(k_g, hi_idx).to(self.dtype)
+            self.rows_v[layer][g][pages] = _gather_tokens(v_g, hi_idx).to(self.dtype)
+            if t.lo:
+                self.write_low(layer, g, pages, _gather_tokens(k_g, lo_idx), _gather_tokens(v_g, lo_idx))
         self.count_sealed(layer, pages.numel())
+
+    def write_low(self, layer: int, group: int, pages: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> None:
+        """Quantize the low tiers k, v [N, lo, H_p, D] of these pages into their rows."""
+        tier = self.low_rows[layer][group]
+        q = quantize(self.layout.low, k, v)
+        for dst, src in zip(tier.tensors(), q.tensors(), strict=True):
+            dst[pages] = src
 
     def count_sealed(self, layer: int, num_pages: int) -> None:
         """Counters for `num_pages` pages of one layer compressed into their rows."""
@@ -257,10 +279,25 @@ class RaggedStorage:
     # ---- reading ----------------------------------------------------------------------------
 
     def sealed_kv(self, layer: int, group: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of sealed pages for one group: each [N * k, H_p, D], in page then slot order."""
-        k = self.rows_k[layer][group][pages]
-        v = self.rows_v[layer][group][pages]
+        """K, V of sealed pages for one group: each [N * k, H_p, D], in page then slot order
+        (low-tier slots dequantized)."""
+        k, v = self.page_kv(layer, group, pages)
         return k.flatten(0, 1), v.flatten(0, 1)
+
+    def page_kv(self, layer: int, group: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of one group's rows at logical pages `pages` (any shape [*]): each
+        [*, k, H_p, D] in the storage dtype, hi slots then the dequantized lo slots."""
+        k = _take(self.rows_k[layer][group], pages)
+        v = _take(self.rows_v[layer][group], pages)
+        tier = self.low_rows[layer][group]
+        if tier is None:
+            return k, v
+        flat = pages.reshape(-1)
+        part = QuantTier(*(None if t is None else _take(t, flat) for t in (
+            tier.k_codes, tier.k_scale, tier.k_zero, tier.v_codes, tier.v_scale, tier.v_zero)))
+        lo_k, lo_v = dequantize(self.layout.low, part, self.dtype)  # [N, lo, H_p, D]
+        shape = (*pages.shape, *lo_k.shape[1:])
+        return torch.cat([k, lo_k.view(shape)], -3), torch.cat([v, lo_v.view(shape)], -3)
 
     def sealed_keep(self, layer: int, group: int, pages: torch.Tensor) -> torch.Tensor | None:
         """Dynamic mode: [N * P, H_p] bool kept flags matching sealed_kv's order; else None."""
@@ -301,3 +338,14 @@ class RaggedStorage:
         assert not (self.page_to_stage[free] >= 0).any(), "a free page still holds a staging page"
         assert not self.sealed[free].any(), "a free page is still marked sealed"
         assert not self.sealed[0] and self.page_to_stage[0] < 0, "the padding page is in use"
+
+
+def _gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [N, P, H, D], idx [N, H, k] token offsets per head -> [N, k, H, D]."""
+    index = idx.transpose(1, 2).unsqueeze(-1).expand(-1, -1, -1, x.shape[-1])
+    return torch.gather(x, 1, index)
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[index] for an int64 index of any shape, through index_select (cheap on a CPU)."""
+    return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:])

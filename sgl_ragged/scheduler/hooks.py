@@ -46,13 +46,14 @@ def compute_cell_size(original: Any, configurator: Any, kvc: Any, num_layers: in
     runtime.profile = profile  # its split ratios give the decode kernel's AOT split map
     schedule = get_schedule()
     layout = RaggedLayout.from_profile(
-        profile, schedule.page_size, mc.head_dim, torch._utils._element_size(kvc.kv_cache_dtype)
+        profile, schedule.page_size, mc.head_dim, torch._utils._element_size(kvc.kv_cache_dtype),
+        precision=runtime.config.precision,
     )
     runtime.num_staging_pages = (schedule.max_running_requests + 1) * (runtime.config.window_pages + 1)
     cell = -(-layout.row_bytes_per_page // layout.page_size)  # ceil: never over-admit
     if layout != runtime.layout:  # SGLang may size the pool twice with the same configuration
-        logger.info("ragged capacity: %d bytes per logical token instead of %d (retention %.3f)",
-                    cell, full, layout.retention)
+        logger.info("ragged capacity: %d bytes per logical token instead of %d (retention %.3f; %s)",
+                    cell, full, layout.retention, layout.describe_tiers())
     runtime.layout = layout
     return cell
 

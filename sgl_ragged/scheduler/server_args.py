@@ -11,6 +11,7 @@ import logging
 import os
 from typing import Any
 
+from sgl_ragged.attention_backend.impl import TRITON_LOW_TIERS
 from sgl_ragged.config import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_PAGE_SIZE,
@@ -19,6 +20,7 @@ from sgl_ragged.config import (
     add_cli_args,
     move_cli_args_to_env,
 )
+from sgl_ragged.mem_pool.quant import FULL_PRECISION, low_precision
 from sgl_ragged.profile import ModelShape, resolve_profile, spec_kind
 
 logger = logging.getLogger(__name__)
@@ -89,8 +91,8 @@ def resolve_ragged_args(server_args: Any, previous: Any) -> None:
         **({} if decode_graphs else {"disable_cuda_graph": True}),
     )
     os.environ[ACTIVE_ENV] = "1"
-    logger.info("ragged backend: profile %s, scorer %s, window %d page(s)",
-                config.profile, config.scorer, config.window_pages)
+    logger.info("ragged backend: profile %s, precision %s, scorer %s, window %d page(s)",
+                config.profile, config.precision, config.scorer, config.window_pages)
 
 
 def _decode_graphs(cfg: Any, config: RaggedConfig) -> bool:
@@ -102,7 +104,8 @@ def _decode_graphs(cfg: Any, config: RaggedConfig) -> bool:
     graph_config = cfg.cuda_graph_config
     on_cuda = str(cfg.device or "cuda").startswith("cuda")
     if (graph_config is None or graph_config.decode.backend == Backend.DISABLED or not on_cuda
-            or config.attention not in ("auto", "triton") or spec_kind(config.profile) == "dynamic"):
+            or config.attention not in ("auto", "triton") or spec_kind(config.profile) == "dynamic"
+            or (config.precision != FULL_PRECISION and not TRITON_LOW_TIERS)):
         return False
     if graph_config.decode.backend != Backend.FULL:
         raise ValueError(
@@ -177,3 +180,8 @@ def _check_model(shape: ModelShape, config: RaggedConfig) -> None:
             f"architectures (dense attention): {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     resolve_profile(config.profile, shape, config.heads_per_group)
+    fmt = low_precision(config.precision)
+    if fmt is not None and (shape.head_dim * fmt.bits) % 8:
+        raise ValueError(f"--ragged-precision {fmt.name} packs {8 // fmt.bits} channels per byte, "
+                         f"but head_dim {shape.head_dim} is not a multiple of {8 // fmt.bits}; "
+                         "use int8 or fp8")

@@ -32,6 +32,20 @@ def select_top_k(scores: torch.Tensor, k: int, sinks: torch.Tensor) -> torch.Ten
     return order[..., :k].sort(dim=-1).values
 
 
+def select_tiers(scores: torch.Tensor, hi: int, total: int, sinks: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (page, head): the `total` best tokens (sinks forced in), split into the `hi` best of
+    them and the rest; each tier in ascending positions (DESIGN.md section 11).
+
+    scores: [N, H, P] float32; sinks: [N, P] bool. Returns hi_idx [N, H, hi] and lo_idx
+    [N, H, total - hi] int64 token offsets. With hi == total this is select_top_k.
+    """
+    page_size = scores.shape[-1]
+    forced = scores.masked_fill(sinks[:, None, :], float("inf"))
+    order = torch.sort(forced, dim=-1, descending=True, stable=True).indices[..., :min(total, page_size)]
+    return order[..., :hi].sort(dim=-1).values, order[..., hi:].sort(dim=-1).values
+
+
 def select_flat_top(scores: torch.Tensor, rho: float, sinks: torch.Tensor) -> torch.Tensor:
     """TANGRAM Eq. 3: one layer's tokens kept by a global top-ceil(rho * H * N) over all heads.
 

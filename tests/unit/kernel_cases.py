@@ -13,6 +13,7 @@ import torch
 from sgl_ragged.attention_backend.impl import AttentionImpl, TorchAttention
 from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata, RequestPlan
 from sgl_ragged.mem_pool.layout import RaggedLayout
+from sgl_ragged.mem_pool.quant import QuantTier
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.profile import BudgetProfile
 from sgl_ragged.scoring import SnapKVScorer
@@ -45,26 +46,44 @@ class Spec:
 
 def random_storage(rng: random.Random, device: str, layers: int = 1, heads_per_group: int = 2,
                    num_pages: int = 48, num_stages: int = 24,
-                   dtype: torch.dtype = torch.float32, shape: Shape = SMALL) -> RaggedStorage:
-    """Random per-head budgets, adjacent groups, rows and staging pages filled with noise."""
+                   dtype: torch.dtype = torch.float32, shape: Shape = SMALL,
+                   precision: str = "bf16") -> RaggedStorage:
+    """Random per-head budgets, adjacent groups, rows and staging pages filled with noise
+    (`precision`: the rows' low tier, DESIGN.md section 11, with random codes and parameters)."""
     H = shape.kv_heads
     budgets = [[rng.choice(BUDGETS) for _ in range(H)] for _ in range(layers)]
     groups = [tuple(tuple(range(s, s + heads_per_group)) for s in range(0, H, heads_per_group))
               for _ in range(layers)]
     profile = BudgetProfile(model=None, budgets=budgets, groups=groups, source={"kind": "uniform"})
     layout = RaggedLayout.from_profile(profile, shape.page_size, shape.head_dim,
-                                       torch.finfo(dtype).bits // 8)
+                                       torch.finfo(dtype).bits // 8, precision=precision)
     storage = RaggedStorage(layout, num_pages, num_stages, dtype, device, SnapKVScorer())
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     for t in [*(x for rows in (storage.rows_k, storage.rows_v) for layer in rows for x in layer),
               *storage.stage_k, *storage.stage_v]:
         t.copy_(torch.randn(t.shape, generator=gen).to(dtype))  # in place: row addresses stay
+    for tier in (t for layer in storage.low_rows for t in layer if t is not None):
+        _randomize_tier(tier, gen)
     # What staged pages accumulated in earlier forwards (non-negative, like the real ones).
     for t in (storage.stage_attn, storage.stage_q_sum, storage.stage_q_count):
         t.copy_(torch.rand(t.shape, generator=gen))
     storage.stage_q_sq_sum.copy_(storage.stage_q_sum.square() + torch.rand(
         storage.stage_q_sum.shape, generator=gen))
     return storage
+
+
+def _randomize_tier(tier: QuantTier, gen: torch.Generator) -> None:
+    """Random codes, positive scales and zero points around -scale * levels / 2 (so that
+    dequantized entries are roughly centred), in place."""
+    for codes in (tier.k_codes, tier.v_codes):
+        codes.copy_(torch.randint(0, 256, codes.shape, generator=gen, dtype=torch.uint8))
+    if tier.k_zero is None:  # fp8 codes: finite float8_e4m3fn values only (no 0x7f / 0xff)
+        for codes in (tier.k_codes, tier.v_codes):
+            codes.copy_(codes & 0xF7)
+    for scale, zero in ((tier.k_scale, tier.k_zero), (tier.v_scale, tier.v_zero)):
+        scale.copy_((0.05 + torch.rand(scale.shape, generator=gen) * 0.1).half())
+        if zero is not None:
+            zero.copy_((torch.randn(zero.shape, generator=gen) - 1.0).half())
 
 
 def random_plans(storage: RaggedStorage, specs: Sequence[Spec], rng: random.Random,
@@ -156,6 +175,8 @@ def reference_lse(storage: RaggedStorage, layer: int, plan: RequestPlan, q: torc
 def storage_state(storage: RaggedStorage) -> list[torch.Tensor]:
     """Every tensor a forward may write: rows, staging pages and their statistics."""
     rows = [t for rows in (storage.rows_k, storage.rows_v) for layer in rows for t in layer]
+    rows += [t for layer in storage.low_rows for tier in layer if tier is not None
+             for t in tier.tensors()]
     return [*rows, *storage.stage_k, *storage.stage_v, storage.stage_attn, storage.stage_q_sum,
             storage.stage_q_sq_sum, storage.stage_q_count]
 
@@ -163,16 +184,22 @@ def storage_state(storage: RaggedStorage) -> list[torch.Tensor]:
 def assert_same_state(got: RaggedStorage, want: RaggedStorage) -> None:
     """Same rows, staging pages, statistics (float tolerance) and seal counters."""
     for i, (a, b) in enumerate(zip(storage_state(got), storage_state(want), strict=True)):
+        if a.dtype == torch.uint8:  # quantized codes: a value on a rounding boundary may
+            # round either way after float32 noise in its inputs; allow 1% of the bytes
+            differ = (a != b).float().mean().item()
+            assert differ <= 0.01, f"tensor {i}: {differ:.2%} of the codes differ"
+            continue
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=lambda m, i=i: f"tensor {i}: {m}")
     assert got.counters == want.counters
 
 
 def compare_with_reference(make_impl: Callable[[RaggedStorage], AttentionImpl],
                            specs: Sequence[Spec], decode: bool, seed: int, device: str,
-                           layer: int = 0, gap: int = 0) -> None:
+                           layer: int = 0, gap: int = 0, precision: str = "bf16") -> None:
     """One forward through `make_impl(storage)` and the torch reference on twin random
     storages: outputs, rows, staging pages, statistics and counters agree."""
-    impl_store, ref_store = (random_storage(random.Random(seed), device, layers=2, num_stages=64)
+    impl_store, ref_store = (random_storage(random.Random(seed), device, layers=2, num_stages=64,
+                                            precision=precision)
                              for _ in range(2))
     plans = random_plans(impl_store, specs, random.Random(seed + 1), gap=gap)
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), device)

@@ -32,6 +32,18 @@ def test_batched_matches_reference(seed, decode):
                            gap=seed % 3)
 
 
+@pytest.mark.parametrize("precision", ["int8", "int4", "int2", "fp8"])
+@pytest.mark.parametrize("decode", [False, True])
+def test_batched_matches_reference_with_low_precision_tiers(precision, decode):
+    """Rows with a quantized tier (DESIGN.md section 11): both paths dequantize the same rows
+    and seal through the same quantizer."""
+    for seed in range(3):
+        rng = random.Random(100 + seed)
+        specs = random_specs(rng, rng.randint(1, 5), decode)
+        compare_with_reference(BatchedTorchAttention, specs, decode, 100 + seed, "cpu",
+                               layer=seed % 2, gap=seed % 2, precision=precision)
+
+
 @pytest.mark.parametrize("specs,decode", [
     ([Spec(sealed=0, staged=0, q_len=1)], True),  # a lone first token
     ([Spec(sealed=3, staged=0, q_len=1), Spec(0, 2 * P - 1, 1, seal=1)], True),

@@ -1,0 +1,192 @@
+"""Low-precision tier of a ragged row: KIVI-style quantization of one page's kept tokens.
+
+DESIGN.md section 11. A group's row may hold, besides its high tier (tokens at the model dtype),
+a low tier of `lo` tokens per page stored as codes plus their quantization parameters:
+
+    | tensor   | shape                         | dtype   | meaning                              |
+    |----------|-------------------------------|---------|--------------------------------------|
+    | k_codes  | [pages, lo, H_p, D * b / 8]   | uint8   | keys, quantized per channel          |
+    | k_scale  | [pages, H_p, D]               | float16 | per channel, over the page's lo tokens|
+    | k_zero   | [pages, H_p, D]               | float16 | (int formats only)                   |
+    | v_codes  | [pages, lo, H_p, D * b / 8]   | uint8   | values, quantized per token          |
+    | v_scale  | [pages, lo, H_p]              | float16 | per (token, head)                    |
+    | v_zero   | [pages, lo, H_p]              | float16 | (int formats only)                   |
+
+Integer formats are asymmetric: code = round((x - zero) / scale) in [0, 2^b - 1], x' = code *
+scale + zero, with scale and zero rounded to float16 before coding (so x' is what a reader of
+the stored row computes). `fp8` is symmetric: code = float8_e4m3fn(x / scale), scale = amax /
+448. Codes of b < 8 bits are packed planar: byte i of a token holds channels i, i + D*b/8, ...
+at bit offsets 0, b, 2b, ..., so unpacking is a few shifts and one concatenation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class LowPrecision:
+    """One low-precision format: its name, code bits and whether it stores zero points."""
+
+    name: str
+    bits: int
+    is_float: bool = False  # fp8: symmetric, scale only
+
+    @property
+    def has_zero(self) -> bool:
+        return not self.is_float
+
+    @property
+    def params_per_scale(self) -> int:
+        """float16 numbers stored per quantization group: scale (and zero)."""
+        return 2 if self.has_zero else 1
+
+    def code_bytes(self, head_dim: int) -> int:
+        """Bytes of one token's codes for one head (keys or values)."""
+        if (head_dim * self.bits) % 8:
+            raise ValueError(f"head_dim {head_dim} cannot be packed at {self.bits} bits")
+        return head_dim * self.bits // 8
+
+    def tier_bytes(self, tokens: int, heads: int, head_dim: int) -> int:
+        """Bytes of K+V of a low tier of `tokens` tokens for `heads` heads of one page:
+        codes, per-channel key parameters (once per page, if the tier is not empty) and
+        per-token value parameters."""
+        if tokens == 0:
+            return 0
+        codes = 2 * tokens * heads * self.code_bytes(head_dim)
+        key_params = heads * head_dim * self.params_per_scale * 2
+        value_params = tokens * heads * self.params_per_scale * 2
+        return codes + key_params + value_params
+
+
+LOW_PRECISIONS: dict[str, LowPrecision] = {
+    p.name: p
+    for p in (
+        LowPrecision("int8", 8),
+        LowPrecision("int4", 4),
+        LowPrecision("int2", 2),
+        LowPrecision("fp8", 8, is_float=True),
+    )
+}
+FULL_PRECISION = "bf16"  # --ragged-precision's name for "no low tier" (the model dtype)
+PRECISION_CHOICES = (FULL_PRECISION, *LOW_PRECISIONS)
+
+
+def low_precision(name: str) -> LowPrecision | None:
+    """The low tier's format for a --ragged-precision value (None for bf16: drop only)."""
+    if name == FULL_PRECISION:
+        return None
+    if name not in LOW_PRECISIONS:
+        raise ValueError(
+            f"--ragged-precision {name!r} is unknown; choose one of {list(PRECISION_CHOICES)}"
+        )
+    if LOW_PRECISIONS[name].is_float and not hasattr(torch, "float8_e4m3fn"):
+        raise ValueError(f"--ragged-precision {name}: this torch has no float8_e4m3fn dtype")
+    return LOW_PRECISIONS[name]
+
+
+@dataclass
+class QuantTier:
+    """Quantized K and V of a set of pages' low tiers (shapes in the module table)."""
+
+    k_codes: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor | None
+    v_codes: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor | None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale,
+                            self.v_zero) if t is not None]
+
+
+def empty_tier(fmt: LowPrecision, pages: int, tokens: int, heads: int, head_dim: int,
+               device: torch.device | str) -> QuantTier:
+    """Zeroed storage for `pages` pages of a `tokens`-token low tier."""
+
+    def zeros(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    cb = fmt.code_bytes(head_dim)
+    return QuantTier(
+        k_codes=zeros(pages, tokens, heads, cb, dtype=torch.uint8),
+        k_scale=zeros(pages, heads, head_dim),
+        k_zero=zeros(pages, heads, head_dim) if fmt.has_zero else None,
+        v_codes=zeros(pages, tokens, heads, cb, dtype=torch.uint8),
+        v_scale=zeros(pages, tokens, heads),
+        v_zero=zeros(pages, tokens, heads) if fmt.has_zero else None,
+    )
+
+
+def quantize(fmt: LowPrecision, k: torch.Tensor, v: torch.Tensor) -> QuantTier:
+    """Quantize pages' low tiers: k, v [N, T, H, D] (T tokens of each page) -> QuantTier.
+
+    Keys per channel over the T tokens of each (page, head); values per (token, head)."""
+    k_codes, k_scale, k_zero = _quantize(fmt, k.float(), dim=1)
+    v_codes, v_scale, v_zero = _quantize(fmt, v.float(), dim=3)
+    return QuantTier(k_codes, k_scale.squeeze(1), None if k_zero is None else k_zero.squeeze(1),
+                     v_codes, v_scale.squeeze(3), None if v_zero is None else v_zero.squeeze(3))
+
+
+def dequantize(fmt: LowPrecision, tier: QuantTier, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V [N, T, H, D] in `dtype` from a QuantTier of N pages."""
+    k = _decode(fmt, tier.k_codes, tier.k_scale[:, None], _unsqueeze(tier.k_zero, 1))
+    v = _decode(fmt, tier.v_codes, tier.v_scale[..., None], _unsqueeze(tier.v_zero, 3))
+    return k.to(dtype), v.to(dtype)
+
+
+def _unsqueeze(x: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+    return None if x is None else x.unsqueeze(dim)
+
+
+def _quantize(fmt: LowPrecision, x: torch.Tensor, dim: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """x float32 [N, T, H, D], parameters shared along `dim` (kept as size 1).
+    Returns packed codes uint8 [N, T, H, D * b / 8], scale and zero float16."""
+    if fmt.is_float:
+        scale = (x.abs().amax(dim, keepdim=True) / FP8_MAX).half()
+        safe = torch.where(scale > 0, scale.float(), 1.0)
+        codes = (x / safe).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        return codes, scale, None
+    levels = 2**fmt.bits - 1
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    zero = lo.half()
+    scale = ((hi - zero.float()) / levels).half()
+    safe = torch.where(scale > 0, scale.float(), 1.0)
+    codes = torch.round((x - zero.float()) / safe).clamp_(0, levels).to(torch.uint8)
+    return pack(codes, fmt.bits), scale, zero
+
+
+def _decode(fmt: LowPrecision, codes: torch.Tensor, scale: torch.Tensor,
+            zero: torch.Tensor | None) -> torch.Tensor:
+    """float32 values from packed codes and broadcastable float16 parameters."""
+    if fmt.is_float:
+        return codes.view(torch.float8_e4m3fn).float() * scale.float()
+    return unpack(codes, fmt.bits).float() * scale.float() + zero.float()
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., D] of `bits` bits -> [..., D * bits / 8], planar (module docstring)."""
+    per = 8 // bits
+    if per == 1:
+        return codes
+    parts = codes.chunk(per, dim=-1)  # part j: channels [j * D/per, (j + 1) * D/per)
+    out = parts[0].clone()
+    for j in range(1, per):
+        out |= parts[j] << (j * bits)
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack: uint8 [..., D * bits / 8] -> uint8 codes [..., D]."""
+    per = 8 // bits
+    if per == 1:
+        return packed
+    mask = 2**bits - 1
+    return torch.cat([(packed >> (j * bits)) & mask for j in range(per)], dim=-1)
