@@ -1,0 +1,94 @@
+"""The offline emulator's row tiers (calibrate/compressed.py, DESIGN.md section 11) against a
+brute force: every query of a chunk attends to its own chunk at full precision and to earlier
+chunks' kept tokens as the server's rows hold them (hi tokens exact, lo tokens quantized per
+page and head, dropped tokens hidden); SGLang's stock FP8 cache casts them instead."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgl_ragged.calibrate.compressed import CompressedLoss, StockFp8, TierSelection
+from sgl_ragged.calibrate.retention import chunk_page_stats
+from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
+from sgl_ragged.calibrate.samples import build_samples
+from sgl_ragged.mem_pool.quant import LOW_PRECISIONS, dequantize, quantize
+from sgl_ragged.mem_pool.tiers import RowTiers
+from sgl_ragged.scoring import SINK_TOKENS, make_scorer
+from tests.unit.test_calibrate import save_tiny_llama
+from tests.unit.test_sources import TINY
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tiers"))
+
+
+def _brute_sealed(layer: LayerQKV, tiers: list[RowTiers], fmt, scale: float):
+    """[H, T] keep mask and K, V [H, T, D] as later chunks read them, page by page, head by
+    head, with the ranking written out (sinks first in position order, then by score)."""
+    k, v = layer.k.transpose(0, 1).clone(), layer.v.transpose(0, 1).clone()  # [H, T, D]
+    h_kv, n_tok = k.shape[:2]
+    keep = torch.ones(h_kv, n_tok, dtype=torch.bool)
+    p = TINY.page_size
+    scorer = make_scorer("snapkv")
+    for start, end in TINY.chunks(n_tok)[:-1]:
+        scores = scorer.page_scores(chunk_page_stats(layer, start, end, TINY, scale))  # [N, H, P]
+        for page in range((end - start) // p):
+            base = start + page * p
+            for h in range(h_kv):
+                t = tiers[h]
+                ranked = sorted(range(p), key=lambda o, page=page, h=h: (
+                    base + o >= SINK_TOKENS, 0.0 if base + o < SINK_TOKENS else -float(scores[page, h, o]), o))
+                lo = sorted(ranked[t.hi : t.total])
+                for o in range(p):
+                    keep[h, base + o] = o in ranked[: t.total]
+                if lo:
+                    pos = [base + o for o in lo]
+                    deq_k, deq_v = dequantize(fmt, quantize(fmt, k[h, pos][None, :, None], v[h, pos][None, :, None]),
+                                              torch.float32)
+                    k[h, pos], v[h, pos] = deq_k[0, :, 0], deq_v[0, :, 0]
+    return keep, k, v
+
+
+@pytest.mark.parametrize("precision", ["int4", "int2", "fp8"])
+def test_tier_attention_matches_per_query_softmax(tiny_llama: Path, precision: str) -> None:
+    runner = CaptureRunner(str(tiny_llama))
+    loss = CompressedLoss(runner, make_scorer("snapkv"), TINY)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(h, 64, 8, generator=gen) for h in (4, 2, 2))
+    tiers = [[RowTiers(2, 7), RowTiers(0, 16)], [RowTiers(16, 0), RowTiers(1, 3)]]
+    fmt = LOW_PRECISIONS[precision]
+    out = loss._attention(TierSelection(tiers, fmt))(0, q, k, v)
+    layer = LayerQKV(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+    keep, k_sealed, v_sealed = _brute_sealed(layer, tiers[0], fmt, runner.scale)
+    for hq in range(4):
+        h = hq // 2
+        for i in range(64):
+            own = [(k[h, j], v[h, j]) for j in range(i + 1) if j // 32 == i // 32]
+            old = [(k_sealed[h, j], v_sealed[h, j]) for j in range(i + 1) if j // 32 != i // 32 and keep[h, j]]
+            keys, values = zip(*(own + old), strict=True)
+            w = torch.softmax(torch.stack([q[hq, i] @ kj for kj in keys]) * runner.scale, 0)
+            want = sum(wj * vj for wj, vj in zip(w, values, strict=True))
+            torch.testing.assert_close(out[hq, i], want, atol=1e-5, rtol=1e-4)
+
+
+def test_full_tiers_are_the_model_and_stock_fp8_is_close(tiny_llama: Path) -> None:
+    runner = CaptureRunner(str(tiny_llama))
+    loss = CompressedLoss(runner, make_scorer("snapkv"), TINY)
+    (sample,) = build_samples(runner.tokenizer, 1, 0, 96, 96, 16)
+    full = loss.token_nll(sample.input_ids, None)
+    every = [[RowTiers(16, 0)] * 2] * 2
+    torch.testing.assert_close(loss.token_nll(sample.input_ids, TierSelection(every, None)), full,
+                               atol=1e-5, rtol=1e-5)
+    int8 = [[RowTiers(0, 16)] * 2] * 2
+    near = loss.token_nll(sample.input_ids, TierSelection(int8, LOW_PRECISIONS["int8"]))
+    assert not torch.equal(near, full) and torch.allclose(near, full, atol=0.05)
+    fp8 = loss.token_nll(sample.input_ids, StockFp8())
+    assert fp8.isfinite().all() and not torch.equal(fp8, full)
+    x = torch.randn(2, 16, 2, 8) * 10
+    sealed_k, sealed_v = StockFp8().sealed_kv(0, torch.rand(2, 2, 16), torch.zeros(2, 16, dtype=torch.bool), x, -x)
+    want = x.to(torch.float8_e4m3fn).float()  # scale 1: SGLang's cache without scales
+    assert torch.equal(sealed_k, want) and torch.equal(sealed_v, -want)
