@@ -2,6 +2,11 @@
 torch reference, side by side on the same storage and batch.
 
     python -m bench.cpu_attention [--profile P.json] --out results/cpu_attention
+    python -m bench.cpu_attention --precision int4 --out results/cpu_attention_int4
+
+With --precision, the comparison is instead batched attention over drop-only rows vs rows with
+a low-precision tier (DESIGN.md section 11) of the same profile: the same KV bytes per page,
+spent on more tokens (ratio = tiered / drop-only time).
 
 One measurement = what the backend does for one forward: `prepare` (per-forward tables) plus
 every layer's attention, staging and (for prefill) sealing -- the model's matmuls excluded.
@@ -36,10 +41,11 @@ DEFAULT_PROFILE = Path("calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json"
 
 
 def build_case(profile: BudgetProfile, batch: int, context: int, decode: bool,
+               precision: str = "bf16",
                ) -> tuple[RaggedStorage, list[RequestPlan], tuple[torch.Tensor, ...]]:
     """Storage with random rows and staging pages, the batch's plans and its q, k, v."""
     model = profile.model
-    layout = RaggedLayout.from_profile(profile, PAGE, model.head_dim, 2)
+    layout = RaggedLayout.from_profile(profile, PAGE, model.head_dim, 2, precision)
     n, new = context // PAGE, 1 if decode else CHUNK
     tail_pages = -(-(TAIL + new) // PAGE) if decode else CHUNK // PAGE
     storage = RaggedStorage(layout, batch * (n + tail_pages) + 1, batch * tail_pages,
@@ -48,6 +54,12 @@ def build_case(profile: BudgetProfile, batch: int, context: int, decode: bool,
         t.normal_()
     for t in storage.stage_k + storage.stage_v:
         t.normal_()
+    for layer, tiers in enumerate(storage.low_rows):
+        for g, tier in enumerate(tiers):
+            if tier is not None:  # every page's low tier from random K/V, through the quantizer
+                pages = torch.arange(storage.num_pages)
+                shape = (storage.num_pages, *tier.k_codes.shape[1:3], model.head_dim)
+                storage.write_low(layer, g, pages, torch.randn(shape), torch.randn(shape))
     plans = [_plan(b, n, tail_pages, decode) for b in range(batch)]
     H, D = model.num_kv_heads, model.head_dim
     qkv = tuple(torch.randn(batch * new, h, D, dtype=torch.bfloat16) for h in (H * GQA, H, H))
@@ -102,6 +114,43 @@ def measure(profile: BudgetProfile, batch: int, context: int, decode: bool, warm
     return result
 
 
+def measure_precision(profile: BudgetProfile, batch: int, context: int, decode: bool,
+                      precision: str, warmup: int, repeats: int) -> dict:
+    """Batched attention over drop-only rows and over tiered rows of the same byte budget."""
+    scale = profile.model.head_dim**-0.5
+    result = {"phase": "decode" if decode else "prefill", "batch": batch, "context": context}
+    for name in ("bf16", precision):
+        storage, plans, (q, k, v) = build_case(profile, batch, context, decode, name)
+        impl = BatchedTorchAttention(storage)
+
+        def step(impl: AttentionImpl = impl, plans: list[RequestPlan] = plans, q=q, k=k, v=v) -> None:
+            meta = RaggedForwardMetadata(requests=plans, pages_to_seal=torch.empty(0, dtype=torch.long))
+            impl.prepare(meta)
+            for layer in range(profile.num_layers):
+                impl.forward(layer, meta, q, k, v, scale, decode)
+
+        result[f"{name}_s"] = timed(step, warmup, repeats)
+        result[f"{name}_tokens_per_page"] = sum(sum(layer) for layer in storage.layout.slots) / sum(
+            len(layer) for layer in storage.layout.slots)
+        result[f"{name}_bytes_per_page"] = storage.layout.row_bytes_per_page
+    result["ratio"] = result[f"{precision}_s"] / result["bf16_s"]
+    return result
+
+
+def markdown_precision(results: list[dict], profile_name: str, precision: str) -> str:
+    r0 = results[0]
+    lines = [f"Batched CPU attention per forward, drop-only rows vs {precision} tiers at the same "
+             f"bytes ({profile_name}: {r0['bf16_bytes_per_page']} vs {r0[f'{precision}_bytes_per_page']} "
+             f"bytes per page; {r0['bf16_tokens_per_page']:.1f} vs {r0[f'{precision}_tokens_per_page']:.1f} "
+             f"tokens kept per page and group; {torch.get_num_threads()} threads), medians.", "",
+             f"| phase | batch | context | drop ms | {precision} ms | {precision} / drop |",
+             "|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['phase']} | {r['batch']} | {r['context']} | {r['bf16_s'] * 1e3:.1f} | "
+                     f"{r[f'{precision}_s'] * 1e3:.1f} | x{r['ratio']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(results: list[dict], profile_name: str) -> str:
     lines = [f"Ragged attention per forward on the CPU ({profile_name}; {torch.get_num_threads()} "
              "threads), medians.", "",
@@ -121,6 +170,8 @@ def main() -> None:
     parser.add_argument("--prefill-batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--precision", default=None,
+                        help="compare drop-only rows with rows of this low precision instead")
     parser.add_argument("--out", type=Path, default=Path("results/cpu_attention"))
     args = parser.parse_args()
     profile = BudgetProfile.load(args.profile)
@@ -133,12 +184,17 @@ def main() -> None:
     for i, (batch, context, decode) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {'decode' if decode else 'prefill'} batch {batch}, "
               f"context {context} ...", flush=True)
-        results.append(measure(profile, batch, context, decode, args.warmup, args.repeats))
+        if args.precision:
+            results.append(measure_precision(profile, batch, context, decode, args.precision,
+                                             args.warmup, args.repeats))
+        else:
+            results.append(measure(profile, batch, context, decode, args.warmup, args.repeats))
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {"profile": str(args.profile), "mean_budget": profile.mean_budget,
-               "threads": torch.get_num_threads(), "results": results}
+               "precision": args.precision, "threads": torch.get_num_threads(), "results": results}
     (args.out / "cpu_attention.json").write_text(json.dumps(summary, indent=2))
-    table = markdown(results, args.profile.name)
+    table = (markdown_precision(results, args.profile.name, args.precision) if args.precision
+             else markdown(results, args.profile.name))
     (args.out / "cpu_attention.md").write_text(table)
     print(table)
 

@@ -78,8 +78,28 @@ def test_plan_configs_lists_missing_profiles(tmp_path: Path):
     assert [c.name for c in configs] == ["full", "uniform@0.3", "dynamic-snapkv@0.3",
                                          "uniform@0.5", "static-snapkv@0.5", "dynamic-snapkv@0.5"]
     assert missing == [str(tmp_path / "snapkv-rho0.3.json")]
-    assert configs[4].server_args()[-3:] == [str(tmp_path / "snapkv-rho0.5.json"),
-                                             "--ragged-scorer", "snapkv"]
+    assert configs[4].server_args()[-5:] == [str(tmp_path / "snapkv-rho0.5.json"),
+                                             "--ragged-scorer", "snapkv", "--ragged-precision", "bf16"]
+
+
+def test_precision_configs_spend_rho_and_the_whole_page_budget(tmp_path: Path):
+    from bench.accuracy import config_bytes
+    from sgl_ragged.mem_pool.layout import RaggedLayout
+    from sgl_ragged.profile import ModelShape, uniform_profile
+
+    configs, _ = plan_configs([0.5, 0.3], ["snapkv"], tmp_path, ["int4", "int8"])
+    names = [c.name for c in configs]
+    assert names[-6:] == ["int4-all@0.28125", "int4@0.3", "int4@0.5",
+                          "int8-all@0.53125", "int8@0.3", "int8@0.5"]
+    int4 = {c.name: c for c in configs}["int4@0.3"]
+    assert int4.server_args()[-4:] == ["snapkv", "--ragged-precision", "int4"] or \
+        int4.server_args()[-2:] == ["--ragged-precision", "int4"]
+    shape = ModelShape("LlamaForCausalLM", 30, 3, 64)
+    for c in configs:
+        layout = RaggedLayout.from_profile(uniform_profile(c.rho, 30, 3), 64, 64, 2, c.precision)
+        assert config_bytes(c, shape) == pytest.approx(layout.retention)
+        if c.kind == "tiers-all":  # every token at the low precision, nothing upgraded
+            assert {(t.hi, t.lo) for layer in layout.tiers for t in layer} == {(0, 64)}
 
 
 def test_comparisons_pair_static_with_dynamic_and_uniform(tmp_path: Path):

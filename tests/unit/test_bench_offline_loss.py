@@ -53,3 +53,19 @@ def test_offline_loss_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert (out / "kl_vs_memory.png").stat().st_size > 0
     assert "| uniform@0.5 | 0.5 | 0.500 |" in capsys.readouterr().out
     assert torch.isfinite(torch.tensor(result["per_sample"]["static-snapkv@0.5"]["nll"])).all()
+
+
+def test_offline_loss_bench_precision_rows(tmp_path: Path) -> None:
+    model = save_tiny_llama(tmp_path / "model")
+    out = tmp_path / "out"
+    offline_loss.main([
+        "--model", str(model), "--rho", "0.5", "--profile-dir", str(tmp_path), "--samples", "1",
+        "--min-tokens", "128", "--max-tokens", "128", "--page-size", "16", "--chunk-size", "32",
+        "--obs-window", "8", "--precision", "int4", "--stock-fp8", "--only", "int4@0.5",
+        "int4-all@0.28125", "sglang-fp8", "--out", str(out),
+    ])  # fmt: skip
+    rows = {r["name"]: r for r in json.loads((out / "offline_loss.json").read_text())["configs"]}
+    assert list(rows) == ["full", "int4-all@0.28125", "int4@0.5", "sglang-fp8"]
+    assert rows["sglang-fp8"]["memory"] == 0.5 and rows["int4@0.5"]["memory"] <= 0.5
+    assert all(rows[n]["kl"]["mean"] > 0 for n in rows if n != "full")
+

@@ -1,0 +1,107 @@
+"""Row tiers end to end (--ragged-precision, DESIGN.md section 11): the server reserves exactly
+the bytes the tiered layout predicts at each low precision, serves multi-turn traffic from
+quantized sealed pages with the pool's integrity check after every forward, and with every
+sealed token in int8 stays within a tight tolerance of stock torch_native in float32."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from sgl_ragged.mem_pool.layout import RaggedLayout
+from sgl_ragged.profile import uniform_profile
+from sgl_ragged.testing.server import ServerError, ServerProcess
+from tests.e2e.conftest import COMMON, _start, get, post
+from tests.e2e.test_equivalence import PROMPTS, _greedy
+from tests.e2e.test_serving import FACTS
+
+pytestmark = pytest.mark.e2e
+
+RATIO = 0.3
+# In float32 a page of every token in int8 costs 17 full-precision slots of 64: at this budget
+# the default composition keeps every token, all of them int8 (none upgraded, none dropped).
+ALL_INT8_F32 = 17 / 64
+
+
+def _layout(precision: str, ratio: float, dtype_bytes: int) -> RaggedLayout:
+    return RaggedLayout.from_profile(uniform_profile(ratio, 30, 3), 64, 64, dtype_bytes, precision)
+
+
+@pytest.fixture(scope="module", params=["int4", "int8", "int2", "fp8"])
+def tiered_server(request: pytest.FixtureRequest, model_path: str):
+    server = _start(request, ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
+                              "--ragged-profile", f"uniform:{RATIO}", "--ragged-precision", request.param,
+                              "--mem-fraction-static", "0.05", "--max-running-requests", "4",
+                              "--enable-metrics"], f"precision-{request.param}")
+    server.precision = request.param
+    return server
+
+
+def test_capacity_is_what_the_tiered_layout_predicts(tiered_server):
+    layout = _layout(tiered_server.precision, RATIO, 2)  # bf16
+    drop_only = _layout("bf16", RATIO, 2)
+    assert layout.quantized and layout.row_bytes_per_page <= drop_only.row_bytes_per_page
+    log = tiered_server.log_text()
+    cells = re.findall(r"ragged capacity: (\d+) bytes per logical token", log)
+    assert cells == [str(-(-layout.row_bytes_per_page // 64))]
+    pages = int(re.search(r"ragged capacity: (\d+) logical pages", log).group(1))
+    info = json.loads(get(tiered_server.base_url, "/get_server_info"))
+    assert info["max_total_num_tokens"] == pages * 64
+    assert f"retention {layout.retention:.3f}; {layout.describe_tiers()}" in log
+
+
+def test_multi_turn_reads_quantized_history(tiered_server):
+    """Turn 2 re-uses turn 1's sealed (quantized) pages through the radix cache; with int8 and
+    int4 rows at 0.3 of the bytes the fact is still retrieved."""
+    question = FACTS + "\nQuestion: what is the code of item 3? Answer:"
+    first = post(tiered_server.base_url, "/generate", {
+        "text": question, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    second = post(tiered_server.base_url, "/generate", {
+        "text": question + first["text"] + "\nQuestion: and of item 5? Answer:",
+        "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
+    assert second["meta_info"]["cached_tokens"] >= 256  # whole sealed pages came back
+    metrics = get(tiered_server.base_url, "/metrics").replace(":", "_")
+    sealed = re.search(r"^sglang_ragged_pages_sealed_total(?:\{[^}]*\})? (\S+)$", metrics, re.MULTILINE)
+    assert sealed and float(sealed.group(1)) >= 4
+    if tiered_server.precision in ("int8", "int4"):
+        assert str(1000 + 37 * 3) in first["text"], first["text"]  # FACTS' code of item 3
+
+
+@pytest.fixture(scope="module")
+def int8_server(request: pytest.FixtureRequest, model_path: str) -> ServerProcess:
+    """float32, every sealed token int8 (see ALL_INT8_F32), same settings as the oracle pair."""
+    f32 = ["--model-path", model_path, *COMMON, "--dtype", "float32", "--max-total-tokens", "8192",
+           "--max-running-requests", "4", "--disable-radix-cache"]
+    return _start(request, [*f32, "--attention-backend", "ragged", "--ragged-profile",
+                            f"uniform:{ALL_INT8_F32}", "--ragged-precision", "int8"], "oracle-int8")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "chunked"])
+def test_every_token_int8_stays_close_to_torch_native(int8_server, oracle_pair, prompt):
+    layout = _layout("int8", ALL_INT8_F32, 4)
+    assert {(t.hi, t.lo) for layer in layout.tiers for t in layer} == {(0, 64)}
+    ids_q, lp_q = _greedy(int8_server.base_url, prompt)
+    ids_n, lp_n = _greedy(oracle_pair[1].base_url, prompt)
+    same = next((i for i, (a, b) in enumerate(zip(ids_q, ids_n, strict=True)) if a != b), len(ids_n))
+    assert same >= 48, f"greedy outputs diverge at token {same}"
+    assert max(abs(a - b) for a, b in zip(lp_q[:same], lp_n[:same], strict=True)) < 0.02
+
+
+def _launch_error(model: str, extra: list[str]) -> str:
+    server = ServerProcess(["--model-path", model, *COMMON, "--attention-backend", "ragged", *extra],
+                           startup_timeout=300)
+    with pytest.raises(ServerError):
+        server.start()
+    return server.log_text()
+
+
+def test_precision_with_the_dynamic_reference_is_refused(model_path):
+    log = _launch_error(model_path, ["--ragged-profile", "dynamic:0.3", "--ragged-precision", "int4"])
+    assert "--ragged-precision int4 cannot be combined with the dynamic reference mode" in log
+
+
+def test_unknown_precision_is_refused(model_path):
+    log = _launch_error(model_path, ["--ragged-profile", "uniform:0.3", "--ragged-precision", "int3"])
+    assert "--ragged-precision 'int3' is unknown; choose one of ['bf16', 'int8', 'int4', 'int2', 'fp8']" in log
