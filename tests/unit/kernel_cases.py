@@ -63,7 +63,7 @@ def random_storage(rng: random.Random, device: str, layers: int = 1, heads_per_g
     for t in (storage.stage_attn, storage.stage_q_sum, storage.stage_q_count):
         t.copy_(torch.rand(t.shape, generator=gen))
     storage.stage_q_sq_sum.copy_(storage.stage_q_sum.square() + torch.rand(
-        storage.stage_q_sum.shape, generator=gen))
+        storage.stage_q_sum.shape, generator=gen).to(storage.device))
     return storage
 
 
