@@ -3,6 +3,7 @@
     sgl-ragged profile show FILE|uniform:R|dynamic:R [--model PATH] [--page-size 64]
     sgl-ragged profile plot FILE [-o out.png] [--layers 3 10 20]
     sgl-ragged profile derive FILE -o OUT [--budget-mode mean] [--alpha A] [--heads-per-group N]
+    sgl-ragged profile tiers FILE|uniform:R --precision int4 -o OUT [--model PATH] [--samples 6]
     sgl-ragged calibrate ...        (same as python -m sgl_ragged.calibrate)
 """
 
@@ -51,6 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
     derive.add_argument("--alpha", type=float,
                         help="margin of --budget-mode margin (default: the profile's)")
     derive.add_argument("--heads-per-group", type=int, help="H_p (default: the profile's)")
+    tiers = actions.add_parser(
+        "tiers", help="search how each group spends its bytes at a low precision (full-precision "
+                      "vs quantized slots) on the compressed loss; writes a version-2 profile")  # fmt: skip
+    tiers.add_argument("profile", help="profile JSON file or uniform:<ratio>")
+    tiers.add_argument("--precision", required=True, help="low precision: int8, int4, int2 or fp8")
+    tiers.add_argument("-o", "--output", type=Path, required=True, help="new profile path")
+    tiers.add_argument("--model", help="HF checkpoint (default: SmolLM2-135M-Instruct, built if needed)")
+    tiers.add_argument("--samples", type=int, default=6, help="held-out samples (default 6)")
+    tiers.add_argument("--shares", type=float, nargs="+", help="candidate byte shares of the "
+                       "full-precision tier besides the default rule (default 0 0.15 0.3 0.5 1)")
+    tiers.add_argument("--page-size", type=int, default=64)
+    tiers.add_argument("--chunk-size", type=int, default=512)
+    tiers.add_argument("--min-tokens", type=int, default=1024)
+    tiers.add_argument("--max-tokens", type=int, default=1536)
     return parser
 
 
@@ -64,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.action == "derive":
             return _derive(args)
+        if args.action == "tiers":
+            return _tiers(args)
         profile = load_profile(args.profile, args.model)
         if args.action == "show":
             from sgl_ragged.calibrate.summary import describe
@@ -94,6 +111,26 @@ def _derive(args: argparse.Namespace) -> int:
     print(f"{args.output}: mean B {derived.mean_budget:.4f} (rho {derived.source['rho']}, "
           f"alpha {derived.source['alpha']:g}, budget mode {args.budget_mode}, "
           f"H_p {heads_per_group})")
+    return 0
+
+
+def _tiers(args: argparse.Namespace) -> int:
+    from sgl_ragged.calibrate.tier_search import DEFAULT_SHARES, TierSearchConfig, search_tiers
+    from sgl_ragged.models.smollm2 import ensure_smollm2
+
+    model = args.model or str(ensure_smollm2())
+    cfg = TierSearchConfig(model_path=model, precision=args.precision.lower(),
+                           shares=tuple(args.shares or DEFAULT_SHARES), samples=args.samples,
+                           page_size=args.page_size, chunk_size=args.chunk_size,
+                           min_tokens=args.min_tokens, max_tokens=args.max_tokens)
+    profile = load_profile(args.profile, model)
+    tiered, rows = search_tiers(profile, cfg)
+    tiered.save(args.output)
+    chosen = tiered.stats["tier_search"]["chosen"]
+    for r in rows:
+        mark = "  <- chosen" if r["name"] == chosen else ""
+        print(f"{r['name']:>12}: bytes {r['bytes']:.3f}, KL {r['kl']:.4f} ± {r['kl_se']:.4f}{mark}")
+    print(f"{args.output}: {cfg.precision} tiers ({chosen}) for {args.profile}")
     return 0
 
 

@@ -18,7 +18,8 @@ from typing import Any
 import sgl_ragged.budgets as budget_math
 
 PROFILE_FORMAT = "sgl-ragged-profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: optional "tiers" (row compositions for a low precision)
+READABLE_VERSIONS = (1, 2)
 # Budget sources whose profiles fit any model and therefore record none.
 MODEL_FREE_KINDS = frozenset({"uniform", "dynamic"})
 UNIFORM_SPEC_HELP = "expected uniform:<ratio in (0,1]>"
@@ -122,6 +123,49 @@ class SampleRetention:
 
 
 @dataclass(frozen=True)
+class ProfileTiers:
+    """Row compositions for one low precision (DESIGN.md section 11), per (layer, KV head):
+    the shares of a page's tokens kept at the model dtype (hi) and at `precision` (lo). Heads
+    of a group share their group's composition. Used when the server runs with
+    `--ragged-precision <precision>`; other precisions use the default rule (mem_pool/tiers.py).
+    """
+
+    precision: str
+    hi: tuple[tuple[float, ...], ...]  # [L][H] in [0, 1]
+    lo: tuple[tuple[float, ...], ...]  # [L][H] in [0, 1], hi + lo <= 1
+
+    def check(self, num_layers: int, groups: Sequence[Sequence[Sequence[int]]]) -> ProfileTiers:
+        from sgl_ragged.mem_pool.quant import LOW_PRECISIONS
+
+        if self.precision not in LOW_PRECISIONS:
+            raise ProfileError(f"tiers.precision {self.precision!r} is not one of "
+                               f"{sorted(LOW_PRECISIONS)}")
+        hi, lo = _float_matrix("tiers.hi", self.hi), _float_matrix("tiers.lo", self.lo)
+        num_heads = sum(len(g) for g in groups[0])
+        for name, m in (("tiers.hi", hi), ("tiers.lo", lo)):
+            _check_shape(name, m, num_layers, num_heads)
+        for li, layer_groups in enumerate(groups):
+            for h in range(num_heads):
+                if not (0.0 <= hi[li][h] and 0.0 <= lo[li][h] and hi[li][h] + lo[li][h] <= 1.0 + 1e-9):
+                    raise ProfileError(f"tiers at layer {li} head {h}: hi {hi[li][h]} + lo "
+                                       f"{lo[li][h]} must be shares of a page in [0, 1]")
+            for group in layer_groups:
+                if len({(hi[li][h], lo[li][h]) for h in group}) > 1:
+                    raise ProfileError(f"tiers at layer {li}: the heads of group {list(group)} "
+                                       "have different compositions; a group shares one row")
+        return ProfileTiers(self.precision, hi, lo)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"precision": self.precision, "hi": _lists(self.hi), "lo": _lists(self.lo)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ProfileTiers:
+        if not isinstance(data, dict) or set(data) != {"precision", "hi", "lo"}:
+            raise ProfileError("tiers must be an object with keys precision, hi and lo")
+        return cls(data["precision"], data["hi"], data["lo"])
+
+
+@dataclass(frozen=True)
 class BudgetProfile:
     """Static retention budgets B[l][h] and head groups of one model (TANGRAM sections 4.1, 4.2).
 
@@ -136,6 +180,7 @@ class BudgetProfile:
     sigma: tuple[tuple[float, ...], ...] | None = None  # [L][H] its standard deviation
     split_ratios: tuple[tuple[float, ...], ...] | None = None  # [L][G] Phi / Omega
     stats: dict[str, Any] = field(default_factory=dict)  # summary statistics
+    tiers: ProfileTiers | None = None  # row compositions for a low precision (version 2)
 
     def __post_init__(self) -> None:
         budgets = _float_matrix("budgets", self.budgets)
@@ -149,6 +194,8 @@ class BudgetProfile:
         for name in ("mu", "sigma"):
             object.__setattr__(self, name, self._stat_matrix(name))
         object.__setattr__(self, "split_ratios", self._checked_split_ratios())
+        if self.tiers is not None:
+            object.__setattr__(self, "tiers", self.tiers.check(len(budgets), self.groups))
         self._check_source_and_model()
 
     # ----- derived values -----------------------------------------------------------
@@ -267,6 +314,7 @@ class BudgetProfile:
             "sigma": _lists(self.sigma),
             "split_ratios": _lists(self.split_ratios),
             "stats": self.stats,
+            **({} if self.tiers is None else {"tiers": self.tiers.to_dict()}),
         }
 
     @classmethod
@@ -276,9 +324,10 @@ class BudgetProfile:
             raise ProfileError(f"a profile must be a JSON object, got {type(data).__name__}")
         _check_header(data)
         model = None if data["model"] is None else ModelShape.from_dict(data["model"])
+        tiers = None if data.get("tiers") is None else ProfileTiers.from_dict(data["tiers"])
         return cls(
             model, data["budgets"], data["groups"], data["source"], data.get("mu"),
-            data.get("sigma"), data.get("split_ratios"), data.get("stats", {}),
+            data.get("sigma"), data.get("split_ratios"), data.get("stats", {}), tiers,
         )  # fmt: skip
 
     def save(self, path: PathLike) -> None:
@@ -474,13 +523,15 @@ def _check_header(data: dict[str, Any]) -> None:
             f"not an sgl-ragged profile: 'format' is {data.get('format')!r}, "
             f"expected {PROFILE_FORMAT!r}"
         )
-    if data.get("version") != PROFILE_VERSION:
+    if data.get("version") not in READABLE_VERSIONS:
         raise ProfileError(
             f"unsupported profile version {data.get('version')!r}; this sgl-ragged reads "
-            f"version {PROFILE_VERSION}: re-calibrate or use a matching sgl-ragged"
+            f"versions {list(READABLE_VERSIONS)}: re-calibrate or use a matching sgl-ragged"
         )
     required = {"model", "source", "budgets", "groups"}
     known = required | {"format", "version", "mu", "sigma", "split_ratios", "stats"}
+    if data["version"] >= 2:
+        known |= {"tiers"}
     missing = sorted(required - data.keys())
     if missing:
         raise ProfileError(f"missing key(s) {missing}")

@@ -52,9 +52,12 @@ class RaggedLayout:
                 f"the {SINK_TOKENS} sink tokens; use --page-size 64 (the default) or any >= {SINK_TOKENS}"
             )
         fmt = low_precision(precision)
-        budget_slots = profile.slots_per_group(page_size, min_slots=SINK_TOKENS)
-        tiers = tuple(tuple(compose(k, page_size, head_dim, dtype_bytes, fmt, SINK_TOKENS)
-                            for k in layer) for layer in budget_slots)
+        if fmt is not None and profile.tiers is not None and profile.tiers.precision == precision:
+            tiers = profile_tiers(profile, page_size)
+        else:  # drop only, or the default composition of each group's byte budget
+            budget_slots = profile.slots_per_group(page_size, min_slots=SINK_TOKENS)
+            tiers = tuple(tuple(compose(k, page_size, head_dim, dtype_bytes, fmt, SINK_TOKENS)
+                                for k in layer) for layer in budget_slots)
         return cls(
             page_size=page_size,
             head_dim=head_dim,
@@ -119,3 +122,22 @@ class RaggedLayout:
         the scratch page, RaggedStorage.scratch_stage) is taken out."""
         rest = available_bytes - (num_staging_pages + 1) * self.staging_bytes_per_page()
         return max(rest, 0) // self.row_bytes_per_page
+
+
+def profile_tiers(profile: BudgetProfile, page_size: int) -> tuple[tuple[RowTiers, ...], ...]:
+    """[L][G] row tiers a profile's compositions give at this page size (every head of a group
+    has its group's shares)."""
+    out = []
+    for li, layer_groups in enumerate(profile.groups):
+        row = []
+        for heads in layer_groups:
+            h = heads[0]
+            t = RowTiers(round(profile.tiers.hi[li][h] * page_size), round(profile.tiers.lo[li][h] * page_size))
+            if not SINK_TOKENS <= t.total <= page_size:
+                raise ValueError(f"the profile's tiers keep {t.total} tokens of a {page_size}-token "
+                                 f"page at layer {li}, group {list(heads)}; a row keeps between "
+                                 f"{SINK_TOKENS} (the sinks) and the page")
+            row.append(t)
+        out.append(tuple(row))
+    return tuple(out)
+

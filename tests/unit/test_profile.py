@@ -299,7 +299,7 @@ def test_round_trip_is_exact_for_random_budgets(p: BudgetProfile) -> None:
 def test_file_is_pretty_and_self_describing(profile_file: Path) -> None:
     text = profile_file.read_text()
     data = json.loads(text)
-    assert data["format"] == "sgl-ragged-profile" and data["version"] == 1
+    assert data["format"] == "sgl-ragged-profile" and data["version"] == 2
     assert data["model"] == {"architecture": "LlamaForCausalLM", "num_layers": 2,
                              "num_kv_heads": 4, "head_dim": 64}  # fmt: skip
     assert data["source"]["kind"] == "calibrated"
@@ -327,7 +327,7 @@ MALFORMED_FILES: list[tuple[str, Callable[[Path], None], str]] = [
     ("list", write_json([1, 2]), "must be a JSON object, got list"),
     ("no-format", edited(lambda d: d.pop("format")), "not an sgl-ragged profile: 'format' is None"),
     ("wrong-format", edited(lambda d: d.update(format="kvpress")), "'format' is 'kvpress'"),
-    ("wrong-version", edited(lambda d: d.update(version=2)), "unsupported profile version 2"),
+    ("wrong-version", edited(lambda d: d.update(version=3)), "unsupported profile version 3"),
     ("no-version", edited(lambda d: d.pop("version")), "unsupported profile version None"),
     ("no-budgets", edited(lambda d: d.pop("budgets")), r"missing key\(s\) \['budgets'\]"),
     ("no-groups", edited(lambda d: d.pop("groups")), r"missing key\(s\) \['groups'\]"),

@@ -244,3 +244,48 @@ def test_sealed_rows_hold_the_best_tokens_then_the_next_ones_quantized(precision
         torch.testing.assert_close(got_k[:, t.hi :], want_k)
         torch.testing.assert_close(got_v[:, t.hi :], want_v)
     assert storage.nbytes() >= 8 * layout.row_bytes_per_page  # rows (incl. parameters) counted
+
+
+def _tiered_profile(hi: float, lo: float):
+    from sgl_ragged.profile import BudgetProfile, ProfileTiers
+
+    base = uniform_profile(0.3, 2, 3, 1)
+    tiers = ProfileTiers("int4", [[hi] * 3] * 2, [[lo] * 3] * 2)
+    return BudgetProfile(base.model, base.budgets, base.groups, base.source, tiers=tiers)
+
+
+def test_profile_tiers_round_trip_and_drive_the_layout(tmp_path):
+    from sgl_ragged.profile import BudgetProfile
+
+    profile = _tiered_profile(4 / 64, 40 / 64)
+    path = tmp_path / "tiered.json"
+    profile.save(path)
+    loaded = BudgetProfile.load(path)
+    assert loaded.tiers == profile.tiers
+    layout = RaggedLayout.from_profile(loaded, 64, 64, 2, precision="int4")
+    assert {(t.hi, t.lo) for layer in layout.tiers for t in layer} == {(4, 40)}
+    # another precision, or none, ignores the stored compositions
+    rule = RaggedLayout.from_profile(loaded, 64, 64, 2, precision="int8")
+    assert {(t.hi, t.lo) for layer in rule.tiers for t in layer} != {(4, 40)}
+    assert not RaggedLayout.from_profile(loaded, 64, 64, 2).quantized
+
+
+def test_version_1_files_still_load_and_bad_tiers_are_refused(tmp_path):
+    import json as _json
+    from pathlib import Path
+
+    from sgl_ragged.profile import BudgetProfile, ProfileError, ProfileTiers
+
+    shipped = Path(__file__).parents[2] / "calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json"
+    assert _json.loads(shipped.read_text())["version"] == 1
+    assert BudgetProfile.load(shipped).tiers is None
+    data = _tiered_profile(0.1, 0.5).to_dict()
+    data["version"] = 1  # version 1 has no tiers
+    with pytest.raises(ProfileError, match="unknown key"):
+        BudgetProfile.from_dict(data)
+    base = uniform_profile(0.3, 2, 3, 3)  # one group of all 3 heads per layer
+    for tiers, message in ((ProfileTiers("int3", [[0.1] * 3] * 2, [[0.5] * 3] * 2), "not one of"),
+                           (ProfileTiers("int4", [[0.6] * 3] * 2, [[0.5] * 3] * 2), "shares of a page"),
+                           (ProfileTiers("int4", [[0.1, 0.2, 0.1]] * 2, [[0.5] * 3] * 2), "different compositions")):
+        with pytest.raises(ProfileError, match=message):
+            BudgetProfile(base.model, base.budgets, base.groups, base.source, tiers=tiers)
