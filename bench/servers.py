@@ -27,20 +27,28 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 @dataclass(frozen=True)
 class Target:
-    """A server to launch: `baseline` (stock torch_native) or `ragged:<profile>`."""
+    """A server to launch: `baseline` (stock torch_native), `ragged:<profile>` or
+    `ragged@<precision>:<profile>` (row tiers, --ragged-precision)."""
 
     label: str
     profile: str | None  # None: the baseline
+    precision: str = "bf16"
 
     @classmethod
     def parse(cls, spec: str) -> Target:
         kind, _, profile = spec.partition(":")
-        if kind == "baseline" and not profile:
+        kind, _, precision = kind.partition("@")
+        if kind == "baseline" and not profile and not precision:
             return cls("baseline", None)
         if kind == "ragged" and profile:
-            return cls(f"ragged:{profile}", profile)
-        raise ValueError(f"--launch {spec!r}: use 'baseline' or 'ragged:<profile>' "
-                         "(e.g. ragged:uniform:0.3 or ragged:calib_profiles/x.json)")
+            if precision:
+                from sgl_ragged.mem_pool.quant import low_precision
+
+                low_precision(precision)  # raises for an unknown one
+            return cls(spec, profile, precision or "bf16")
+        raise ValueError(f"--launch {spec!r}: use 'baseline', 'ragged:<profile>' or "
+                         "'ragged@<precision>:<profile>' (e.g. ragged:uniform:0.3, "
+                         "ragged@int4:uniform:0.3 or ragged:calib_profiles/x.json)")
 
 
 def kv_geometry(model: str) -> tuple[ModelShape, int]:
@@ -65,7 +73,7 @@ def equal_budget(target: Target, model: str, baseline_tokens: int, max_running: 
         return Budget(baseline_tokens, 1.0, 1.0)
     shape, dtype_bytes = kv_geometry(model)
     profile = resolve_profile(target.profile, shape)
-    layout = RaggedLayout.from_profile(profile, PAGE, shape.head_dim, dtype_bytes)
+    layout = RaggedLayout.from_profile(profile, PAGE, shape.head_dim, dtype_bytes, target.precision)
     budget = baseline_tokens // PAGE * layout.full_bytes_per_page
     staging = (max_running + 1) * (window_pages + 1)
     pages = layout.num_logical_pages(budget, staging)
@@ -85,4 +93,5 @@ def launch_args(target: Target, model: str, kv_tokens: int, *, max_running: int,
               "--max-total-tokens", str(kv_tokens), "--enable-metrics", "--enable-cache-report"]
     if target.profile is None:
         return [*common, "--attention-backend", "torch_native", *extra]
-    return [*common, "--attention-backend", "ragged", "--ragged-profile", target.profile, *extra]
+    return [*common, "--attention-backend", "ragged", "--ragged-profile", target.profile,
+            "--ragged-precision", target.precision, *extra]

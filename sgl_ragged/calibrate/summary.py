@@ -53,8 +53,21 @@ def describe(profile: BudgetProfile, name: str, page_size: int = PAGE_SIZE) -> s
         "",
         *_layer_table(profile, page_size),
     ]  # fmt: skip
+    if profile.tiers is not None:
+        lines[7:7] = [_tiers_line(profile, page_size)]
     lines += _stats_lines(profile.stats)
     return "\n".join(lines)
+
+
+def _tiers_line(profile: BudgetProfile, page_size: int) -> str:
+    """The stored row compositions (used with --ragged-precision <their precision>)."""
+    t = profile.tiers
+    hi = sum(map(sum, t.hi)) / (profile.num_layers * profile.num_kv_heads) * page_size
+    lo = sum(map(sum, t.lo)) / (profile.num_layers * profile.num_kv_heads) * page_size
+    search = profile.stats.get("tier_search", {})
+    chosen = f", searched: {search['chosen']}" if "chosen" in search else ""
+    return (f"tiers      --ragged-precision {t.precision}: mean {hi:.1f} full + {lo:.1f} "
+            f"{t.precision} slots per page of {page_size}{chosen}")
 
 
 def _source(source: dict[str, Any]) -> str:

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.servers import Target, equal_budget
+from bench.servers import Target, equal_budget, launch_args
 from bench.tokens import approx_counter, local_counter
 from bench.workloads import TASKS, WorkloadConfig, build_sessions, normalize, score_answer
 from sgl_ragged.mem_pool.layout import RaggedLayout
@@ -136,5 +136,21 @@ def test_equal_budget_matches_layout_arithmetic(model_path):
 
 def test_target_parse():
     assert Target.parse("ragged:uniform:0.5").profile == "uniform:0.5"
+    tiered = Target.parse("ragged@int4:uniform:0.3")
+    assert (tiered.profile, tiered.precision) == ("uniform:0.3", "int4")
+    args = launch_args(tiered, "m", 4096, max_running=4, chunk=256, device="cpu", extra=[])
+    assert args[-4:] == ["--ragged-profile", "uniform:0.3", "--ragged-precision", "int4"]
     with pytest.raises(ValueError, match="baseline"):
         Target.parse("vllm")
+    with pytest.raises(ValueError, match="unknown"):
+        Target.parse("ragged@int3:uniform:0.3")
+
+
+def test_equal_budget_of_tiered_rows(model_path):
+    """int4 rows at 0.3 of the bytes (2 full + 62 int4 slots a page) hold about as many logical
+    tokens as dropping at 0.3 (they cost no more bytes), with three times the tokens kept."""
+    drop = equal_budget(Target.parse("ragged:uniform:0.3"), model_path, 16384, 4)
+    int4 = equal_budget(Target.parse("ragged@int4:uniform:0.3"), model_path, 16384, 4)
+    layout = RaggedLayout.from_profile(uniform_profile(0.3, 30, 3), 64, 64, 2, "int4")
+    assert int4.retention == pytest.approx(layout.retention) and int4.retention <= drop.retention
+    assert int4.kv_tokens >= drop.kv_tokens

@@ -62,6 +62,8 @@ def test_tier_search_cli_writes_a_profile_the_layout_uses(tmp_path: Path, capsys
     want = candidate_tiers(profile, 16, shape.head_dim, 2, LOW_PRECISIONS["int4"], (0.0, 1.0))
     assert layout.tiers == want[search["chosen"]]
     assert layout.retention == pytest.approx(rows[search["chosen"]]["bytes"])
+    assert main(["profile", "show", str(out)]) == 0
+    assert f"searched: {search['chosen']}" in capsys.readouterr().out
 
 
 def test_tier_search_refuses_drop_only(tmp_path: Path, capsys):
