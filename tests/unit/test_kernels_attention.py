@@ -34,6 +34,7 @@ from tests.unit.kernel_cases import (
 SCALE = 1 / math.sqrt(D)
 DECODE = [Spec(sealed=5, staged=3, q_len=1), Spec(0, 0, 1), Spec(2, 8, 1), Spec(9, 13, 1)]
 MIXED = [Spec(sealed=3, staged=5, q_len=11), Spec(0, 0, 9), Spec(4, 2, 1), Spec(1, 8, 3)]
+LOW = ["int8", "int4", "int2", "fp8"]  # --ragged-precision values with a low tier
 
 
 def _oracle(storage, layer, plans, q, k, v, out, lse) -> None:
@@ -62,8 +63,19 @@ def _check_untouched(plans, out, lse) -> None:
 @pytest.mark.parametrize("strategy", list(SplitStrategy))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_decode_matches_reference(kernel_device, strategy, seed):
+    _check_decode(kernel_device, strategy, seed, "bf16")
+
+
+@pytest.mark.parametrize("precision", LOW)
+def test_decode_low_tiers_match_reference(kernel_device, precision):
+    """Rows with a low tier (random codes and parameters): dequantized in the kernel."""
+    _check_decode(kernel_device, SplitStrategy.AOT, 2, precision)
+
+
+def _check_decode(kernel_device, strategy, seed, precision):
     rng = random.Random(seed)
-    storage = random_storage(rng, kernel_device, layers=2)
+    storage = random_storage(rng, kernel_device, layers=2, precision=precision)
+    assert storage.layout.quantized == (precision != "bf16")
     layer = 1
     plans = random_plans(storage, DECODE, rng, gap=1)
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), kernel_device)
@@ -94,10 +106,11 @@ def test_decode_more_splits_than_tokens(kernel_device, heads_per_group):
     _oracle(storage, 0, plans, q, k, v, out, lse)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_extend_mixed_batch_matches_reference(kernel_device, seed):
+@pytest.mark.parametrize("seed,precision", [(0, "bf16"), (1, "bf16"), *((2, p) for p in LOW)])
+def test_extend_mixed_batch_matches_reference(kernel_device, seed, precision):
     rng = random.Random(seed)
-    storage = random_storage(rng, kernel_device, layers=2)
+    storage = random_storage(rng, kernel_device, layers=2, precision=precision)
+    assert storage.layout.quantized == (precision != "bf16")
     plans = random_plans(storage, MIXED, rng, gap=2)
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), kernel_device)
     out, lse = _poisoned(q)
