@@ -342,14 +342,21 @@ def _replay_view(pool_idx: list[int], seq_lens: list[int], bs: int, mode=None):
         capture_forward_mode=ForwardMode.DECODE, is_encoder_decoder=False)
 
 
-@pytest.mark.parametrize("attention,profile,device,decode", [
-    ("auto", "uniform:0.3", "cuda", "full"), ("triton", "uniform:0.3", None, "full"),
-    ("auto", "uniform:0.3", "cpu", "disabled"), ("reference", "uniform:0.3", "cuda", "disabled"),
-    ("batched", "uniform:0.3", "cuda", "disabled"), ("auto", "dynamic:0.3", "cuda", "disabled"),
-    ("auto", " Dynamic:0.3", "cuda", "disabled"),  # any case, as the profile resolver reads it
+@pytest.mark.parametrize("attention,profile,device,decode,precision,head_dim", [
+    ("auto", "uniform:0.3", "cuda", "full", "bf16", 64),
+    ("triton", "uniform:0.3", None, "full", "bf16", 64),
+    ("auto", "uniform:0.3", "cpu", "disabled", "bf16", 64),
+    ("reference", "uniform:0.3", "cuda", "disabled", "bf16", 64),
+    ("batched", "uniform:0.3", "cuda", "disabled", "bf16", 64),
+    ("auto", "dynamic:0.3", "cuda", "disabled", "bf16", 64),
+    ("auto", " Dynamic:0.3", "cuda", "disabled", "bf16", 64),  # any case, as the resolver reads it
+    ("auto", "uniform:0.3", "cuda", "full", "int4", 64),  # the kernels read low tiers
+    ("triton", "uniform:0.3", "cuda", "full", "fp8", 128),
+    ("auto", "uniform:0.3", "cuda", "disabled", "int4", 96),  # auto: batched (triton_refuses)
+    ("auto", "uniform:0.3", "cuda", "full", "bf16", 96),
 ])
 def test_server_args_keep_decode_graphs_only_for_the_triton_path(attention, profile, device,
-                                                                 decode):
+                                                                 decode, precision, head_dim):
     from types import SimpleNamespace
 
     pytest.importorskip("sglang")
@@ -358,9 +365,10 @@ def test_server_args_keep_decode_graphs_only_for_the_triton_path(attention, prof
     from sgl_ragged.config import RaggedConfig
     from sgl_ragged.scheduler.server_args import _decode_graphs, _graph_config
 
-    config = RaggedConfig.from_env({"RAGGED_PROFILE": profile, "RAGGED_ATTENTION": attention})
+    config = RaggedConfig.from_env({"RAGGED_PROFILE": profile, "RAGGED_ATTENTION": attention,
+                                    "RAGGED_PRECISION": precision})
     cfg = SimpleNamespace(cuda_graph_config=CudaGraphConfig(), device=device)
-    resolved = _graph_config(cfg.cuda_graph_config, _decode_graphs(cfg, config))
+    resolved = _graph_config(cfg.cuda_graph_config, _decode_graphs(cfg, config, head_dim))
     assert (resolved.decode.backend, resolved.prefill.backend) == (decode, "disabled")
 
 

@@ -74,13 +74,16 @@ def _check_seal(kernel_device, ties, dtype, precision, seed):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU shapes need CUDA")
-def test_seal_gpu_shapes():
+@pytest.mark.parametrize("precision", ["bf16", *LOW])
+def test_seal_gpu_shapes(precision):
     """P 64, D 128, 8 KV heads, bfloat16, many pages in one launch."""
     from tests.unit.kernel_cases import GPU
 
     rng, gen = random.Random(9), torch.Generator().manual_seed(9)
-    storage = random_storage(rng, "cuda", num_pages=256, dtype=torch.bfloat16, shape=GPU)
-    oracle_rows = ([t.clone() for t in storage.rows_k[0]], [t.clone() for t in storage.rows_v[0]])
+    storage = random_storage(rng, "cuda", num_pages=256, dtype=torch.bfloat16, shape=GPU,
+                             precision=precision)
+    assert storage.layout.quantized == (precision != "bf16")
+    oracle = copy.deepcopy(storage)
     n, p, h, d = 100, GPU.page_size, GPU.kv_heads, GPU.head_dim
     src_k = torch.randn(n, p, h, d, generator=gen).to("cuda", torch.bfloat16)
     src_v = torch.randn(n, p, h, d, generator=gen).to("cuda", torch.bfloat16)
@@ -89,9 +92,10 @@ def test_seal_gpu_shapes():
     scores = torch.rand(n, h, p, generator=gen).to("cuda")
     seal_pages(layer_tables(storage, 0), src_k, src_v, torch.arange(n, device="cuda").int(),
                pages.int(), scores, sink_mask(start, p))
-    kernel_rows = (storage.rows_k[0], storage.rows_v[0])
-    storage.rows_k[0], storage.rows_v[0] = oracle_rows
-    storage.write_rows(0, pages, src_k, src_v, scores, start)
-    for got, want in zip(kernel_rows, (storage.rows_k[0], storage.rows_v[0]), strict=True):
-        for a, b in zip(got, want, strict=True):
-            assert torch.equal(a, b)
+    oracle.write_rows(0, pages, src_k, src_v, scores, start)
+    for i, (got, want) in enumerate(zip(storage_state(storage), storage_state(oracle),
+                                        strict=True)):
+        if got.dtype == torch.uint8:  # codes: rounding ties may go either way
+            assert (got != want).float().mean() <= 0.01, f"tensor {i}: codes differ"
+        else:
+            assert torch.equal(got, want), f"tensor {i} ({tuple(got.shape)})"
