@@ -68,7 +68,7 @@ def random_storage(rng: random.Random, device: str, layers: int = 1, heads_per_g
     for t in (storage.stage_attn, storage.stage_q_sum, storage.stage_q_count):
         t.copy_(torch.rand(t.shape, generator=gen))
     storage.stage_q_sq_sum.copy_(storage.stage_q_sum.square() + torch.rand(
-        storage.stage_q_sum.shape, generator=gen))
+        storage.stage_q_sum.shape, generator=gen).to(storage.device))
     return storage
 
 
@@ -95,17 +95,17 @@ def random_plans(storage: RaggedStorage, specs: Sequence[Spec], rng: random.Rand
     stages = list(range(storage.num_staging_pages))
     rng.shuffle(pages)
     rng.shuffle(stages)
-    dev = storage.device
+    dev, page = storage.device, storage.layout.page_size
     plans, q_start = [], gap
     for s in specs:
         tail = s.staged + s.q_len
-        n_tail_pages = -(-tail // P)
-        n_prior = -(-s.staged // P)
+        n_tail_pages = -(-tail // page)
+        n_prior = -(-s.staged // page)
         sealed = [pages.pop() for _ in range(s.sealed)]
         tail_pages = [pages.pop() for _ in range(n_tail_pages)]
         held = [stages.pop() for _ in range(n_tail_pages)]  # [:n_prior] held before
-        assert s.seal * P <= tail, "only complete pages can be sealed"
-        tail_start = s.sealed * P
+        assert s.seal * page <= tail, "only complete pages can be sealed"
+        tail_start = s.sealed * page
         plans.append(RequestPlan(
             q_start=q_start, prefix=tail_start + s.staged, seq_len=tail_start + tail,
             tail_start=tail_start, sealed_pages=torch.tensor(sealed, dtype=torch.long, device=dev),

@@ -1,0 +1,165 @@
+"""Where decode attention's time goes: the split and tail-merge kernels of one decode step,
+eager and under a CUDA graph, for the AOT split map and uniform splits, and what the split
+kernel's launch configuration (warps, BLOCK_N) would change.
+
+    python -m bench.decode_breakdown --out results/decode_breakdown
+
+Same shapes and synthetic profile as bench.decode_attention. Per case: the step's median time
+eager and replayed from a CUDA graph (no launch overhead), and each kernel's device time per
+step (torch.profiler over eager steps). N_CTA is what serving measures from the compiled split
+kernel (triton_impl.decode_parallelism). The sweep rebuilds both kernels with another
+num_warps for the split kernel and another BLOCK_N (both kernels) at the same N_CTA: a what-if,
+not the shipped configuration. Writes decode_breakdown.json and decode_breakdown.md. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from bench.decode_attention import (
+    GQA,
+    HEAD_DIM,
+    HEADS,
+    LAYERS,
+    build_case,
+    bytes_read,
+    fits,
+    synthetic_profile,
+    timed,
+)
+
+CASES = ((4, 8192), (4, 65536), (16, 8192), (16, 65536), (64, 8192))
+SWEEP = ((4, 32), (2, 32), (4, 16), (2, 16), (4, 64))  # (split-kernel warps, BLOCK_N); first = shipped
+
+
+@contextmanager
+def split_config(warps: int, block_n: int) -> Iterator[None]:
+    """Build the decode kernels with `warps` for the split kernel and `block_n` for both."""
+    from sgl_ragged.kernels import decode
+
+    saved = decode.SPLIT_WARPS, decode._config
+    decode.SPLIT_WARPS = warps
+    decode._config = lambda q, gsize, d: {**saved[1](q, gsize, d), "BLOCK_N": block_n}
+    try:
+        yield
+    finally:
+        decode.SPLIT_WARPS, decode._config = saved
+
+
+def graph_seconds(step: Callable[[], object], repeats: int) -> float:
+    """Median seconds of one replay of `step` captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture: compiles, allocates
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return timed(graph.replay, 3, repeats)
+
+
+def kernel_seconds(step: Callable[[], object], steps: int = 3) -> dict[str, float]:
+    """Device seconds per step of each kernel `step` launches (torch.profiler, CUDA activity)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    result = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if us:
+            result[event.key] = us / 1e6 / steps
+    return result
+
+
+def measure(profile, batch: int, context: int, repeats: int) -> list[dict]:
+    """One row per (split config, strategy) for this batch and context."""
+    from sgl_ragged.attention_backend.triton_impl import decode_parallelism
+    from sgl_ragged.kernels.aot import SplitStrategy, split_plan
+    from sgl_ragged.kernels.batch import kernel_batch
+    from sgl_ragged.kernels.decode import decode_attention
+    from sgl_ragged.kernels.tables import all_layer_tables
+
+    storage, plans, (q, k, v) = build_case(profile, batch, context)
+    tables, batch_t = all_layer_tables(storage), kernel_batch(plans, "cuda")
+    ctas = decode_parallelism(storage, tables[0], profile.split_ratios, HEADS * GQA)
+    rows, nbytes = [], bytes_read(storage, batch, context)
+    for warps, block_n in SWEEP:
+        for strategy in SplitStrategy:
+            splits = split_plan(profile.split_ratios, ctas, "cuda", strategy)
+
+            def step(splits=splits):
+                for layer in range(LAYERS):
+                    decode_attention(q, k, v, storage.stage_k[layer], storage.stage_v[layer],
+                                     tables[layer], splits.layer(layer), batch_t, HEAD_DIM**-0.5)
+
+            with split_config(warps, block_n):
+                eager, graphed = timed(step, 3, repeats), graph_seconds(step, repeats)
+                kernels = kernel_seconds(step)
+            rows.append({
+                "batch": batch, "context": context, "num_ctas": ctas, "warps": warps,
+                "block_n": block_n, "strategy": strategy.value,
+                "max_splits": max(s.max_splits for s in splits.layers), "eager_s": eager,
+                "graph_s": graphed, "graph_gbps": nbytes / graphed / 1e9, "kernels_s": kernels})
+    return rows
+
+
+def kernel_ms(row: dict, name: str) -> str:
+    return f"{sum(t for k, t in row['kernels_s'].items() if name in k) * 1e3:.2f}"
+
+
+def markdown(rows: list[dict], device: str) -> str:
+    lines = [f"Decode attention per step (32 layers) on {device}: split and tail-merge kernels "
+             "(device ms per step), eager and CUDA-graph step.", "",
+             "| batch | context | N_CTA | warps | BLOCK_N | strategy | max S | split ms | merge ms "
+             "| eager ms | graph ms | graph GB/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['num_ctas']} | {r['warps']} | {r['block_n']} "
+            f"| {r['strategy']} | {r['max_splits']} | {kernel_ms(r, '_sealed_splits_kernel')} "
+            f"| {kernel_ms(r, '_tail_merge_kernel')} | {r['eager_s'] * 1e3:.2f} "
+            f"| {r['graph_s'] * 1e3:.2f} | {r['graph_gbps']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--mem-fraction", type=float, default=0.6)
+    parser.add_argument("--out", type=Path, default=Path("results/decode_breakdown"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/decode_breakdown.py needs a CUDA device; nothing measured.")
+        sys.exit(0)
+    torch.manual_seed(0)
+    profile = synthetic_profile(2)
+    cap = torch.cuda.mem_get_info()[0] * args.mem_fraction
+    rows = []
+    for batch, context in CASES:
+        if fits(profile, batch, context, cap):
+            print(f"batch {batch}, context {context} ...", flush=True)
+            rows += measure(profile, batch, context, args.repeats)
+            torch.cuda.empty_cache()
+    device = torch.cuda.get_device_name()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode_breakdown.json").write_text(
+        json.dumps({"device": device, "rows": rows}, indent=2))
+    table = markdown(rows, device)
+    (args.out / "decode_breakdown.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
