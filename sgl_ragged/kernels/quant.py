@@ -23,6 +23,18 @@ FP8_MAX = tl.constexpr(448.0)  # quant.FP8_MAX
 
 
 @triton.jit
+def _code_ptr(low_row, i):
+    """uint8 pointer to the codes tensor in column i of a low_ptr row."""
+    return tl.load(low_row + i).to(tl.pointer_type(tl.uint8))
+
+
+@triton.jit
+def _param_ptr(low_row, i):
+    """float16 pointer to the parameter tensor in column i of a low_ptr row."""
+    return tl.load(low_row + i).to(tl.pointer_type(tl.float16))
+
+
+@triton.jit
 def _pow2(e):
     """2.0 ** e as float32 for integer e in [-126, 127], exact (built from its exponent bits)."""
     return ((e + 127).to(tl.int32) << 23).to(tl.float32, bitcast=True)
@@ -87,17 +99,16 @@ def load_low(low_row, page, slot, j, valid, H_P: tl.constexpr, D: tl.constexpr,
     tok = (page * lo_g + slot) * H_P + j  # [N] (page, slot, head) entry of codes and v params
     byte = tok[:, None] * CB + (offs_d % CB)[None, :]
     chan = (page * H_P + j)[:, None] * D + offs_d[None, :]  # k params of (page, head, channel)
-    u8, f16 = tl.pointer_type(tl.uint8), tl.pointer_type(tl.float16)
-    k_codes = tl.load(tl.load(low_row + 0).to(u8) + byte, mask=mask, other=0)
-    v_codes = tl.load(tl.load(low_row + 3).to(u8) + byte, mask=mask, other=0)
-    k_scale = tl.load(tl.load(low_row + 1).to(f16) + chan, mask=mask, other=0.0).to(tl.float32)
-    v_scale = tl.load(tl.load(low_row + 4).to(f16) + tok, mask=valid, other=0.0).to(tl.float32)
+    k_codes = tl.load(_code_ptr(low_row, 0) + byte, mask=mask, other=0)
+    v_codes = tl.load(_code_ptr(low_row, 3) + byte, mask=mask, other=0)
+    k_scale = tl.load(_param_ptr(low_row, 1) + chan, mask=mask, other=0.0).to(tl.float32)
+    v_scale = tl.load(_param_ptr(low_row, 4) + tok, mask=valid, other=0.0).to(tl.float32)
     if LOW_FLOAT:
         k_zero = 0.0
         v_zero = 0.0
     else:
-        k_zero = tl.load(tl.load(low_row + 2).to(f16) + chan, mask=mask, other=0.0).to(tl.float32)
-        v_zero = tl.load(tl.load(low_row + 5).to(f16) + tok, mask=valid, other=0.0).to(tl.float32)
+        k_zero = tl.load(_param_ptr(low_row, 2) + chan, mask=mask, other=0.0).to(tl.float32)
+        v_zero = tl.load(_param_ptr(low_row, 5) + tok, mask=valid, other=0.0).to(tl.float32)
         v_zero = v_zero[:, None]
     k = _decode(k_codes, k_scale, k_zero, LOW_BITS, LOW_FLOAT, D, BLOCK_D)
     v = _decode(v_codes, v_scale[:, None], v_zero, LOW_BITS, LOW_FLOAT, D, BLOCK_D)
@@ -151,20 +162,19 @@ def store_low(x_k, x_v, lo, slot, page, j, lo_g, low_row, H_P: tl.constexpr, D: 
     write = lo & (page >= 0)
     sel = lo[:, None] & (offs_d < D)[None, :]
     tok = (page * lo_g + slot) * H_P + j  # [BLOCK_P] (page, slot, head) entries
-    u8, f16 = tl.pointer_type(tl.uint8), tl.pointer_type(tl.float16)
     # 1. Keys: parameters per channel over the low-tier tokens.
     k_scale, k_zero = _params(x_k, sel, 0, LOW_BITS, LOW_FLOAT)  # [D]
     chan = (page * H_P + j) * D + offs_d
-    tl.store(tl.load(low_row + 1).to(f16) + chan, k_scale.to(tl.float16), mask=page >= 0)
+    tl.store(_param_ptr(low_row, 1) + chan, k_scale.to(tl.float16), mask=page >= 0)
     if not LOW_FLOAT:
-        tl.store(tl.load(low_row + 2).to(f16) + chan, k_zero.to(tl.float16), mask=page >= 0)
+        tl.store(_param_ptr(low_row, 2) + chan, k_zero.to(tl.float16), mask=page >= 0)
     k_codes = _encode(x_k, k_scale[None, :], k_zero[None, :], LOW_BITS, LOW_FLOAT, BLOCK_P, D)
     byte = tok[:, None] * CB + offs_c[None, :]
-    tl.store(tl.load(low_row + 0).to(u8) + byte, k_codes, mask=write[:, None])
+    tl.store(_code_ptr(low_row, 0) + byte, k_codes, mask=write[:, None])
     # 2. Values: parameters per token.
     v_scale, v_zero = _params(x_v, sel, 1, LOW_BITS, LOW_FLOAT)  # [BLOCK_P]
-    tl.store(tl.load(low_row + 4).to(f16) + tok, v_scale.to(tl.float16), mask=write)
+    tl.store(_param_ptr(low_row, 4) + tok, v_scale.to(tl.float16), mask=write)
     if not LOW_FLOAT:
-        tl.store(tl.load(low_row + 5).to(f16) + tok, v_zero.to(tl.float16), mask=write)
+        tl.store(_param_ptr(low_row, 5) + tok, v_zero.to(tl.float16), mask=write)
     v_codes = _encode(x_v, v_scale[:, None], v_zero[:, None], LOW_BITS, LOW_FLOAT, BLOCK_P, D)
-    tl.store(tl.load(low_row + 3).to(u8) + byte, v_codes, mask=write[:, None])
+    tl.store(_code_ptr(low_row, 3) + byte, v_codes, mask=write[:, None])
