@@ -1,13 +1,17 @@
 """Decode attention latency on non-uniform budgets: AOT split map vs uniform splits vs FlashInfer
 with per-layer planning (TANGRAM sections 3.1.3 and 4.3), plus FlashInfer's planning share.
 
-    python -m bench.decode_attention [--profile P.json] --out results/decode_attention
+    python -m bench.decode_attention [--profile P.json] [--precision int4] --out results/decode_attention
 
 Shapes: 32 layers x 8 KV heads x 128 head_dim, GQA 4, bfloat16, page size 64; every request
 has `context` tokens in sealed pages and a ragged tail of staged tokens. One measurement = the
 attention of one decode step over all layers (CUDA events, medians over repetitions after
 warm-up). Achieved bandwidth = bytes of the rows read / time, beside a device-to-device copy.
-Writes decode_attention.json and decode_attention.md. Needs CUDA; exits 0 without it.
+With `--precision` (DESIGN.md section 11) every case also runs rows with that low tier, composed
+from the same budgets (tiers.compose: at most the drop-only bytes per page, so equal bytes up to
+rounding; the split map weighs groups by bytes read, impl.profile_split_ratios), beside the
+drop-only rows. Writes decode_attention.json and decode_attention.md. Needs CUDA; exits 0
+without it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from sgl_ragged.mem_pool.quant import FULL_PRECISION, PRECISION_CHOICES
 
 LAYERS, HEADS, HEAD_DIM, GQA, PAGE, TAIL = 32, 8, 128, 4, 64, 37
 
@@ -39,18 +45,26 @@ def synthetic_profile(heads_per_group: int, seed: int = 0):
                          split_ratios=bm.split_ratios(budgets, groups))
 
 
-def build_case(profile, batch: int, context: int):
-    """Storage with random rows, request plans and this step's q, k, v."""
+def build_case(profile, batch: int, context: int, precision: str = "bf16"):
+    """Storage with random rows (and random low tiers), request plans and this step's q, k, v."""
     from sgl_ragged.attention_backend.metadata import RequestPlan
     from sgl_ragged.mem_pool.layout import RaggedLayout
     from sgl_ragged.mem_pool.storage import RaggedStorage
     from sgl_ragged.scoring import SnapKVScorer
 
-    layout = RaggedLayout.from_profile(profile, PAGE, HEAD_DIM, 2)
+    layout = RaggedLayout.from_profile(profile, PAGE, HEAD_DIM, 2, precision=precision)
     n = context // PAGE
     storage = RaggedStorage(layout, batch * n + 1, batch, torch.bfloat16, "cuda", SnapKVScorer())
     for t in [x for rows in (storage.rows_k, storage.rows_v) for layer in rows for x in layer]:
         t.normal_()
+    for tier in (t for layer in storage.low_rows for t in layer if t is not None):
+        for codes in (tier.k_codes, tier.v_codes):  # fp8: no NaN codes (0x7f, 0xff)
+            codes.copy_(torch.randint_like(codes, 256) & (0xF7 if tier.k_zero is None else 0xFF))
+        for params in (tier.k_scale, tier.v_scale):
+            params.uniform_(0.01, 0.1)
+        for params in (tier.k_zero, tier.v_zero):
+            if params is not None:
+                params.normal_()
     for t in storage.stage_k + storage.stage_v:
         t.normal_()
     plans = [RequestPlan(
@@ -93,20 +107,24 @@ def bytes_read(storage, batch: int, context: int) -> int:
     return rows + tail
 
 
-def measure(profile, batch: int, context: int, warmup: int, repeats: int) -> dict:
-    """Latency of one decode step's attention (all layers) for the three strategies."""
+def measure(profile, batch: int, context: int, warmup: int, repeats: int,
+            precision: str = "bf16") -> dict:
+    """Latency of one decode step's attention (all layers) for the three strategies (FlashInfer
+    reads drop-only rows only)."""
     from bench.flashinfer_decode import FlashInferPlannedDecode
-    from sgl_ragged.budgets import split_ratios
+    from sgl_ragged.attention_backend.impl import profile_split_ratios
     from sgl_ragged.kernels.aot import SplitStrategy, device_parallelism, split_plan
     from sgl_ragged.kernels.batch import kernel_batch
     from sgl_ragged.kernels.decode import decode_attention
     from sgl_ragged.kernels.tables import all_layer_tables
 
-    storage, plans, (q, k, v) = build_case(profile, batch, context)
+    storage, plans, (q, k, v) = build_case(profile, batch, context, precision)
     tables, batch_t = all_layer_tables(storage), kernel_batch(plans, "cuda")
     scale, ctas = HEAD_DIM**-0.5, device_parallelism("cuda")
-    ratios = profile.split_ratios or split_ratios(profile.budgets, profile.groups)
-    outs, result = {}, {"batch": batch, "context": context, "num_ctas": ctas}
+    ratios = profile_split_ratios(storage, profile)
+    outs, result = {}, {"batch": batch, "context": context, "num_ctas": ctas,
+                        "precision": precision,
+                        "row_bytes_per_page": storage.layout.row_bytes_per_page}
     for strategy in SplitStrategy:
         splits = split_plan(ratios, ctas, "cuda", strategy)
 
@@ -118,7 +136,7 @@ def measure(profile, batch: int, context: int, warmup: int, repeats: int) -> dic
 
         outs[strategy.value] = step()[0]
         result[f"{strategy.value}_s"] = timed(step, warmup, repeats)
-    if flashinfer_available():
+    if flashinfer_available() and not storage.layout.quantized:
         fi = FlashInferPlannedDecode(storage, tables, GQA)
         fi.set_batch(batch_t, [p.sealed_pages for p in plans])
 
@@ -153,26 +171,33 @@ def flashinfer_available() -> bool:
     return True
 
 
-def fits(profile, batch: int, context: int, cap_bytes: float) -> bool:
+def fits(profile, batch: int, context: int, cap_bytes: float, precision: str = "bf16") -> bool:
     from sgl_ragged.mem_pool.layout import RaggedLayout
 
-    layout = RaggedLayout.from_profile(profile, PAGE, HEAD_DIM, 2)
+    layout = RaggedLayout.from_profile(profile, PAGE, HEAD_DIM, 2, precision=precision)
     return layout.row_bytes_per_page * (context // PAGE) * batch <= cap_bytes
 
 
 def markdown(results: list[dict], copy_gbps: float, profile_name: str) -> str:
     lines = [f"Decode attention, one step over {LAYERS} layers ({profile_name}); "
              f"device copy bandwidth {copy_gbps:.0f} GB/s.", "",
-             "| batch | context | AOT ms | uniform ms | FlashInfer ms | FI planning share "
-             "| AOT GB/s | uniform GB/s | FI GB/s |", "|---|---|---|---|---|---|---|---|---|"]
+             "| batch | context | rows | KiB/page | AOT ms | uniform ms | FlashInfer ms "
+             "| FI planning share | AOT GB/s | uniform GB/s | FI GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        rows = r.get("precision", "bf16")
+        rows = "drop only" if rows == "bf16" else rows
         if r.get("skipped"):
-            lines.append(f"| {r['batch']} | {r['context']} | skipped: {r['skipped']} |||||||")
+            lines.append(f"| {r['batch']} | {r['context']} | {rows} | skipped: {r['skipped']} "
+                         "|||||||")
             continue
         fi = ("| not installed | - " if "flashinfer_s" not in r else
               f"| {r['flashinfer_s'] * 1e3:.3f} | {r['flashinfer_plan_share']:.1%} ")
+        if "flashinfer_s" not in r and r.get("precision", "bf16") != "bf16":
+            fi = "| - | - "  # FlashInfer reads drop-only rows only
         lines.append(
-            f"| {r['batch']} | {r['context']} | {r['aot_s'] * 1e3:.3f} | {r['uniform_s'] * 1e3:.3f} "
+            f"| {r['batch']} | {r['context']} | {rows} | {r['row_bytes_per_page'] / 1024:.1f} "
+            f"| {r['aot_s'] * 1e3:.3f} | {r['uniform_s'] * 1e3:.3f} "
             + fi + f"| {r['aot_gbps']:.0f} | {r['uniform_gbps']:.0f} "
             + (f"| {r['flashinfer_gbps']:.0f} |" if "flashinfer_gbps" in r else "| - |"))
     return "\n".join(lines) + "\n"
@@ -183,6 +208,9 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, help="a calibrated profile JSON "
                         f"({LAYERS} layers x {HEADS} KV heads); default: synthetic heterogeneous")
     parser.add_argument("--heads-per-group", type=int, default=2)
+    parser.add_argument("--precision", choices=PRECISION_CHOICES, default=FULL_PRECISION,
+                        help="also run rows with this low tier from the same budgets (equal "
+                        "bytes), beside the drop-only rows")
     parser.add_argument("--batch", type=int, nargs="+", default=[4, 16, 64])
     parser.add_argument("--context", type=int, nargs="+", default=[8192, 32768, 65536])
     parser.add_argument("--warmup", type=int, default=5)
@@ -208,15 +236,19 @@ def main() -> None:
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth() / 1e9
     cap = torch.cuda.mem_get_info()[0] * args.mem_fraction
+    precisions = list(dict.fromkeys([FULL_PRECISION, args.precision]))
     results = []
     for batch in args.batch:
         for context in args.context:
-            if not fits(profile, batch, context, cap):
-                results.append({"batch": batch, "context": context, "skipped": "memory"})
-                continue
-            print(f"batch {batch}, context {context} ...", flush=True)
-            results.append(measure(profile, batch, context, args.warmup, args.repeats))
-            torch.cuda.empty_cache()
+            for precision in precisions:
+                if not fits(profile, batch, context, cap, precision):
+                    results.append({"batch": batch, "context": context, "precision": precision,
+                                    "skipped": "memory"})
+                    continue
+                print(f"batch {batch}, context {context}, {precision} ...", flush=True)
+                results.append(measure(profile, batch, context, args.warmup, args.repeats,
+                                       precision))
+                torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {"profile": name, "mean_budget": profile.mean_budget, "copy_gbps": copy_gbps,
                "device": torch.cuda.get_device_name(), "results": results}

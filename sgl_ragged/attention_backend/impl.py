@@ -14,11 +14,24 @@ import torch
 
 from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata
 from sgl_ragged.attention_backend.torch_ref import request_forward
+from sgl_ragged.mem_pool.quant import FULL_PRECISION
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.profile import BudgetProfile
 
-TRITON_LOW_TIERS = False
+TRITON_LOW_TIERS = True
 """Whether the Triton kernels read rows with a low-precision tier (--ragged-precision)."""
+
+
+def triton_refuses(head_dim: int, precision: str) -> str | None:
+    """Why the Triton kernels cannot serve rows of this head size and --ragged-precision
+    (they pack low-tier codes planar in registers: a power-of-two head size), or None."""
+    if precision == FULL_PRECISION:
+        return None
+    if not TRITON_LOW_TIERS:
+        return "does not read low-precision tiers yet"
+    if head_dim & (head_dim - 1):
+        return f"packs low-tier codes for power-of-two head sizes only, not {head_dim}"
+    return None
 
 
 class AttentionImpl(ABC):
@@ -63,14 +76,14 @@ def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
     if dynamic and choice not in ("auto", "reference"):
         raise ValueError(f"--ragged-attention {choice} does not support the dynamic reference "
                          "mode (profile dynamic:<rho>); use auto or reference")
-    quantized_on_triton = storage.layout.quantized and not TRITON_LOW_TIERS
+    layout = storage.layout
+    refused = triton_refuses(layout.head_dim, layout.low.name) if layout.low else None
     if choice == "auto":
-        cuda = storage.device.type == "cuda" and not quantized_on_triton
+        cuda = storage.device.type == "cuda" and not refused
         choice = "reference" if dynamic else "triton" if cuda else "batched"
-    if choice == "triton" and quantized_on_triton:
-        raise ValueError("--ragged-attention triton does not read low-precision tiers yet; use "
-                         "--ragged-attention batched (or auto) with --ragged-precision "
-                         f"{storage.layout.low.name}")
+    if choice == "triton" and refused:
+        raise ValueError(f"--ragged-attention triton {refused}; use --ragged-attention batched "
+                         f"(or auto) with --ragged-precision {layout.low.name}")
     if choice == "reference":
         return TorchAttention(storage)
     if choice == "batched":
@@ -88,11 +101,13 @@ def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
 def profile_split_ratios(storage: RaggedStorage,
                          profile: BudgetProfile | None) -> tuple[tuple[float, ...], ...]:
     """[L][G] split ratios of the profile (computed from its budgets if it stores none), or
-    the layout's slot shares without a profile."""
+    the layout's shares of bytes read per page without a profile or with a low tier (the
+    profile's ratios count full-precision slots, a quantized row's bytes are its tiers')."""
     from sgl_ragged import budgets
     from sgl_ragged.kernels.aot import layout_split_ratios
 
     layout = storage.layout
-    if profile is None or tuple(map(tuple, profile.groups)) != tuple(map(tuple, layout.groups)):
-        return layout_split_ratios(layout.groups, layout.slots)
+    if (profile is None or layout.quantized
+            or tuple(map(tuple, profile.groups)) != tuple(map(tuple, layout.groups))):
+        return layout_split_ratios(layout)
     return profile.split_ratios or budgets.split_ratios(profile.budgets, profile.groups)

@@ -19,6 +19,8 @@ from enum import Enum
 import torch
 
 from sgl_ragged.budgets import split_map_from_ratios
+from sgl_ragged.mem_pool.layout import RaggedLayout
+from sgl_ragged.mem_pool.tiers import tier_bytes
 
 CPU_PARALLELISM = 8
 """N_CTA used on a CPU (Triton interpreter, tests): a fixed small value, no meaning for speed."""
@@ -107,12 +109,14 @@ def _layer_splits(counts: Sequence[int], row: torch.Tensor) -> LayerSplits:
                        num_work=len(groups), max_splits=max(counts))
 
 
-def layout_split_ratios(groups: Sequence[Sequence[Sequence[int]]],
-                        slots: Sequence[Sequence[int]]) -> tuple[tuple[float, ...], ...]:
-    """[L][G] work share of each group from the layout alone: k[l][g] * H_p over the layer's
-    total (the rows the kernel actually reads). Used when no profile ratios are at hand."""
+def layout_split_ratios(layout: RaggedLayout) -> tuple[tuple[float, ...], ...]:
+    """[L][G] work share of each group from the layout alone: the bytes of its rows one page
+    holds (what the split kernel reads: hi slots at the model dtype, then the low tier's codes
+    and parameters; k[l][g] * H_p slots without a low tier) over the layer's total. Used when
+    no profile ratios are at hand and for quantized layouts (profile ratios count slots)."""
     result = []
-    for layer_groups, layer_slots in zip(groups, slots, strict=True):
-        work = [k * len(heads) for heads, k in zip(layer_groups, layer_slots, strict=True)]
+    for layer_groups, layer_tiers in zip(layout.groups, layout.tiers, strict=True):
+        work = [tier_bytes(t, layout.low, len(heads), layout.head_dim, layout.dtype_bytes)
+                for heads, t in zip(layer_groups, layer_tiers, strict=True)]
         result.append(tuple(w / sum(work) for w in work))
     return tuple(result)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from sgl_ragged.kernels.quant import load_low
+
 
 @triton.jit
 def softmax_step(logits, v, m_i, l_i, acc, PRECISION: tl.constexpr):
@@ -25,13 +27,17 @@ def softmax_step(logits, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def attend_sealed(q, m_i, l_i, acc, k_base, v_base, table_row, k_g, j, start, end, scale,
-                  H_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    """Sealed tokens [start, end) of member head j of a group with k_g slots per page.
+def attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_row, table_row, k_g, hi_g, j, start, end,
+                  scale, H_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr,
+                  LOW_FLOAT: tl.constexpr):
+    """Sealed tokens [start, end) of member head j of a group with k_g slots per page, the
+    first hi_g of them full precision.
 
-    Sealed token t is slot t % k_g of logical page table_row[t // k_g]; its key is
-    k_base[page, slot, j, :] in the group's rows [pages, k_g, H_p, D].
+    Sealed token t is slot s = t % k_g of logical page table_row[t // k_g]: for s < hi_g its
+    key is k_base[page, s, j, :] in the group's rows [pages, hi_g, H_p, D], else low-tier slot
+    s - hi_g, dequantized here from the tensors at low_row (tables.LOW_TENSORS; LOW_BITS 0:
+    the layout has no low tier and that path is not compiled).
     """
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -40,10 +46,21 @@ def attend_sealed(q, m_i, l_i, acc, k_base, v_base, table_row, k_g, j, start, en
         t = t0 + offs_n
         valid = t < end
         page = tl.load(table_row + t // k_g, mask=valid, other=0).to(tl.int64)
-        off = (page * k_g + t % k_g) * (H_P * D) + j * D
-        mask = valid[:, None] & mask_d[None, :]
-        k = tl.load(k_base + off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(q.dtype)
-        v = tl.load(v_base + off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(q.dtype)
+        slot = t % k_g
+        hi = valid & (slot < hi_g)
+        off = (page * hi_g + slot) * (H_P * D) + j * D
+        mask = hi[:, None] & mask_d[None, :]
+        k = tl.load(k_base + off[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        v = tl.load(v_base + off[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        if LOW_BITS > 0:
+            lo = valid & (slot >= hi_g)
+            k_lo, v_lo = load_low(low_row, page, slot - hi_g, j, lo, H_P, D, BLOCK_D, LOW_BITS,
+                                  LOW_FLOAT, k_g - hi_g)
+            # Rounded to the rows' dtype, as quant.dequantize returns them.
+            k = tl.where(lo[:, None], k_lo.to(k.dtype), k)
+            v = tl.where(lo[:, None], v_lo.to(v.dtype), v)
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
         logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         logits = tl.where(valid[None, :], logits, float("-inf"))
         m_i, l_i, acc = softmax_step(logits, v, m_i, l_i, acc, PRECISION)

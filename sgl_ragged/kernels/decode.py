@@ -4,8 +4,9 @@ One decode step, one layer, the whole batch, two launches:
 
 1. `_sealed_splits_kernel`, grid (W, B): work item w = (group g, split s) from the static
    split map (aot.py); the program covers the s-th of S[l,g] equal shares of request b's
-   sealed tokens of group g (token t = slot t % k_g of page sealed_table[b, t // k_g]), for
-   each of the group's H_p heads, and writes partial outputs and log-sum-exps.
+   sealed tokens of group g (token t = slot t % k_g of page sealed_table[b, t // k_g]; slots
+   past hi[l][g] are dequantized from the low tier), for each of the group's H_p heads, and
+   writes partial outputs and log-sum-exps.
 2. `_tail_merge_kernel`, grid (B, H): attention of KV head h's query heads over the request's
    tail (staged tokens + the new token), merged with the group's S[l,g] partials by LSE.
 
@@ -30,18 +31,19 @@ SPLIT_WARPS = 4
 
 @triton.jit
 def _sealed_splits_kernel(
-    Q, s_qn, s_qh, rows_k_ptr, rows_v_ptr, slots, group_heads, split_counts,
+    Q, s_qn, s_qh, rows_k_ptr, rows_v_ptr, slots, hi_slots, low_ptr, group_heads, split_counts,
     work_group, work_split, sealed_table, s_tb, num_sealed, q_start,
     Mid_O, Mid_L, s_ob, s_oh, s_os, s_lb, s_lh, scale,
     H_P: tl.constexpr, GSIZE: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT: tl.constexpr, PRECISION: tl.constexpr,
+    DOT: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr,
 ):
     w = tl.program_id(0)
     b = tl.program_id(1)
     g = tl.load(work_group + w)
     s = tl.load(work_split + w)
     k_g = tl.load(slots + g)
+    hi_g = tl.load(hi_slots + g)
     # This split's share [start, end) of the group's sealed tokens.
     n_tok = tl.load(num_sealed + b) * k_g
     chunk = tl.cdiv(n_tok, tl.load(split_counts + g))
@@ -60,9 +62,9 @@ def _sealed_splits_kernel(
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        m_i, l_i, acc = attend_sealed(q, m_i, l_i, acc, k_base, v_base, sealed_table + b * s_tb,
-                                      k_g, j, start, end, scale, H_P, D, BLOCK_N, BLOCK_D,
-                                      PRECISION)
+        m_i, l_i, acc = attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_ptr + g * 6,
+                                      sealed_table + b * s_tb, k_g, hi_g, j, start, end, scale,
+                                      H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS, LOW_FLOAT)
         # Empty share (short request): lse = -inf, output 0.
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -149,10 +151,12 @@ def _split_launch(q: torch.Tensor, tables: LayerTables, splits: LayerSplits, bat
                   cfg: dict[str, object]) -> tuple[tuple, dict[str, object]]:
     """Arguments and compile-time options of `_sealed_splits_kernel` (launch and warm-up)."""
     args = (q, q.stride(0), q.stride(1), tables.rows_k_ptr, tables.rows_v_ptr, tables.slots,
-            tables.group_heads, splits.split_counts, splits.work_group, splits.work_split,
-            batch.sealed_table, batch.sealed_table.stride(0), batch.num_sealed, batch.q_start,
-            mid_o, mid_l, *mid_o.stride()[:3], *mid_l.stride()[:2], scale)
+            tables.hi_slots, tables.low_ptr, tables.group_heads, splits.split_counts,
+            splits.work_group, splits.work_split, batch.sealed_table, batch.sealed_table.stride(0),
+            batch.num_sealed, batch.q_start, mid_o, mid_l, *mid_o.stride()[:3],
+            *mid_l.stride()[:2], scale)
     options = {"H_P": tables.heads_per_group, "DTYPE": tl_dtype(tables.rows_dtype), **cfg,
+               "LOW_BITS": tables.low_bits, "LOW_FLOAT": tables.low_float,
                "num_warps": SPLIT_WARPS}
     return args, options
 

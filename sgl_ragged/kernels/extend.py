@@ -22,12 +22,13 @@ from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
 @triton.jit
 def _extend_kernel(
     Q, s_qn, s_qh, K_new, V_new, s_new, stage_k, stage_v, s_page, s_tok, P,
-    rows_k_ptr, rows_v_ptr, slots, head_group, head_member,
+    rows_k_ptr, rows_v_ptr, slots, hi_slots, low_ptr, head_group, head_member,
     sealed_table, s_tb, num_sealed, stage_table, s_stb, num_staged, q_start, q_len,
     Out, s_out_n, s_out_h, Lse, s_lse_n, scale,
     H_P: tl.constexpr, GSIZE: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr,
+    LOW_FLOAT: tl.constexpr,
 ):
     m = tl.program_id(0)
     b = tl.program_id(1)
@@ -54,9 +55,10 @@ def _extend_kernel(
     k_g = tl.load(slots + g)
     k_base = tl.load(rows_k_ptr + g).to(tl.pointer_type(DTYPE))
     v_base = tl.load(rows_v_ptr + g).to(tl.pointer_type(DTYPE))
-    m_i, l_i, acc = attend_sealed(q, m_i, l_i, acc, k_base, v_base, sealed_table + b * s_tb, k_g,
+    m_i, l_i, acc = attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_ptr + g * 6,
+                                  sealed_table + b * s_tb, k_g, tl.load(hi_slots + g),
                                   tl.load(head_member + h), 0, tl.load(num_sealed + b) * k_g,
-                                  scale, H_P, D, BLOCK_N, BLOCK_D, PRECISION)
+                                  scale, H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS, LOW_FLOAT)
     # 2. The tail, causally: query i sees tail tokens t <= n_st + i.
     n_st = tl.load(num_staged + b)
     t_end = n_st + tl.minimum((m + 1) * BLOCK_M, n_q)
@@ -94,11 +96,11 @@ def extend_attention(
     _extend_kernel[grid](
         q, q.stride(0), q.stride(1), k_new, v_new, k_new.stride(0), stage_k, stage_v,
         stage_k.stride(0), stage_k.stride(1), stage_k.shape[1],
-        tables.rows_k_ptr, tables.rows_v_ptr, tables.slots, tables.head_group, tables.head_member,
-        batch.sealed_table, batch.sealed_table.stride(0), batch.num_sealed,
+        tables.rows_k_ptr, tables.rows_v_ptr, tables.slots, tables.hi_slots, tables.low_ptr,
+        tables.head_group, tables.head_member, batch.sealed_table, batch.sealed_table.stride(0), batch.num_sealed,
         batch.stage_table, batch.stage_table.stride(0), batch.num_staged, batch.q_start,
         batch.q_len, out, out.stride(0), out.stride(1), lse, lse.stride(0), scale,
         H_P=tables.heads_per_group, DTYPE=tl_dtype(tables.rows_dtype), BLOCK_M=block_m, **cfg,
-        num_warps=8,
+        LOW_BITS=tables.low_bits, LOW_FLOAT=tables.low_float, num_warps=8,
     )
     return out, lse

@@ -7,6 +7,11 @@ f_j > f_i or (f_j == f_i and j < i), where f = score with sinks forced to +inf; 
 rank < k[l][g]. That is exactly `select_top_k` (a stable descending sort: earlier position wins
 ties). Kept token i goes to row slot #{kept j < i}, so slots stay in position order. Scores must
 not be NaN. O(P^2) comparisons per (page, head): 4096 for P = 64.
+
+With a low tier (DESIGN.md section 11) the tokens of rank < hi[l][g] are the full-precision
+tier and the other kept ones the low tier (`select_tiers`), each in position order; the kernel
+quantizes and packs the low tier in place (kernels/quant.py: keys per channel over the page's
+low-tier tokens, values per token, as `quant.quantize`).
 """
 
 from __future__ import annotations
@@ -16,21 +21,23 @@ import triton
 import triton.language as tl
 
 from sgl_ragged.kernels.decode import _rows_contiguous
+from sgl_ragged.kernels.quant import store_low
 from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
 
 
 @triton.jit
 def _seal_kernel(
     Src_K, Src_V, s_src_n, s_src_t, src_index, pages, Scores, s_sc_n, s_sc_h, Sinks, s_si_n,
-    rows_k_ptr, rows_v_ptr, slots, head_group, head_member, P,
+    rows_k_ptr, rows_v_ptr, slots, hi_slots, low_ptr, head_group, head_member, P,
     H_P: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr,
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
     g = tl.load(head_group + h)
     j = tl.load(head_member + h)
     k_g = tl.load(slots + g)
+    hi_g = tl.load(hi_slots + g)
     offs = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_D)
     in_page = offs < P
@@ -38,24 +45,34 @@ def _seal_kernel(
     score = tl.load(Scores + n * s_sc_n + h * s_sc_h + offs, mask=in_page, other=float("-inf"))
     sink = tl.load(Sinks + n * s_si_n + offs, mask=in_page, other=0) != 0
     f = tl.where(sink, float("inf"), score)
-    # 2. Rank in a stable descending order; keep the first k_g.
+    # 2. Rank in a stable descending order; keep the first k_g, the first hi_g at full precision.
     ahead = (f[None, :] > f[:, None]) | ((f[None, :] == f[:, None]) & (offs[None, :] < offs[:, None]))
     rank = tl.sum((ahead & in_page[None, :]).to(tl.int32), 1)
-    keep = (rank < k_g) & in_page
-    # 3. Row slot of each kept token: kept tokens before it.
-    slot = tl.sum(((offs[None, :] < offs[:, None]) & keep[None, :]).to(tl.int32), 1)
-    # 4. Gather the page's K/V of head h, scatter kept tokens into rows[page, slot, j, :].
+    hi = (rank < hi_g) & in_page
+    lo = (rank >= hi_g) & (rank < k_g) & in_page
+    # 3. Slot of each token in its tier: tokens of the tier before it.
+    before = offs[None, :] < offs[:, None]
+    slot = tl.sum((before & hi[None, :]).to(tl.int32), 1)
+    # 4. Gather the page's K/V of head h, scatter the hi tier into rows[page, slot, j, :].
     src = tl.load(src_index + n).to(tl.int64)
     page = tl.load(pages + n).to(tl.int64)
     mask_d = offs_d < D
     src_off = src * s_src_n + offs[:, None] * s_src_t + h * D + offs_d[None, :]
-    dst_off = ((page * k_g + slot) * (H_P * D) + j * D)[:, None] + offs_d[None, :]
+    dst_off = ((page * hi_g + slot) * (H_P * D) + j * D)[:, None] + offs_d[None, :]
     load_mask = in_page[:, None] & mask_d[None, :]
-    store_mask = keep[:, None] & mask_d[None, :] & (page >= 0)  # page -1: a padding entry
+    store_mask = hi[:, None] & mask_d[None, :] & (page >= 0)  # page -1: a padding entry
+    x_k = tl.load(Src_K + src_off, mask=load_mask, other=0.0)
+    x_v = tl.load(Src_V + src_off, mask=load_mask, other=0.0)
     k_base = tl.load(rows_k_ptr + g).to(tl.pointer_type(DTYPE))
     v_base = tl.load(rows_v_ptr + g).to(tl.pointer_type(DTYPE))
-    tl.store(k_base + dst_off, tl.load(Src_K + src_off, mask=load_mask, other=0.0), mask=store_mask)
-    tl.store(v_base + dst_off, tl.load(Src_V + src_off, mask=load_mask, other=0.0), mask=store_mask)
+    tl.store(k_base + dst_off, x_k, mask=store_mask)
+    tl.store(v_base + dst_off, x_v, mask=store_mask)
+    # 5. Quantize the low tier into its slots (groups without one have k_g == hi_g).
+    if LOW_BITS > 0:
+        if hi_g < k_g:
+            lo_slot = tl.sum((before & lo[None, :]).to(tl.int32), 1)
+            store_low(x_k.to(tl.float32), x_v.to(tl.float32), lo, lo_slot, page, j, k_g - hi_g,
+                      low_ptr + g * 6, H_P, D, BLOCK_P, LOW_BITS, LOW_FLOAT)
 
 
 def seal_pages(
@@ -79,7 +96,8 @@ def seal_pages(
     _seal_kernel[(n, h_kv)](
         src_k, src_v, src_k.stride(0), src_k.stride(1), src_index.contiguous(), pages.contiguous(),
         scores, scores.stride(0), scores.stride(1), sinks, sinks.stride(0),
-        tables.rows_k_ptr, tables.rows_v_ptr, tables.slots, tables.head_group, tables.head_member,
-        P, H_P=tables.heads_per_group, D=d, DTYPE=tl_dtype(tables.rows_dtype),
-        BLOCK_P=next_pow2(P), BLOCK_D=next_pow2(d), num_warps=8,
+        tables.rows_k_ptr, tables.rows_v_ptr, tables.slots, tables.hi_slots, tables.low_ptr,
+        tables.head_group, tables.head_member, P, H_P=tables.heads_per_group, D=d,
+        DTYPE=tl_dtype(tables.rows_dtype), BLOCK_P=next_pow2(P), BLOCK_D=next_pow2(d),
+        LOW_BITS=tables.low_bits, LOW_FLOAT=tables.low_float, num_warps=8,
     )

@@ -5,6 +5,11 @@ addresses are stable). Groups of one layer live in separate tensors of different
 kernel reaches group g through `rows_k_ptr[g]`, the address of `rows_k[l][g]`, cast to a
 pointer in the kernel. Index spaces: group g in [0, G), member j in [0, H_p), KV head h in
 [0, H).
+
+Rows with a low tier (mem_pool/quant.py, DESIGN.md section 11): slot s < hi[l][g] of a page is
+rows_k[l][g][page, s]; slot s >= hi is low-tier slot s - hi, whose codes and quantization
+parameters the kernels reach through `low_ptr[g]` (the six tensors of `low_rows[l][g]`, in
+`LOW_TENSORS` order; 0 where a group has no low tier or the format no zero points).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from sgl_ragged.mem_pool.quant import LowPrecision
 from sgl_ragged.mem_pool.storage import RaggedStorage
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -23,6 +29,10 @@ def tl_dtype(dtype: torch.dtype) -> tl.dtype:
     if dtype not in TL_DTYPES:
         raise TypeError(f"the ragged kernels support {list(TL_DTYPES)}, not {dtype}")
     return TL_DTYPES[dtype]
+
+
+LOW_TENSORS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+"""Columns of LayerTables.low_ptr (the kernels index them by position)."""
 
 
 def next_pow2(n: int) -> int:
@@ -35,17 +45,30 @@ class LayerTables:
 
     rows_k_ptr: torch.Tensor  # [G] int64 address of rows_k[l][g] ([pages, k_g, H_p, D])
     rows_v_ptr: torch.Tensor  # [G] int64 address of rows_v[l][g]
-    slots: torch.Tensor  # [G] int32 k[l][g], row slots per logical page
+    slots: torch.Tensor  # [G] int32 k[l][g], row slots per logical page (hi + lo)
+    hi_slots: torch.Tensor  # [G] int32 hi[l][g], the full-precision ones (rows_k's dim 1)
+    low_ptr: torch.Tensor  # [G, 6] int64 addresses of low_rows[l][g]'s tensors (LOW_TENSORS)
     group_heads: torch.Tensor  # [G, H_p] int32 KV heads of each group
     head_group: torch.Tensor  # [H] int32 group of each KV head
     head_member: torch.Tensor  # [H] int32 position j of the head inside its group
     heads_per_group: int
     max_slots: int
     rows_dtype: torch.dtype
+    low: LowPrecision | None  # the low tier's format (None: no group has one)
 
     @property
     def num_groups(self) -> int:
         return self.slots.numel()
+
+    @property
+    def low_bits(self) -> int:
+        """Code bits of the low tier, 0 without one (the kernels' LOW_BITS)."""
+        return 0 if self.low is None else self.low.bits
+
+    @property
+    def low_float(self) -> bool:
+        """The low tier is fp8 (e4m3, scale only; the kernels' LOW_FLOAT)."""
+        return self.low is not None and self.low.is_float
 
 
 def layer_tables(storage: RaggedStorage, layer: int) -> LayerTables:
@@ -64,16 +87,25 @@ def layer_tables(storage: RaggedStorage, layer: int) -> LayerTables:
     def i32(values: object) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=dev)
 
+    low = [[0] * len(LOW_TENSORS) if tier is None else
+            [0 if getattr(tier, name) is None else getattr(tier, name).data_ptr()
+             for name in LOW_TENSORS] for tier in storage.low_rows[layer]]
+    if layout.low is not None and layout.head_dim != next_pow2(layout.head_dim):
+        raise ValueError(f"the Triton kernels pack low-tier codes for power-of-two head sizes "
+                         f"only, not {layout.head_dim} (attention_backend/impl.triton_refuses)")
     return LayerTables(
         rows_k_ptr=ptrs(storage.rows_k[layer]),
         rows_v_ptr=ptrs(storage.rows_v[layer]),
         slots=i32(slots),
+        hi_slots=i32([t.hi for t in layout.tiers[layer]]),
+        low_ptr=torch.tensor(low, dtype=torch.int64, device=dev),
         group_heads=i32(groups),
         head_group=i32(head_group),
         head_member=i32(head_member),
         heads_per_group=len(groups[0]),
         max_slots=max(slots),
         rows_dtype=storage.dtype,
+        low=layout.low,
     )
 
 

@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Any
 
-from sgl_ragged.attention_backend.impl import TRITON_LOW_TIERS
+from sgl_ragged.attention_backend.impl import triton_refuses
 from sgl_ragged.config import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_PAGE_SIZE,
@@ -20,7 +20,7 @@ from sgl_ragged.config import (
     add_cli_args,
     move_cli_args_to_env,
 )
-from sgl_ragged.mem_pool.quant import FULL_PRECISION, low_precision
+from sgl_ragged.mem_pool.quant import low_precision
 from sgl_ragged.profile import ModelShape, resolve_profile, spec_kind
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def resolve_ragged_args(server_args: Any, previous: Any) -> None:
     _check_unsupported(cfg)
     shape = model_shape(cfg.model_path, bool(cfg.trust_remote_code))
     _check_model(shape, config)
-    decode_graphs = _decode_graphs(cfg, config)
+    decode_graphs = _decode_graphs(cfg, config, shape.head_dim)
     declare_resolution(
         server_args,
         "sgl_ragged",
@@ -95,17 +95,19 @@ def resolve_ragged_args(server_args: Any, previous: Any) -> None:
                 config.profile, config.precision, config.scorer, config.window_pages)
 
 
-def _decode_graphs(cfg: Any, config: RaggedConfig) -> bool:
+def _decode_graphs(cfg: Any, config: RaggedConfig, head_dim: int | None = None) -> bool:
     """Whether decode keeps SGLang's CUDA graphs: only the Triton kernels run under them
     (attention_backend/graph.py), so only on CUDA, not with --ragged-attention batched or
-    reference or the dynamic reference mode, and not where the user turned them off."""
+    reference or the dynamic reference mode, not where the Triton kernels refuse the
+    precision for this head_dim (`triton_refuses`; auto falls back to batched), and not where
+    the user turned them off."""
     from sglang.srt.model_executor.cuda_graph_config import Backend
 
     graph_config = cfg.cuda_graph_config
     on_cuda = str(cfg.device or "cuda").startswith("cuda")
     if (graph_config is None or graph_config.decode.backend == Backend.DISABLED or not on_cuda
             or config.attention not in ("auto", "triton") or spec_kind(config.profile) == "dynamic"
-            or (config.precision != FULL_PRECISION and not TRITON_LOW_TIERS)):
+            or (head_dim is not None and triton_refuses(head_dim, config.precision))):
         return False
     if graph_config.decode.backend != Backend.FULL:
         raise ValueError(

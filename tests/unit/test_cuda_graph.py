@@ -95,10 +95,15 @@ def _random_qkv(n: int, gen: torch.Generator, device: str) -> list:
 
 
 def _assert_same(got: RaggedStorage, want: RaggedStorage) -> None:
-    """Same rows, staging pages and statistics (the scratch page aside), bookkeeping, counters."""
+    """Same rows (low tiers included), staging pages and statistics (the scratch page aside),
+    bookkeeping, counters. Low-tier codes agree exactly (the sealing kernel codes like the torch
+    quantizer; a rounding tie, which may go either way, is vanishingly rare on random data)."""
     S = want.num_staging_pages
     rows = [(a, b) for x, y in ((got.rows_k, want.rows_k), (got.rows_v, want.rows_v))
             for la, lb in zip(x, y, strict=True) for a, b in zip(la, lb, strict=True)]
+    rows += [(a, b) for la, lb in zip(got.low_rows, want.low_rows, strict=True)
+             for ta, tb in zip(la, lb, strict=True) if ta is not None
+             for a, b in zip(ta.tensors(), tb.tensors(), strict=True)]
     staged = [(a[:S], b[:S]) for a, b in zip([*got.stage_k, *got.stage_v, got.stage_attn,
                                               got.stage_q_sum, got.stage_q_sq_sum,
                                               got.stage_q_count, got.stage_obs],
@@ -112,13 +117,17 @@ def _assert_same(got: RaggedStorage, want: RaggedStorage) -> None:
     assert got.counters == want.counters
 
 
-@pytest.mark.parametrize("seed,window", [(0, 1), (1, 0), (2, 2)])
-def test_replayed_decode_graph_matches_eager_decode(kernel_device, seed, window):
-    """window: --ragged-window-pages, which sizes the graph's tail buffers (W + 1 per request)."""
+@pytest.mark.parametrize("seed,window,precision", [(0, 1, "bf16"), (1, 0, "bf16"), (2, 2, "bf16"),
+                                                   (8, 1, "int4"), (4, 0, "fp8")])
+def test_replayed_decode_graph_matches_eager_decode(kernel_device, seed, window, precision):
+    """window: --ragged-window-pages, which sizes the graph's tail buffers (W + 1 per request);
+    precision: --ragged-precision (rows with a low tier, sealed by the kernel in the graph)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     n_req, bs = 3, 4
-    graph_store = random_storage(rng, kernel_device, layers=LAYERS, num_pages=40, num_stages=16)
+    graph_store = random_storage(rng, kernel_device, layers=LAYERS, num_pages=40, num_stages=16,
+                                 precision=precision)
+    assert graph_store.layout.quantized == (precision != "bf16")
     requests = Requests(n_req, graph_store.num_pages, rng, kernel_device, window)
     # Prefill (eager) to random lengths: sealed pages, staged window pages, partial pages.
     rows = list(range(1, n_req + 1))
@@ -129,8 +138,7 @@ def test_replayed_decode_graph_matches_eager_decode(kernel_device, seed, window)
     eager_store = copy.deepcopy(graph_store)
 
     # Capture once, on a batch of padding only (after one eager warm-up, as SGLang does).
-    impl = TritonAttention(graph_store, layout_split_ratios(graph_store.layout.groups,
-                                                            graph_store.layout.slots))
+    impl = TritonAttention(graph_store, layout_split_ratios(graph_store.layout))
     buffers = DecodeGraphBuffers(graph_store, max_bs=bs, window_pages=window,
                                  max_pages_per_request=CONTEXT_PAGES)
     static = _random_qkv(bs, gen, kernel_device)
@@ -169,11 +177,12 @@ def test_replayed_decode_graph_matches_eager_decode(kernel_device, seed, window)
     assert 0 < sealing_steps < 2 * P + 2  # steps with and without sealing were replayed
 
 
-def test_capture_of_padding_writes_only_the_scratch_page(kernel_device):
+@pytest.mark.parametrize("precision", ["bf16", "int2"])
+def test_capture_of_padding_writes_only_the_scratch_page(kernel_device, precision):
     """A batch of padding only (capture, warm-up, idle replays) changes nothing else."""
-    storage = random_storage(random.Random(5), kernel_device, layers=LAYERS)
+    storage = random_storage(random.Random(5), kernel_device, layers=LAYERS, precision=precision)
     before = copy.deepcopy(storage)
-    impl = TritonAttention(storage, layout_split_ratios(storage.layout.groups, storage.layout.slots))
+    impl = TritonAttention(storage, layout_split_ratios(storage.layout))
     meta = DecodeGraphBuffers(storage, 3, WINDOW, CONTEXT_PAGES).capture_metadata(3)
     for layer, (q, k, v) in enumerate(_random_qkv(3, torch.Generator().manual_seed(1),
                                                   kernel_device)):
@@ -233,7 +242,7 @@ def test_recorded_graph_replays_triton_launches(kernel_device):
     if not INTERPRET:
         pytest.skip("the stand-in records Triton launches under the interpreter only")
     storage = random_storage(random.Random(7), "cpu", layers=1)
-    impl = TritonAttention(storage, layout_split_ratios(storage.layout.groups, storage.layout.slots))
+    impl = TritonAttention(storage, layout_split_ratios(storage.layout))
     plans = random_plans(storage, [Spec(sealed=2, staged=3, q_len=1)], random.Random(8))
     meta = RaggedForwardMetadata(requests=plans, pages_to_seal=torch.empty(0, dtype=torch.long))
     impl.prepare(meta)
@@ -280,7 +289,7 @@ def test_backend_graph_hooks_plan_only_the_real_requests():
     requests = Requests(3, storage.num_pages, rng, "cpu")
     with pytest.raises(RuntimeError, match="cannot run under CUDA graphs"):
         _backend(storage, TorchAttention(storage), requests).init_cuda_graph_state(4, 4)
-    impl = TritonAttention(storage, layout_split_ratios(storage.layout.groups, storage.layout.slots))
+    impl = TritonAttention(storage, layout_split_ratios(storage.layout))
     backend = _backend(storage, impl, requests)
     backend.init_cuda_graph_state(4, 4)
     assert backend.graph_buffers.max_pages_per_request == CONTEXT_PAGES
@@ -333,14 +342,21 @@ def _replay_view(pool_idx: list[int], seq_lens: list[int], bs: int, mode=None):
         capture_forward_mode=ForwardMode.DECODE, is_encoder_decoder=False)
 
 
-@pytest.mark.parametrize("attention,profile,device,decode", [
-    ("auto", "uniform:0.3", "cuda", "full"), ("triton", "uniform:0.3", None, "full"),
-    ("auto", "uniform:0.3", "cpu", "disabled"), ("reference", "uniform:0.3", "cuda", "disabled"),
-    ("batched", "uniform:0.3", "cuda", "disabled"), ("auto", "dynamic:0.3", "cuda", "disabled"),
-    ("auto", " Dynamic:0.3", "cuda", "disabled"),  # any case, as the profile resolver reads it
+@pytest.mark.parametrize("attention,profile,device,decode,precision,head_dim", [
+    ("auto", "uniform:0.3", "cuda", "full", "bf16", 64),
+    ("triton", "uniform:0.3", None, "full", "bf16", 64),
+    ("auto", "uniform:0.3", "cpu", "disabled", "bf16", 64),
+    ("reference", "uniform:0.3", "cuda", "disabled", "bf16", 64),
+    ("batched", "uniform:0.3", "cuda", "disabled", "bf16", 64),
+    ("auto", "dynamic:0.3", "cuda", "disabled", "bf16", 64),
+    ("auto", " Dynamic:0.3", "cuda", "disabled", "bf16", 64),  # any case, as the resolver reads it
+    ("auto", "uniform:0.3", "cuda", "full", "int4", 64),  # the kernels read low tiers
+    ("triton", "uniform:0.3", "cuda", "full", "fp8", 128),
+    ("auto", "uniform:0.3", "cuda", "disabled", "int4", 96),  # auto: batched (triton_refuses)
+    ("auto", "uniform:0.3", "cuda", "full", "bf16", 96),
 ])
 def test_server_args_keep_decode_graphs_only_for_the_triton_path(attention, profile, device,
-                                                                 decode):
+                                                                 decode, precision, head_dim):
     from types import SimpleNamespace
 
     pytest.importorskip("sglang")
@@ -349,9 +365,10 @@ def test_server_args_keep_decode_graphs_only_for_the_triton_path(attention, prof
     from sgl_ragged.config import RaggedConfig
     from sgl_ragged.scheduler.server_args import _decode_graphs, _graph_config
 
-    config = RaggedConfig.from_env({"RAGGED_PROFILE": profile, "RAGGED_ATTENTION": attention})
+    config = RaggedConfig.from_env({"RAGGED_PROFILE": profile, "RAGGED_ATTENTION": attention,
+                                    "RAGGED_PRECISION": precision})
     cfg = SimpleNamespace(cuda_graph_config=CudaGraphConfig(), device=device)
-    resolved = _graph_config(cfg.cuda_graph_config, _decode_graphs(cfg, config))
+    resolved = _graph_config(cfg.cuda_graph_config, _decode_graphs(cfg, config, head_dim))
     assert (resolved.decode.backend, resolved.prefill.backend) == (decode, "disabled")
 
 

@@ -34,6 +34,7 @@ from tests.unit.kernel_cases import (
 SCALE = 1 / math.sqrt(D)
 DECODE = [Spec(sealed=5, staged=3, q_len=1), Spec(0, 0, 1), Spec(2, 8, 1), Spec(9, 13, 1)]
 MIXED = [Spec(sealed=3, staged=5, q_len=11), Spec(0, 0, 9), Spec(4, 2, 1), Spec(1, 8, 3)]
+LOW = ["int8", "int4", "int2", "fp8"]  # --ragged-precision values with a low tier
 
 
 def _oracle(storage, layer, plans, q, k, v, out, lse) -> None:
@@ -62,8 +63,19 @@ def _check_untouched(plans, out, lse) -> None:
 @pytest.mark.parametrize("strategy", list(SplitStrategy))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_decode_matches_reference(kernel_device, strategy, seed):
+    _check_decode(kernel_device, strategy, seed, "bf16")
+
+
+@pytest.mark.parametrize("precision", LOW)
+def test_decode_low_tiers_match_reference(kernel_device, precision):
+    """Rows with a low tier (random codes and parameters): dequantized in the kernel."""
+    _check_decode(kernel_device, SplitStrategy.AOT, 2, precision)
+
+
+def _check_decode(kernel_device, strategy, seed, precision):
     rng = random.Random(seed)
-    storage = random_storage(rng, kernel_device, layers=2)
+    storage = random_storage(rng, kernel_device, layers=2, precision=precision)
+    assert storage.layout.quantized == (precision != "bf16")
     layer = 1
     plans = random_plans(storage, DECODE, rng, gap=1)
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), kernel_device)
@@ -94,10 +106,11 @@ def test_decode_more_splits_than_tokens(kernel_device, heads_per_group):
     _oracle(storage, 0, plans, q, k, v, out, lse)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_extend_mixed_batch_matches_reference(kernel_device, seed):
+@pytest.mark.parametrize("seed,precision", [(0, "bf16"), (1, "bf16"), *((2, p) for p in LOW)])
+def test_extend_mixed_batch_matches_reference(kernel_device, seed, precision):
     rng = random.Random(seed)
-    storage = random_storage(rng, kernel_device, layers=2)
+    storage = random_storage(rng, kernel_device, layers=2, precision=precision)
+    assert storage.layout.quantized == (precision != "bf16")
     plans = random_plans(storage, MIXED, rng, gap=2)
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), kernel_device)
     out, lse = _poisoned(q)
@@ -107,12 +120,15 @@ def test_extend_mixed_batch_matches_reference(kernel_device, seed):
     _oracle(storage, 0, plans, q, k, v, out, lse)
 
 
-def test_extend_low_precision_storage(kernel_device):
-    """bfloat16 rows, staging and activations (the serving dtype); looser tolerance."""
-    rng = random.Random(3)
-    storage = random_storage(rng, kernel_device, dtype=torch.bfloat16)
+@pytest.mark.parametrize("seed,precision", [(3, "bf16"), (13, "int4")])
+def test_extend_low_precision_storage(kernel_device, seed, precision):
+    """bfloat16 rows, staging and activations (the serving dtype); looser tolerance. With int4,
+    one of seed 13's groups keeps no full-precision slot at all (every kept token quantized)."""
+    rng = random.Random(seed)
+    storage = random_storage(rng, kernel_device, dtype=torch.bfloat16, precision=precision)
+    assert any(t.hi == 0 for t in storage.layout.tiers[0]) == (precision != "bf16")
     plans = random_plans(storage, [Spec(2, 3, 6), Spec(1, 0, 1)], rng)
-    q, k, v = random_qkv(plans, torch.Generator().manual_seed(3), kernel_device, torch.bfloat16)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), kernel_device, torch.bfloat16)
     out, _ = extend_attention(q, k, v, storage.stage_k[0], storage.stage_v[0],
                               layer_tables(storage, 0), kernel_batch(plans, kernel_device), SCALE)
     for p in plans:
@@ -125,12 +141,14 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU shape
 
 
 @needs_cuda
-@pytest.mark.parametrize("strategy", list(SplitStrategy))
-def test_decode_gpu_shapes(strategy):
+@pytest.mark.parametrize("strategy,precision", [*((s, "bf16") for s in SplitStrategy),
+                                                *((SplitStrategy.AOT, p) for p in LOW)])
+def test_decode_gpu_shapes(strategy, precision):
     """Serving shapes (P 64, D 128, 8 KV heads, GQA 4, bfloat16), the device's real N_CTA."""
     rng = random.Random(21)
     storage = random_storage(rng, "cuda", layers=2, num_pages=512, num_stages=16,
-                             dtype=torch.bfloat16, shape=GPU)
+                             dtype=torch.bfloat16, shape=GPU, precision=precision)
+    assert storage.layout.quantized == (precision != "bf16")
     specs = [Spec(100, 70, 1), Spec(3, 0, 1), Spec(0, 5, 1), Spec(250, 127, 1)]
     plans = random_plans(storage, specs, rng)
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(21), "cuda", torch.bfloat16, GPU)
@@ -147,10 +165,12 @@ def test_decode_gpu_shapes(strategy):
 
 
 @needs_cuda
-def test_extend_gpu_shapes():
+@pytest.mark.parametrize("precision", ["bf16", *LOW])
+def test_extend_gpu_shapes(precision):
     rng = random.Random(22)
     storage = random_storage(rng, "cuda", num_pages=512, num_stages=32, dtype=torch.bfloat16,
-                             shape=GPU)
+                             shape=GPU, precision=precision)
+    assert storage.layout.quantized == (precision != "bf16")
     specs = [Spec(60, 30, 300), Spec(0, 0, 129), Spec(7, 64, 1), Spec(200, 1, 64)]
     plans = random_plans(storage, specs, rng)
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(22), "cuda", torch.bfloat16, GPU)

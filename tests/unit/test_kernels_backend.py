@@ -17,10 +17,13 @@ from sgl_ragged.attention_backend.impl import (
     TorchAttention,
     make_attention_impl,
     profile_split_ratios,
+    triton_refuses,
 )
 from sgl_ragged.attention_backend.triton_impl import TritonAttention
 from sgl_ragged.config import RaggedConfig
 from sgl_ragged.kernels.aot import layout_split_ratios
+from sgl_ragged.mem_pool.tiers import tier_bytes
+from sgl_ragged.profile import BudgetProfile
 from tests.unit.kernel_cases import Spec, compare_with_reference, random_specs, random_storage
 
 MIXED = [Spec(sealed=2, staged=5, q_len=12, seal=2), Spec(0, 0, 9, seal=1), Spec(3, 7, 1, seal=1)]
@@ -28,7 +31,7 @@ DECODE = [Spec(sealed=1, staged=7, q_len=1, seal=1), Spec(2, 3, 1), Spec(0, 2, 1
 
 
 def _triton(storage):
-    return TritonAttention(storage, layout_split_ratios(storage.layout.groups, storage.layout.slots))
+    return TritonAttention(storage, layout_split_ratios(storage.layout))
 
 
 @pytest.mark.parametrize("specs,decode", [(MIXED, False), (DECODE, True)])
@@ -43,6 +46,14 @@ def test_triton_attention_random_batches(kernel_device, seed, decode):
     rng = random.Random(100 + seed)
     compare_with_reference(_triton, random_specs(rng, rng.randint(2, 4), decode), decode, seed,
                            kernel_device, layer=1, gap=1)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "int2", "fp8"])
+@pytest.mark.parametrize("specs,decode", [(MIXED, False), (DECODE, True)])
+def test_triton_attention_low_tiers(kernel_device, specs, decode, precision):
+    """Rows with a low tier: read (dequantized) by the attention kernels, written (quantized)
+    by the sealing kernel, against the reference's torch quantizer."""
+    compare_with_reference(_triton, specs, decode, 12, kernel_device, layer=1, precision=precision)
 
 
 def test_dispatch_by_device_and_choice():
@@ -76,3 +87,26 @@ def test_split_ratios_fall_back_to_the_layout():
     assert len(ratios) == 1 and math.isclose(sum(ratios[0]), 1.0)
     slots = storage.layout.slots[0]
     assert ratios[0][0] / ratios[0][1] == pytest.approx(slots[0] / slots[1])
+
+
+def test_split_ratios_of_low_tiers_weigh_bytes_read():
+    """A quantized layout's split map follows the bytes of each group's rows per page (its
+    tiers), not its slot count, even where a profile gives ratios."""
+    storage = random_storage(random.Random(10), "cpu", layers=2, precision="int4")
+    layout = storage.layout
+    profile = BudgetProfile(model=None, budgets=[[0.5] * 4] * 2, groups=layout.groups,
+                            source={"kind": "uniform"}, split_ratios=[[0.5, 0.5]] * 2)
+    ratios = profile_split_ratios(storage, profile)
+    for layer in range(2):
+        bytes_read = [tier_bytes(t, layout.low, len(heads), layout.head_dim, layout.dtype_bytes)
+                      for heads, t in zip(layout.groups[layer], layout.tiers[layer], strict=True)]
+        assert ratios[layer] == pytest.approx([b / sum(bytes_read) for b in bytes_read])
+    tiers = layout.tiers[1]
+    assert tiers[0].total == tiers[1].total and tiers[0].hi != tiers[1].hi  # slots alone: equal
+    assert ratios[1][0] != pytest.approx(ratios[1][1])
+
+
+def test_triton_refuses_only_what_it_cannot_pack():
+    assert triton_refuses(128, "bf16") is None and triton_refuses(96, "bf16") is None
+    assert triton_refuses(64, "int2") is None and triton_refuses(128, "fp8") is None
+    assert "power-of-two" in triton_refuses(96, "int4")
