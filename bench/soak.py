@@ -200,12 +200,14 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def launch_args(model: str, args: argparse.Namespace) -> list[str]:
-    """A ragged server with a small pool, metrics and the integrity check after every forward."""
+    """A ragged server with a small pool, optimistic admission, metrics and the integrity check
+    after every forward."""
     return ["--model-path", model, "--device", args.device, "--attention-backend", "ragged",
             "--ragged-profile", args.profile, "--ragged-check-integrity", "1",
             "--page-size", str(PAGE), "--chunked-prefill-size", "512",
             "--max-total-tokens", str(args.max_total_tokens),
-            "--max-running-requests", str(args.max_running_requests), "--enable-metrics"]
+            "--max-running-requests", str(args.max_running_requests),
+            "--schedule-conservativeness", str(args.schedule_conservativeness), "--enable-metrics"]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -217,6 +219,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", default="calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json")
     p.add_argument("--max-total-tokens", type=int, default=12288)
     p.add_argument("--max-running-requests", type=int, default=24)
+    p.add_argument("--schedule-conservativeness", type=float, default=0.3,
+                   help="SGLang's admission reserves 0.7 x this of each request's max_tokens; "
+                        "below 1 decode outgrows the pool and retracts")
     p.add_argument("--device", default="cpu")
     for name, value in asdict(SoakConfig()).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)

@@ -54,6 +54,7 @@ def check_generate_body(obj: GenerateReqInput, vocab_size: int) -> None:
         raise RequestRejected("input_ids", "text and input_ids are both given and one is a batch: "
                                            "give one of them")
     check_sampling_params(obj.sampling_params)
+    _check(obj, vocab_size)  # a single request: our messages before SGLang's own
     probe = copy.deepcopy(obj)
     try:
         probe.normalize_batch_and_arguments()

@@ -84,11 +84,11 @@ def test_concurrent_sessions(ragged_server):
 
 
 def test_memory_pressure_evicts_and_retracts(ragged_server):
-    """More decode than the 4096-token pool holds: admission reserves only part of each
-    request's max_new_tokens (SGLang's new_token_ratio, at most 0.7), so 8 requests of ~60 + 512
-    tokens (9 pages each, 72 > 64 pages) all start and decode must retract; the radix cache
-    evicts what earlier tests left. The server's counters say so, every request finishes and the
-    pool stays intact."""
+    """More decode than the 4096-token pool holds: admission reserves 0.21 of each request's
+    max_new_tokens (the fixture's --schedule-conservativeness), so 8 requests of ~60 + 512
+    tokens (3 pages reserved, 9 needed each: 72 > 64 pages) all start and decode must retract;
+    the radix cache evicts what earlier tests left. The server's counters say so, every request
+    finishes and the pool stays intact."""
     base = ragged_server.base_url
     idle = counters.wait_idle(base)
     before = counters.counters(base)

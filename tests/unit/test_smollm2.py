@@ -1,5 +1,5 @@
-"""The materialized SmolLM2 checkpoint carries the model card's sampling defaults, also when it
-was built before they existed (no rebuild: the file is added in place)."""
+"""The materialized SmolLM2 checkpoint carries sampling defaults, also when it was built before
+they existed (no rebuild: the file is added in place)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ def test_old_checkpoint_gets_the_sampling_defaults(tmp_path: Path):
     target = _materialized(tmp_path, {"bos_token_id": 1, "eos_token_id": 2})
     assert smollm2.ensure_smollm2(tmp_path) == target
     cfg = json.loads((target / "generation_config.json").read_text())
-    assert cfg == {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True,
-                   "temperature": 0.2, "top_p": 0.9}
+    assert cfg == {"bos_token_id": 1, "eos_token_id": 2, **smollm2.SAMPLING_DEFAULTS}
 
 
 def test_checkpoint_without_generation_config(tmp_path: Path):
