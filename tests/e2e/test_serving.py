@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from bench import counters
 from tests.e2e.conftest import get, post, stream_lines
 
 pytestmark = pytest.mark.e2e
@@ -84,35 +84,55 @@ def test_concurrent_sessions(ragged_server):
 
 
 def test_memory_pressure_evicts_and_retracts(ragged_server):
-    """More concurrent long requests than the 4096-token pool holds: the radix cache evicts
-    and decode retracts, yet every request finishes and the pool stays intact."""
-    prompts = [f"Story {i}: " + FACTS for i in range(8)]
+    """More decode than the 4096-token pool holds: admission reserves 0.21 of each request's
+    max_new_tokens (the fixture's --schedule-conservativeness), so 8 requests of ~60 + 512
+    tokens (3 pages reserved, 9 needed each: 72 > 64 pages) all start and decode must retract;
+    the radix cache evicts what earlier tests left. The server's counters say so, every request
+    finishes and the pool stays intact."""
+    base = ragged_server.base_url
+    idle = counters.wait_idle(base)
+    before = counters.counters(base)
+    prompts = [f"Story {i}: " + FACTS[:200] for i in range(8)]
 
     def run(p: str) -> str:
-        return post(ragged_server.base_url, "/generate", {
-            "text": p, "sampling_params": {"max_new_tokens": 128, "temperature": 0, "ignore_eos": True},
-        })["meta_info"]["finish_reason"]["type"]
+        return post(base, "/generate", {
+            "text": p, "sampling_params": {"max_new_tokens": 512, "temperature": 0, "ignore_eos": True},
+        }, timeout=900)["meta_info"]["finish_reason"]["type"]
 
     with ThreadPoolExecutor(8) as pool:
         reasons = list(pool.map(run, prompts))
     assert reasons == ["length"] * 8
-    info = json.loads(get(ragged_server.base_url, "/get_server_info"))
-    assert info["max_total_num_tokens"] <= 4096
-    out = _chat(ragged_server.base_url, [{"role": "user", "content": "Say yes."}], max_tokens=4)
+    done = counters.delta(before, counters.counters(base))
+    assert done["evicted_tokens"] > 0 and done["retracted"] > 0, done
+    assert done["integrity_checks"] > 0 and done["integrity_violations"] == 0, done
+    assert idle.max_total_tokens <= 4096
+    assert counters.wait_idle(base, idle.used_tokens).free_tokens == idle.free_tokens
+    out = _chat(base, [{"role": "user", "content": "Say yes."}], max_tokens=4)
     assert out["choices"][0]["message"]["content"] is not None
 
 
 def test_abort_midstream_keeps_serving(ragged_server):
-    """A client that disconnects mid-stream aborts its request; nothing leaks."""
-    host, port = ragged_server.base_url.removeprefix("http://").split(":")
+    """A client that disconnects mid-stream aborts its request: the server counts the abort and
+    the request's pages come back (free tokens return to the idle value)."""
+    base = ragged_server.base_url
+    idle = counters.wait_idle(base)
+    before = counters.counters(base)
+    host, port = base.removeprefix("http://").split(":")
     body = json.dumps({"text": FACTS, "stream": True,
                        "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}).encode()
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        sock.recv(4096)  # first bytes of the stream arrived: the request is running
-    threading.Event().wait(2.0)
-    out = _chat(ragged_server.base_url, [{"role": "user", "content": "Say yes."}], max_tokens=4)
+        received = b""
+        while b"data:" not in received:  # the first token arrived: the request holds pages
+            chunk = sock.recv(4096)
+            assert chunk, f"the server closed the stream: {received!r}"
+            received += chunk
+        assert counters.pool_state(base).used_tokens > idle.used_tokens
+    after = counters.wait_idle(base, idle.used_tokens)
+    assert after.free_tokens == idle.free_tokens, after
+    assert counters.delta(before, counters.counters(base))["aborted"] == 1
+    out = _chat(base, [{"role": "user", "content": "Say yes."}], max_tokens=4)
     assert out["choices"][0]["message"]["content"] is not None
 
 
@@ -128,6 +148,12 @@ def test_malformed_request_gets_4xx(ragged_server, body):
 
 
 def test_metrics_endpoint_has_ragged_counters(ragged_server):
-    _chat(ragged_server.base_url, [{"role": "user", "content": FACTS[:600]}], max_tokens=8)
-    metrics = get(ragged_server.base_url, "/metrics")
-    assert "sglang_ragged_pages_sealed_total" in metrics.replace(":", "_")
+    """/metrics carries the plugin's counters, and a fresh prompt's sealed pages add to them."""
+    base = ragged_server.base_url
+    before = counters.counters(base)
+    unique = " ".join(f"Entry {i} of list {id(before)} is {7 * i}." for i in range(60))
+    out = _chat(base, [{"role": "user", "content": unique}], max_tokens=8)
+    grew = counters.delta(before, counters.counters(base))
+    pages = out["usage"]["prompt_tokens"] // 64 - 1  # all but the window page are sealed
+    assert grew["pages_sealed"] >= pages >= 2, grew
+    assert "sglang:ragged_staging_pages_used" in get(base, "/metrics")

@@ -1,0 +1,46 @@
+"""The materialized SmolLM2 checkpoint carries sampling defaults, also when it was built before
+they existed (no rebuild: the file is added in place)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sgl_ragged.models import smollm2
+
+
+def _materialized(cache: Path, generation_config: dict | None) -> Path:
+    """A fake, complete checkpoint directory as an older version left it."""
+    target = cache / "models" / smollm2.MODEL_NAME
+    target.mkdir(parents=True)
+    (target / smollm2.MARKER).write_text("ok\n")
+    if generation_config is not None:
+        (target / "generation_config.json").write_text(json.dumps(generation_config))
+    return target
+
+
+def test_old_checkpoint_gets_the_sampling_defaults(tmp_path: Path):
+    target = _materialized(tmp_path, {"bos_token_id": 1, "eos_token_id": 2})
+    assert smollm2.ensure_smollm2(tmp_path) == target
+    cfg = json.loads((target / "generation_config.json").read_text())
+    assert cfg == {"bos_token_id": 1, "eos_token_id": 2, **smollm2.SAMPLING_DEFAULTS}
+
+
+def test_checkpoint_without_generation_config(tmp_path: Path):
+    target = _materialized(tmp_path, None)
+    smollm2.ensure_smollm2(tmp_path)
+    assert smollm2.has_sampling_defaults(target)
+
+
+def test_values_set_by_hand_are_kept(tmp_path: Path):
+    mine = {"do_sample": True, "temperature": 0.7, "top_p": 0.95}
+    target = _materialized(tmp_path, mine)
+    smollm2.ensure_smollm2(tmp_path)
+    assert json.loads((target / "generation_config.json").read_text()) == mine
+
+
+def test_partial_hand_edit_is_completed_not_overwritten(tmp_path: Path):
+    target = _materialized(tmp_path, {"temperature": 0.5})
+    smollm2.ensure_smollm2(tmp_path)
+    cfg = json.loads((target / "generation_config.json").read_text())
+    assert cfg == {"temperature": 0.5, "do_sample": True, "top_p": 0.9}
