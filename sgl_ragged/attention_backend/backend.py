@@ -54,7 +54,8 @@ class RaggedAttnBackend(AttentionBackend):
         self.storage = pool.storage
         runtime = get_runtime()
         self.config = runtime.config
-        num_q_heads = model_runner.model_config.num_attention_heads  # --tp-size 1 only
+        # Query heads of this tensor-parallel rank (the model's with --tp-size 1).
+        num_q_heads = model_runner.model_config.num_attention_heads // model_runner.tp_size
         self.impl = make_attention_impl(self.storage, runtime.profile, self.config.attention,
                                         num_q_heads)
         logger.info("ragged attention: %s (--ragged-attention %s)", type(self.impl).__name__,
