@@ -16,7 +16,12 @@ from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.profile import ModelShape
 from sgl_ragged.runtime import get_runtime
 from sgl_ragged.scheduler.server_args import is_active
-from sgl_ragged.tp import agreed_cell_size, agreed_logical_pages, resolve_rank_profiles
+from sgl_ragged.tp import (
+    agreed_cell_size,
+    agreed_logical_pages,
+    resolve_rank_profiles,
+    tensor_parallel_rank,
+)
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -43,7 +48,7 @@ def compute_cell_size(original: Any, configurator: Any, kvc: Any, num_layers: in
         num_kv_heads=mc.get_num_kv_heads(1),
         head_dim=mc.head_dim,
     )
-    tp_size, tp_rank = _tensor_parallel()
+    tp_size, tp_rank = tensor_parallel_rank()
     # Each rank stores its slice of the whole-model profile (sgl_ragged/tp.py).
     profiles = resolve_rank_profiles(runtime.config.profile, shape, runtime.config.heads_per_group,
                                      tp_size)
@@ -62,16 +67,6 @@ def compute_cell_size(original: Any, configurator: Any, kvc: Any, num_layers: in
                     cell, full, layout.retention)
     runtime.layout = layout
     return cell
-
-
-def _tensor_parallel() -> tuple[int, int]:
-    """(tp_size, tp_rank) of this scheduler process; (1, 0) before SGLang's groups exist."""
-    from sglang.srt.distributed import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 1, 0
-    return (parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_tensor_model_parallel_rank())
 
 
 def calculate_pool_sizes(original: Any, configurator: Any, available_bytes: int, page_size: int) -> Any:

@@ -76,6 +76,7 @@ class ServerProcess:
         log_path: Path | None = None,
         startup_timeout: float = 600.0,
         python: str = sys.executable,
+        module: str = "sglang.launch_server",
     ) -> None:
         self.args = list(args)
         if _on_cpu(self.args) and "--sleep-on-idle" not in self.args:
@@ -85,6 +86,7 @@ class ServerProcess:
         self.log_path = log_path or self._default_log_path()
         self.startup_timeout = startup_timeout
         self.python = python
+        self.module = module  # e.g. "sglang_router.launch_router" (testing/router.py)
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_seconds: float | None = None
 
@@ -99,7 +101,7 @@ class ServerProcess:
         return [
             self.python,
             "-m",
-            "sglang.launch_server",
+            self.module,
             *self.args,
             "--host",
             HOST,
