@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sgl_ragged.testing.router import RouterDeployment
-from tests.e2e.conftest import COMMON, INTEGRITY_ENV, _start, get, post
+from tests.e2e.conftest import COMMON, INTEGRITY_ENV, _start, cpu_bind, get, post
 
 pytestmark = pytest.mark.e2e
 
@@ -85,7 +85,8 @@ def test_cache_aware_router_keeps_later_turns_on_their_history(router_deployment
 def dp_server(request: pytest.FixtureRequest, model_path: str):
     return _start(request, ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
                             "--ragged-profile", "uniform:0.3", "--max-total-tokens", "4096",
-                            "--max-running-requests", "4", "--dp-size", "2"], "dp2")
+                            "--max-running-requests", "4", "--dp-size", "2"], "dp2",
+                  env={"SGLANG_CPU_OMP_THREADS_BIND": cpu_bind(2)})
 
 
 def test_dp_size_2_serves_with_a_pool_per_rank(dp_server):
