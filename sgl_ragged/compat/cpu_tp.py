@@ -19,6 +19,9 @@ _BACKEND_ARG = 2
 def init_model_parallel_group(original: Any, *args: Any, **kwargs: Any) -> Any:
     """AROUND parallel_state.init_model_parallel_group: no PyNccl for gloo (CPU) groups."""
     backend = args[_BACKEND_ARG] if len(args) > _BACKEND_ARG else kwargs.get("backend")
-    if backend == "gloo" and len(args) <= _BACKEND_ARG + 1:
-        kwargs["use_pynccl"] = False
+    if backend == "gloo":
+        if len(args) > _BACKEND_ARG + 1:  # use_pynccl given by position
+            args = (*args[: _BACKEND_ARG + 1], False, *args[_BACKEND_ARG + 2 :])
+        else:
+            kwargs["use_pynccl"] = False
     return original(*args, **kwargs)

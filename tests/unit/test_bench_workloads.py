@@ -138,3 +138,18 @@ def test_target_parse():
     assert Target.parse("ragged:uniform:0.5").profile == "uniform:0.5"
     with pytest.raises(ValueError, match="baseline"):
         Target.parse("vllm")
+
+
+def test_target_parse_router():
+    t = Target.parse("router:2:cache_aware:ragged:uniform:0.3")
+    assert (t.workers, t.policy, t.profile) == (2, "cache_aware", "uniform:0.3")
+    assert t.label == "router:2:cache_aware:ragged:uniform:0.3"
+    stock = Target.parse("router:3:round_robin:baseline")
+    assert (stock.workers, stock.policy, stock.profile) == (3, "round_robin", None)
+    assert Target.parse("baseline").policy is None
+    for bad in ("router:2:cache_aware", "router:0:cache_aware:baseline",
+                "router:two:cache_aware:baseline", "router:2:sticky:baseline"):
+        with pytest.raises(ValueError, match="router:<N>:<policy>:<target>"):
+            Target.parse(bad)
+    with pytest.raises(ValueError, match="'baseline', 'ragged:<profile>'"):
+        Target.parse("router:2:cache_aware:vllm")
