@@ -64,7 +64,8 @@ class ServerProcess:
     ``args`` are passed to ``launch_server`` as given; ``--host`` and ``--port`` are added
     (do not pass them), and ``--sleep-on-idle`` for ``--device cpu``: an idle SGLang scheduler
     otherwise busy-polls a whole core, which starves every other server and test on a small CPU.
-    ``env`` entries override the inherited environment.
+    ``env`` entries override the inherited environment. ``module`` runs another entry point
+    with the same handling, e.g. ``sglang_router.launch_router`` (testing/router.py).
     """
 
     def __init__(
