@@ -129,6 +129,12 @@ def resolve_rank_profiles(spec: str, shape: ModelShape, heads_per_group: int | N
         return (resolve_profile(spec, shape, heads_per_group),)
     check_tp_size(shape.num_kv_heads, tp_size)
     whole = resolve_profile(spec, shape)
+    if whole.source["kind"] == "dynamic":
+        raise ProfileError(
+            f"--ragged-profile {spec} (the dynamic reference mode) selects tokens over all KV "
+            f"heads of a layer at once (Eq. 3), but with --tp-size {tp_size} each rank holds only "
+            "its own heads; run the reference with --tp-size 1"
+        )
     return slice_all(whole, tp_size, heads_per_group)
 
 

@@ -123,6 +123,12 @@ def test_uniform_profiles_get_one_group_per_rank() -> None:
     assert all(p.source["kind"] == "uniform" and p.model is None for p in parts)
 
 
+def test_the_dynamic_reference_mode_is_refused_under_tp() -> None:
+    with pytest.raises(ProfileError, match="dynamic reference mode.*--tp-size 1"):
+        resolve_rank_profiles("dynamic:0.3", SHAPE, None, 2)
+    assert len(resolve_rank_profiles("dynamic:0.3", SHAPE, None, 1)) == 1
+
+
 def test_tp_1_is_the_whole_profile(tmp_path: Path) -> None:
     path = tmp_path / "p.json"
     calibrated().save(path)
