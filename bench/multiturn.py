@@ -7,6 +7,9 @@ OpenAI-compatible chat endpoint (streamed, for TTFT and TPOT).
     python -m bench.multiturn --launch baseline --launch ragged:uniform:0.3 \
         --kv-budget-tokens 16384 --sessions 32 --turns 3 --context-tokens 3000 \
         --concurrency 8 --out results/multiturn
+    # N workers (each at that budget) behind SGLang's router, by routing policy:
+    python -m bench.multiturn --launch router:2:cache_aware:ragged:uniform:0.3 \
+        --launch router:2:round_robin:ragged:uniform:0.3 --kv-budget-tokens 8192 ...
 
 Each of `--concurrency` users runs one session at a time, turn after turn (an answer becomes
 history); `--request-rate R` (repeatable: a sweep) additionally releases requests at Poisson
@@ -191,8 +194,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     where = p.add_argument_group("servers (one of)")
     where.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:30000")
-    where.add_argument("--launch", action="append", default=[], metavar="baseline|ragged:<profile>",
-                       help="launch this server (repeatable); they run one after the other")
+    where.add_argument("--launch", action="append", default=[],
+                       metavar="baseline|ragged:<profile>|router:<N>:<policy>:<target>",
+                       help="launch this server (repeatable); they run one after the other. "
+                            "router:<N>:<policy>:<target>: N such workers, each at the common "
+                            "budget, behind sglang_router (policy cache_aware, round_robin, ...)")
     where.add_argument("--label", default="server", help="name of the --base-url run")
     where.add_argument("--model", help="model path (default: SmolLM2-135M-Instruct)")
     where.add_argument("--kv-budget-tokens", type=int, default=16384,
@@ -238,8 +244,6 @@ def _window_pages(extra: list[str]) -> int:
 def run_launched(args: argparse.Namespace, model: str, sessions: list[Session],
                  loads: list[LoadConfig]) -> list[dict[str, Any]]:
     """Each --launch target in turn at the common budget; every rate on each."""
-    from sgl_ragged.testing.server import ServerProcess
-
     targets = [Target.parse(spec) for spec in args.launch]
     budgets = {t.label: equal_budget(t, model, args.kv_budget_tokens, args.max_running_requests,
                                      _window_pages(args.server_arg)) for t in targets}
@@ -253,11 +257,23 @@ def run_launched(args: argparse.Namespace, model: str, sessions: list[Session],
                                   chunk=args.chunked_prefill_size, device=args.device,
                                   extra=args.server_arg)
         log = args.out / "logs" / f"{target.label.replace(':', '_').replace('/', '_')}.log"
-        with ServerProcess(server_args, log_path=log, startup_timeout=900) as server:
+        with _deployment(target, server_args, log) as server:
             for load in loads:
                 run = run_one(server.base_url, target.label, sessions, load, not args.no_flush)
-                runs.append({**run, "budget": budget._asdict(), "launch_args": server_args})
+                runs.append({**run, "budget": budget._asdict(), "launch_args": server_args,
+                             "workers": target.workers, "router_policy": target.policy})
     return runs
+
+
+def _deployment(target: Target, server_args: list[str], log: Path) -> Any:
+    """One server, or target.workers of them behind SGLang's router (logs under log's stem)."""
+    from sgl_ragged.testing.router import RouterDeployment
+    from sgl_ragged.testing.server import ServerProcess
+
+    if target.policy is None:
+        return ServerProcess(server_args, log_path=log, startup_timeout=900)
+    return RouterDeployment(server_args, num_workers=target.workers, policy=target.policy,
+                            log_dir=log.with_suffix(""), startup_timeout=900)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

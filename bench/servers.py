@@ -27,28 +27,48 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 @dataclass(frozen=True)
 class Target:
-    """A server to launch: `baseline` (stock torch_native), `ragged:<profile>` or
-    `ragged@<precision>:<profile>` (row tiers, --ragged-precision)."""
+    """A deployment to launch: `baseline` (stock torch_native), `ragged:<profile>`,
+    `ragged@<precision>:<profile>` (row tiers, --ragged-precision), or
+    `router:<N>:<policy>:<either>` (N such workers behind SGLang's router with that policy)."""
 
     label: str
     profile: str | None  # None: the baseline
-    precision: str = "bf16"
+    precision: str = "bf16"  # --ragged-precision of ragged workers
+    workers: int = 1  # > 1 or a policy: behind sglang_router
+    policy: str | None = None  # router policy (sgl_ragged.testing.router.POLICIES)
 
     @classmethod
     def parse(cls, spec: str) -> Target:
-        kind, _, profile = spec.partition(":")
+        kind, _, rest = spec.partition(":")
+        if kind == "router":
+            return cls._parse_router(spec, rest)
         kind, _, precision = kind.partition("@")
-        if kind == "baseline" and not profile and not precision:
+        if kind == "baseline" and not rest and not precision:
             return cls("baseline", None)
-        if kind == "ragged" and profile:
+        if kind == "ragged" and rest:
             if precision:
                 from sgl_ragged.mem_pool.quant import low_precision
 
                 low_precision(precision)  # raises for an unknown one
-            return cls(spec, profile, precision or "bf16")
+            return cls(spec, rest, precision or "bf16")
         raise ValueError(f"--launch {spec!r}: use 'baseline', 'ragged:<profile>' or "
                          "'ragged@<precision>:<profile>' (e.g. ragged:uniform:0.3, "
-                         "ragged@int4:uniform:0.3 or ragged:calib_profiles/x.json)")
+                         "ragged@int4:uniform:0.3 or ragged:calib_profiles/x.json) or "
+                         "'router:<N>:<policy>:baseline|ragged:<profile>'")
+
+    @classmethod
+    def _parse_router(cls, spec: str, rest: str) -> Target:
+        from sgl_ragged.testing.router import POLICIES
+
+        count, _, rest = rest.partition(":")
+        policy, _, inner = rest.partition(":")
+        if not count.isdigit() or int(count) < 1 or policy not in POLICIES or not inner:
+            raise ValueError(f"--launch {spec!r}: use router:<N>:<policy>:<target> with N >= 1, "
+                             f"policy one of {', '.join(POLICIES)} and target 'baseline' or "
+                             "'ragged:<profile>' (e.g. router:2:cache_aware:ragged:uniform:0.3)")
+        worker = cls.parse(inner)
+        return cls(f"router:{count}:{policy}:{worker.label}", worker.profile, worker.precision,
+                   int(count), policy)
 
 
 def kv_geometry(model: str) -> tuple[ModelShape, int]:

@@ -51,6 +51,7 @@ def register() -> None:
 
 def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
     """(dotted SGLang target, hook, kind) of every hook register() installs."""
+    from sgl_ragged.compat import cpu_tp
     from sgl_ragged.scheduler import hooks, server_args
 
     return [
@@ -65,6 +66,8 @@ def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
         (f"{_SRT}.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
          hooks.after_decode_graph_replay, HookType.AFTER),
         *((tree, hooks.checkpoint, HookType.AROUND) for tree in _TREES),
+        (f"{_SRT}.distributed.parallel_state.init_model_parallel_group",
+         cpu_tp.init_model_parallel_group, HookType.AROUND),
     ]
 
 

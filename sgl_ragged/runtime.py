@@ -19,6 +19,8 @@ class RaggedRuntime:
     layout: RaggedLayout | None = None
     profile: BudgetProfile | None = None  # the resolved profile the layout was built from
     num_staging_pages: int = 0
+    # Every tensor-parallel rank's layout (rank order); capacity is the smallest (tp.py).
+    rank_layouts: tuple[RaggedLayout, ...] = ()
 
     @property
     def dynamic_rho(self) -> float | None:

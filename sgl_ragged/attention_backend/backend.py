@@ -18,6 +18,7 @@ from sgl_ragged.attention_backend.metadata import (
 from sgl_ragged.mem_pool.pool import RaggedKVPool
 from sgl_ragged.runtime import get_runtime
 from sgl_ragged.scheduler.metrics import make_metrics
+from sgl_ragged.tp import tensor_parallel_rank
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ class RaggedAttnBackend(AttentionBackend):
         self.storage = pool.storage
         runtime = get_runtime()
         self.config = runtime.config
-        num_q_heads = model_runner.model_config.num_attention_heads  # --tp-size 1 only
+        # Query heads of this tensor-parallel rank (the model's with --tp-size 1).
+        num_q_heads = model_runner.model_config.num_attention_heads // tensor_parallel_rank()[0]
         self.impl = make_attention_impl(self.storage, runtime.profile, self.config.attention,
                                         num_q_heads)
         logger.info("ragged attention: %s (--ragged-attention %s)", type(self.impl).__name__,

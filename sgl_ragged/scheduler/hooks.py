@@ -13,9 +13,15 @@ import torch
 
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.storage import RaggedStorage
-from sgl_ragged.profile import ModelShape, resolve_profile
+from sgl_ragged.profile import ModelShape
 from sgl_ragged.runtime import get_runtime
 from sgl_ragged.scheduler.server_args import is_active
+from sgl_ragged.tp import (
+    agreed_cell_size,
+    agreed_logical_pages,
+    resolve_rank_profiles,
+    tensor_parallel_rank,
+)
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -42,15 +48,21 @@ def compute_cell_size(original: Any, configurator: Any, kvc: Any, num_layers: in
         num_kv_heads=mc.get_num_kv_heads(1),
         head_dim=mc.head_dim,
     )
-    profile = resolve_profile(runtime.config.profile, shape, runtime.config.heads_per_group)
+    tp_size, tp_rank = tensor_parallel_rank()
+    # Each rank stores its slice of the whole-model profile (sgl_ragged/tp.py).
+    profiles = resolve_rank_profiles(runtime.config.profile, shape, runtime.config.heads_per_group,
+                                     tp_size)
+    profile = profiles[tp_rank]
     runtime.profile = profile  # its split ratios give the decode kernel's AOT split map
     schedule = get_schedule()
-    layout = RaggedLayout.from_profile(
-        profile, schedule.page_size, mc.head_dim, torch._utils._element_size(kvc.kv_cache_dtype),
-        precision=runtime.config.precision,
-    )
+    dtype_bytes = torch._utils._element_size(kvc.kv_cache_dtype)
+    layouts = [RaggedLayout.from_profile(p, schedule.page_size, mc.head_dim, dtype_bytes,
+                                         precision=runtime.config.precision)
+               for p in profiles]
+    layout = layouts[tp_rank]
+    runtime.rank_layouts = tuple(layouts)
     runtime.num_staging_pages = (schedule.max_running_requests + 1) * (runtime.config.window_pages + 1)
-    cell = -(-layout.row_bytes_per_page // layout.page_size)  # ceil: never over-admit
+    cell = agreed_cell_size(layouts)  # ceil, widest rank: never over-admit
     if layout != runtime.layout:  # SGLang may size the pool twice with the same configuration
         logger.info("ragged capacity: %d bytes per logical token instead of %d (retention %.3f; %s)",
                     cell, full, layout.retention, layout.describe_tiers())
@@ -68,7 +80,9 @@ def calculate_pool_sizes(original: Any, configurator: Any, available_bytes: int,
     runtime = get_runtime()
     layout = runtime.require_layout()
     available = max(available_bytes - configurator._fixed_overhead_bytes, 0)
-    pages = layout.num_logical_pages(available, runtime.num_staging_pages)
+    # Every rank admits the same logical tokens: the smallest rank capacity (tp.py).
+    pages = agreed_logical_pages(runtime.rank_layouts or (layout,), available,
+                                 runtime.num_staging_pages)
     logger.info(
         "ragged capacity: %d logical pages from %.3f GB (%d staging pages take %.3f GB)",
         pages, available / 2**30, runtime.num_staging_pages,

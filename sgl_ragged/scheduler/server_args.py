@@ -21,7 +21,8 @@ from sgl_ragged.config import (
     move_cli_args_to_env,
 )
 from sgl_ragged.mem_pool.quant import low_precision
-from sgl_ragged.profile import ModelShape, resolve_profile, spec_kind
+from sgl_ragged.profile import ModelShape, spec_kind
+from sgl_ragged.tp import resolve_rank_profiles
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def resolve_ragged_args(server_args: Any, previous: Any) -> None:
     config = RaggedConfig.from_env()
     _check_unsupported(cfg)
     shape = model_shape(cfg.model_path, bool(cfg.trust_remote_code))
-    _check_model(shape, config)
+    _check_model(shape, config, cfg.tp_size or 1)
     decode_graphs = _decode_graphs(cfg, config, shape.head_dim)
     declare_resolution(
         server_args,
@@ -157,10 +158,11 @@ def validate_ragged_args(server_args: Any, previous: Any) -> None:
 def _check_unsupported(cfg: Any) -> None:
     if cfg.speculative_algorithm:
         raise ValueError("--attention-backend ragged does not support speculative decoding yet")
-    if (cfg.tp_size or 1) > 1:
+    if getattr(cfg, "enable_dp_attention", False):
         raise ValueError(
-            "--attention-backend ragged supports --tp-size 1 only for now (profiles are not "
-            "yet sliced per rank); use data parallelism (--dp-size) to scale out"
+            "--enable-dp-attention is not supported by --attention-backend ragged (its attention "
+            "ranks would need their own profile slices); use --dp-size without it, --tp-size, or "
+            "replicas behind sglang_router (README, 'Scaling out')"
         )
     if getattr(cfg, "enable_torch_compile", False):
         raise ValueError(
@@ -175,13 +177,14 @@ def _check_unsupported(cfg: Any) -> None:
         )
 
 
-def _check_model(shape: ModelShape, config: RaggedConfig) -> None:
+def _check_model(shape: ModelShape, config: RaggedConfig, tp_size: int) -> None:
     if shape.architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"--attention-backend ragged does not support {shape.architecture} yet; supported "
             f"architectures (dense attention): {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    resolve_profile(config.profile, shape, config.heads_per_group)
+    # Every rank's slice, so that a --tp-size the profile cannot be split by fails here.
+    resolve_rank_profiles(config.profile, shape, config.heads_per_group, tp_size)
     fmt = low_precision(config.precision)
     if fmt is not None and (shape.head_dim * fmt.bits) % 8:
         raise ValueError(f"--ragged-precision {fmt.name} packs {8 // fmt.bits} channels per byte, "

@@ -64,7 +64,8 @@ class ServerProcess:
     ``args`` are passed to ``launch_server`` as given; ``--host`` and ``--port`` are added
     (do not pass them), and ``--sleep-on-idle`` for ``--device cpu``: an idle SGLang scheduler
     otherwise busy-polls a whole core, which starves every other server and test on a small CPU.
-    ``env`` entries override the inherited environment.
+    ``env`` entries override the inherited environment. ``module`` runs another entry point
+    with the same handling, e.g. ``sglang_router.launch_router`` (testing/router.py).
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class ServerProcess:
         log_path: Path | None = None,
         startup_timeout: float = 600.0,
         python: str = sys.executable,
+        module: str = "sglang.launch_server",
     ) -> None:
         self.args = list(args)
         if _on_cpu(self.args) and "--sleep-on-idle" not in self.args:
@@ -85,6 +87,7 @@ class ServerProcess:
         self.log_path = log_path or self._default_log_path()
         self.startup_timeout = startup_timeout
         self.python = python
+        self.module = module  # e.g. "sglang_router.launch_router" (testing/router.py)
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_seconds: float | None = None
 
@@ -99,7 +102,7 @@ class ServerProcess:
         return [
             self.python,
             "-m",
-            "sglang.launch_server",
+            self.module,
             *self.args,
             "--host",
             HOST,

@@ -28,6 +28,17 @@ def model_path() -> str:
     return str(os.environ.get("SGL_RAGGED_MODEL") or ensure_smollm2())
 
 
+def cpu_bind(ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND giving each of `ranks` CPU scheduler processes (--tp-size,
+    --dp-size) its own share of this process's cores: SGLang requires it on the CPU where ranks
+    outnumber NUMA nodes."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        pytest.skip(f"{ranks} CPU ranks need {ranks} cores, this machine has {len(cores)}")
+    share = len(cores) // ranks
+    return "|".join(",".join(map(str, cores[r * share:(r + 1) * share])) for r in range(ranks))
+
+
 def _start(request: pytest.FixtureRequest, args: list[str], name: str,
            env: dict[str, str] | None = None) -> ServerProcess:
     log_dir = Path(os.environ.get("SGL_RAGGED_TEST_LOGS", "/tmp/sgl-ragged-test-logs"))

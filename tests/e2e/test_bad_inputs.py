@@ -61,3 +61,8 @@ def test_unsupported_architecture(tmp_path: Path):
                architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
     log = _launch_error(str(tmp_path), ["--ragged-profile", "uniform:0.5"])
     assert "does not support GPT2LMHeadModel" in log and "LlamaForCausalLM" in log
+
+
+def test_tp_size_not_dividing_the_kv_heads(model_path):
+    log = _launch_error(model_path, ["--ragged-profile", "uniform:0.5", "--tp-size", "2"])
+    assert "--tp-size 2 does not divide the model's 3 KV heads" in log and "[1, 3]" in log

@@ -15,7 +15,7 @@ from sgl_ragged.calibrate.retention import ChunkingConfig
 from sgl_ragged.calibrate.runner import CaptureRunner
 from sgl_ragged.calibrate.samples import build_samples
 from sgl_ragged.scoring import make_scorer
-from tests.unit.test_calibrate import save_tiny_llama
+from sgl_ragged.testing.tiny_model import save_tiny_llama
 
 TINY = ChunkingConfig(page_size=16, chunk_size=32, obs_window=8)
 

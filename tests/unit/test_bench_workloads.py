@@ -154,3 +154,20 @@ def test_equal_budget_of_tiered_rows(model_path):
     layout = RaggedLayout.from_profile(uniform_profile(0.3, 30, 3), 64, 64, 2, "int4")
     assert int4.retention == pytest.approx(layout.retention) and int4.retention <= drop.retention
     assert int4.kv_tokens >= drop.kv_tokens
+
+
+def test_target_parse_router():
+    t = Target.parse("router:2:cache_aware:ragged:uniform:0.3")
+    assert (t.workers, t.policy, t.profile) == (2, "cache_aware", "uniform:0.3")
+    assert t.label == "router:2:cache_aware:ragged:uniform:0.3"
+    stock = Target.parse("router:3:round_robin:baseline")
+    assert (stock.workers, stock.policy, stock.profile) == (3, "round_robin", None)
+    assert Target.parse("baseline").policy is None
+    tiered = Target.parse("router:2:cache_aware:ragged@int4:uniform:0.3")
+    assert (tiered.workers, tiered.profile, tiered.precision) == (2, "uniform:0.3", "int4")
+    for bad in ("router:2:cache_aware", "router:0:cache_aware:baseline",
+                "router:two:cache_aware:baseline", "router:2:sticky:baseline"):
+        with pytest.raises(ValueError, match="router:<N>:<policy>:<target>"):
+            Target.parse(bad)
+    with pytest.raises(ValueError, match="'baseline', 'ragged:<profile>'"):
+        Target.parse("router:2:cache_aware:vllm")

@@ -31,28 +31,9 @@ from sgl_ragged.calibrate.writer import build_profile, output_paths
 from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileError, resolve_profile
 from sgl_ragged.scheduler.server_args import model_shape
 from sgl_ragged.scoring import SINK_TOKENS, SnapKVScorer
+from sgl_ragged.testing.tiny_model import save_tiny_llama
 
 TINY_CHUNKING = ChunkingConfig(page_size=16, chunk_size=64, obs_window=8)
-
-
-def save_tiny_llama(path: Path, layers: int = 2, kv_heads: int = 2) -> Path:
-    """A random-weight Llama (4 query heads, head_dim 16) with a byte-level tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
-    config = LlamaConfig(
-        vocab_size=len(alphabet), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16,
-        max_position_embeddings=1024, initializer_range=0.2, architectures=["LlamaForCausalLM"],
-    )  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

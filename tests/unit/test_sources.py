@@ -35,7 +35,7 @@ from sgl_ragged.calibrate.summary import describe
 from sgl_ragged.profile import BudgetProfile, resolve_profile
 from sgl_ragged.scheduler.server_args import model_shape
 from sgl_ragged.scoring import SINK_TOKENS, make_scorer
-from tests.unit.test_calibrate import save_tiny_llama
+from sgl_ragged.testing.tiny_model import save_tiny_llama
 
 TINY = ChunkingConfig(page_size=16, chunk_size=32, obs_window=8)
 
