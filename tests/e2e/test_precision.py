@@ -12,8 +12,9 @@ import pytest
 
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.profile import uniform_profile
-from sgl_ragged.testing.server import ServerError, ServerProcess
+from sgl_ragged.testing.server import ServerProcess
 from tests.e2e.conftest import COMMON, _start, get, post
+from tests.e2e.test_bad_inputs import _launch_error
 from tests.e2e.test_equivalence import PROMPTS, _greedy
 from tests.e2e.test_serving import FACTS
 
@@ -86,14 +87,6 @@ def test_every_token_int8_stays_close_to_torch_native(int8_server, oracle_pair, 
     same = next((i for i, (a, b) in enumerate(zip(ids_q, ids_n, strict=True)) if a != b), len(ids_n))
     assert same >= 48, f"greedy outputs diverge at token {same}"
     assert max(abs(a - b) for a, b in zip(lp_q[:same], lp_n[:same], strict=True)) < 0.02
-
-
-def _launch_error(model: str, extra: list[str]) -> str:
-    server = ServerProcess(["--model-path", model, *COMMON, "--attention-backend", "ragged", *extra],
-                           startup_timeout=300)
-    with pytest.raises(ServerError):
-        server.start()
-    return server.log_text()
 
 
 def test_precision_with_the_dynamic_reference_is_refused(model_path):
