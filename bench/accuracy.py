@@ -321,11 +321,14 @@ def plot_kl(rows: list[dict[str, Any]], path: Path, x: str, xlabel: str, title: 
         if r["kind"] != FULL:
             families.setdefault(r["name"].split("@")[0], []).append(r)
     tail = [] if full_at is None else [(full_at, 0.0, 0.0)]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, rs in sorted(families.items()):
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = plt.get_cmap("tab20").colors
+    for i, (name, rs) in enumerate(sorted(families.items())):
         points = sorted((r[x], r["kl"]["mean"], r["kl"]["se"]) for r in rs) + tail
         xs, ys, es = zip(*points, strict=True)
-        ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=name)
+        ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=name, color=colors[i % len(colors)])
+    # KL spans orders of magnitude (0 for the full cache): linear below 1e-3, log above.
+    ax.set_yscale("symlog", linthresh=1e-3)
     ax.set_xlabel(xlabel)
     ax.set_ylabel("mean KL(full || config), nats/token")
     ax.set_title(title)
