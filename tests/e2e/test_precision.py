@@ -71,7 +71,9 @@ def test_multi_turn_reads_quantized_history(tiered_server):
 
 @pytest.fixture(scope="module")
 def int8_server(request: pytest.FixtureRequest, model_path: str) -> ServerProcess:
-    """float32, every sealed token int8 (see ALL_INT8_F32), same settings as the oracle pair."""
+    """float32, every sealed token int8 (see ALL_INT8_F32), same settings as the oracle pair.
+    (At uniform:1.0 the budget buys every token at full precision, so the default composition
+    keeps no int8 slot there and the oracle pair's uniform:1.0 test already covers it.)"""
     f32 = ["--model-path", model_path, *COMMON, "--dtype", "float32", "--max-total-tokens", "8192",
            "--max-running-requests", "4", "--disable-radix-cache"]
     return _start(request, [*f32, "--attention-backend", "ragged", "--ragged-profile",

@@ -289,3 +289,10 @@ def test_version_1_files_still_load_and_bad_tiers_are_refused(tmp_path):
                            (ProfileTiers("int4", [[0.1, 0.2, 0.1]] * 2, [[0.5] * 3] * 2), "different compositions")):
         with pytest.raises(ProfileError, match=message):
             BudgetProfile(base.model, base.budgets, base.groups, base.source, tiers=tiers)
+
+
+def test_a_full_budget_buys_full_precision():
+    """At uniform:1.0 every precision keeps every token at the model dtype (no low tier)."""
+    for name in LOW_PRECISIONS:
+        for dtype_bytes in (2, 4):
+            assert compose(64, 64, 64, dtype_bytes, LOW_PRECISIONS[name], 4) == RowTiers(64)
