@@ -28,10 +28,16 @@ from types import TracebackType
 import psutil
 
 HOST = "127.0.0.1"
+BIND_ERROR = "error while attempting to bind on address"  # uvicorn's, when the port is taken
+BIND_RETRIES = 3
 
 
 class ServerError(RuntimeError):
     """The server died or did not become healthy in time; the message carries the log tail."""
+
+
+class PortTakenError(ServerError):
+    """The chosen port was taken before the server could bind it (the server hangs on)."""
 
 
 def free_port(host: str = HOST) -> int:
@@ -83,6 +89,7 @@ class ServerProcess:
         if _on_cpu(self.args) and "--sleep-on-idle" not in self.args:
             self.args.append("--sleep-on-idle")
         self.port = port if port is not None else free_port()
+        self._fixed_port = port is not None
         self.extra_env = dict(env or {})
         self.log_path = log_path or self._default_log_path()
         self.startup_timeout = startup_timeout
@@ -122,7 +129,20 @@ class ServerProcess:
         return env
 
     def start(self) -> ServerProcess:
-        """Launch the server and block until it is healthy; raise ServerError otherwise."""
+        """Launch the server and block until it is healthy; raise ServerError otherwise. A port
+        taken between free_port() and the server's bind (another server's internal sockets pick
+        ports too) is retried on a new free port, up to BIND_RETRIES times."""
+        for attempt in range(BIND_RETRIES + 1):
+            try:
+                return self._start_once()
+            except PortTakenError:
+                if attempt == BIND_RETRIES or self._fixed_port:
+                    raise
+                self.proc = None
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> ServerProcess:
         if self.proc is not None:
             raise RuntimeError("ServerProcess.start() called twice")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -148,6 +168,8 @@ class ServerProcess:
         """Poll the health endpoints until one answers, the process dies, or time runs out."""
         assert self.proc is not None
         while True:
+            if BIND_ERROR in self.log_text():
+                raise PortTakenError(self._failure(f"port {self.port} was taken before the server bound it"))
             if self.proc.poll() is not None:
                 raise ServerError(self._failure(f"server exited with code {self.proc.returncode}"))
             if self._healthy():

@@ -15,3 +15,39 @@ def test_cpu_servers_sleep_when_idle():
 def test_other_devices_are_left_alone():
     assert "--sleep-on-idle" not in ServerProcess(["--device", "cuda"], port=1).command
     assert "--sleep-on-idle" not in ServerProcess(["--model-path", "cpu"], port=1).command
+
+
+FAKE_SERVER = '''
+import http.server, sys, time
+from pathlib import Path
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+marker = Path(sys.argv[sys.argv.index("--marker") + 1])
+if not marker.exists():  # first start: the port "was taken"; hang on like uvicorn does
+    marker.write_text(str(port))
+    print("ERROR:    [Errno 98] error while attempting to bind on address", flush=True)
+    time.sleep(600)
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+'''
+
+
+def test_a_port_taken_before_the_bind_is_retried_on_another(tmp_path):
+    """The first launch reports a taken port and hangs: start() stops it and relaunches on a
+    new free port, which answers."""
+    (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
+    marker = tmp_path / "first-port"
+    server = ServerProcess(["--marker", str(marker)], module="fake_server",
+                           env={"PYTHONPATH": str(tmp_path)}, log_path=tmp_path / "log",
+                           startup_timeout=60)
+    first = server.port
+    with server:
+        assert int(marker.read_text()) == first
+        assert server.port != first and server.proc.poll() is None
