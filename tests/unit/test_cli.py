@@ -30,6 +30,11 @@ def test_shipped_profiles_fit_the_default_model(path: Path) -> None:
     profile = BudgetProfile.load(path)
     profile.check_model(SMOLLM2)
     rho = profile.source["rho"]
+    if profile.tiers is not None:  # `sgl-ragged profile tiers`: compositions searched for a precision
+        search = profile.stats["tier_search"]
+        assert path.name == f"{profile.tiers.precision}-{profile.source['kind']}-rho{rho:g}.json"
+        assert search["chosen"] == min(search["candidates"], key=lambda c: c["kl"])["name"]
+        return
     if profile.source["kind"] == "baklava":  # reallocates uniform rho: no samples of retention
         assert path.name == f"baklava-{profile.source['scorer']}-rho{rho:g}.json"
         assert profile.mean_budget <= rho + 1e-6 and profile.stats["baklava"]["search"]
