@@ -76,8 +76,10 @@ def context(rng: random.Random, tokens: int) -> str:
 async def turn(http: aiohttp.ClientSession, base_url: str, messages: list[dict[str, str]],
                cfg: SoakConfig, abort_after: int | None, tally: ClientTally) -> str:
     """One streamed chat turn; the client hangs up after `abort_after` chunks unless None."""
+    # min_tokens, not ignore_eos: SGLang's admission reserves the whole max_tokens of an
+    # ignore_eos request, so decode could never outgrow the pool and retract.
     payload = {"model": "default", "messages": messages, "max_tokens": cfg.max_tokens,
-               "temperature": 0.7, "ignore_eos": True, "stream": True}
+               "min_tokens": cfg.max_tokens, "temperature": 0.7, "stream": True}
     pieces: list[str] = []
     tally.sent += 1
     try:

@@ -83,15 +83,15 @@ def test_concurrent_sessions(ragged_server):
     assert all(c > 0 for c in cached)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 12, open: the load evicts (2624 tokens) but did not retract in the stop-15 suite "
-    "run; a workload that forces decode retraction is still owed"))
 def test_memory_pressure_evicts_and_retracts(ragged_server):
     """More decode than the 4096-token pool holds: admission reserves 0.21 of each request's
-    max_new_tokens (the fixture's --schedule-conservativeness), so 8 requests of ~60 + 512
-    tokens (3 pages reserved, 9 needed each: 72 > 64 pages) all start and decode must retract;
-    the radix cache evicts what earlier tests left. The server's counters say so, every request
-    finishes and the pool stays intact."""
+    max_new_tokens (the fixture's --schedule-conservativeness), so 8 requests of ~100 + 512
+    tokens (2 + 2 pages reserved, 10 needed each: 80 > 64 pages) all start and decode must
+    retract; the radix cache evicts what earlier tests left. The server's counters say so, every
+    request finishes and the pool stays intact. The requests run to their length through
+    `min_new_tokens`, not `ignore_eos`: SGLang reserves the whole max_new_tokens of an
+    ignore_eos request at admission (PrefillAdder), which admitted only 6 of the 8 and never
+    ran the pool out."""
     base = ragged_server.base_url
     idle = counters.wait_idle(base)
     before = counters.counters(base)
@@ -99,7 +99,7 @@ def test_memory_pressure_evicts_and_retracts(ragged_server):
 
     def run(p: str) -> str:
         return post(base, "/generate", {
-            "text": p, "sampling_params": {"max_new_tokens": 512, "temperature": 0, "ignore_eos": True},
+            "text": p, "sampling_params": {"max_new_tokens": 512, "min_new_tokens": 512, "temperature": 0},
         }, timeout=900)["meta_info"]["finish_reason"]["type"]
 
     with ThreadPoolExecutor(8) as pool:
