@@ -52,13 +52,11 @@ def test_api_key_admits_its_holder(readme_server):
     assert status == 200 and out["choices"][0]["message"]["content"]
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 12, open: at the sampling defaults (temperature 0.1, top_p 0.9) the Q4_1-derived "
-    "SmolLM2 weights answered 'L'Etoile...' in 2 of 5 tries in the stop-15 suite run"))
 def test_readme_question_without_temperature(readme_server):
-    """The checkpoint's generation_config.json (temperature 0.1, top_p 0.9) is the chat default."""
+    """The checkpoint's generation_config.json (temperature 0.1, top_p 0.9, min_p 0.5) is the
+    chat default."""
     assert ("Using default chat sampling params from model generation config: "
-            "{'temperature': 0.1, 'top_p': 0.9}") in readme_server.log_text()
+            "{'temperature': 0.1, 'top_p': 0.9, 'min_p': 0.5}") in readme_server.log_text()
     answers = [_chat(readme_server.base_url, KEY)[1]["choices"][0]["message"]["content"]
                for _ in range(5)]
     assert sum("Paris" in a for a in answers) >= 4, answers

@@ -33,7 +33,7 @@ def test_checkpoint_without_generation_config(tmp_path: Path):
 
 
 def test_values_set_by_hand_are_kept(tmp_path: Path):
-    mine = {"do_sample": True, "temperature": 0.7, "top_p": 0.95}
+    mine = {"do_sample": True, "temperature": 0.7, "top_p": 0.95, "min_p": 0.05}
     target = _materialized(tmp_path, mine)
     smollm2.ensure_smollm2(tmp_path)
     assert json.loads((target / "generation_config.json").read_text()) == mine
@@ -43,4 +43,4 @@ def test_partial_hand_edit_is_completed_not_overwritten(tmp_path: Path):
     target = _materialized(tmp_path, {"temperature": 0.5})
     smollm2.ensure_smollm2(tmp_path)
     cfg = json.loads((target / "generation_config.json").read_text())
-    assert cfg == {"temperature": 0.5, "do_sample": True, "top_p": 0.9}
+    assert cfg == {"temperature": 0.5, "do_sample": True, "top_p": 0.9, "min_p": 0.5}
