@@ -122,10 +122,16 @@ async def session(http: aiohttp.ClientSession, base_url: str, index: int, cfg: S
 async def drive(base_url: str, cfg: SoakConfig) -> ClientTally:
     """All sessions, `cfg.concurrency` at a time."""
     tally, queue = ClientTally(), list(range(cfg.sessions))
+    t0, done = time.perf_counter(), 0
 
     async def user(http: aiohttp.ClientSession) -> None:
+        nonlocal done
         while queue:
             await session(http, base_url, queue.pop(0), cfg, tally)
+            done += 1
+            print(f"[soak] {done}/{cfg.sessions} sessions, {tally.sent} requests "
+                  f"({tally.aborted} hung up, {len(tally.errors)} errors), "
+                  f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as http:
         await asyncio.gather(*(user(http) for _ in range(cfg.concurrency)))
