@@ -13,12 +13,12 @@ import random
 import pytest
 
 from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention
-from sgl_ragged.attention_backend.impl import (
-    TorchAttention,
+from sgl_ragged.attention_backend.registry import (
     make_attention_impl,
     profile_split_ratios,
     triton_refuses,
 )
+from sgl_ragged.attention_backend.torch_ref import TorchAttention
 from sgl_ragged.attention_backend.triton_impl import TritonAttention
 from sgl_ragged.config import RaggedConfig
 from sgl_ragged.kernels.aot import layout_split_ratios
