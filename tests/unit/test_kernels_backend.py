@@ -106,6 +106,16 @@ def test_split_ratios_of_low_tiers_weigh_bytes_read():
     assert ratios[1][0] != pytest.approx(ratios[1][1])
 
 
+def test_registry_serves_every_flag_value():
+    from sgl_ragged.attention_backend.registry import IMPLEMENTATIONS
+    from sgl_ragged.config import ATTENTION_IMPLS
+
+    assert set(ATTENTION_IMPLS) == {"auto", *IMPLEMENTATIONS}
+    storage = random_storage(random.Random(0), "cpu")
+    with pytest.raises(ValueError, match="unknown"):
+        make_attention_impl(storage, None, "flash")
+
+
 def test_triton_refuses_only_what_it_cannot_pack():
     assert triton_refuses(128, "bf16") is None and triton_refuses(96, "bf16") is None
     assert triton_refuses(64, "int2") is None and triton_refuses(128, "fp8") is None
