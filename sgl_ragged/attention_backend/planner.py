@@ -110,7 +110,10 @@ def _plan_request(
     tail_pages = (row[tail_start:seq_len:P] // P).cpu().long()
     num_complete = seq_len // P - num_sealed
     num_seal = max(0, num_complete - window)
-    # 3. Observation counts: earlier counts plus this forward's window queries.
+    # 3. Staging pages the staying pages hold already (-1 for new ones: take_staging's job).
+    held = storage.page_to_stage.index_select(0, tail_pages[num_seal:])
+    # 4. Observation counts: earlier counts plus this forward's window queries.
+    tail_obs = _tail_obs(storage, prior_stages, tail_start, prefix, seq_len, obs_window)
     return RequestPlan(
         q_start=q_start,
         prefix=prefix,
@@ -120,8 +123,8 @@ def _plan_request(
         prior_stages=prior_stages.to(device),
         tail_pages=tail_pages,
         num_seal=num_seal,
-        after_stages=storage.page_to_stage[tail_pages[num_seal:]],  # -1: take_staging's
-        tail_obs=_tail_obs(storage, prior_stages, tail_start, prefix, seq_len, obs_window),
+        after_stages=held,
+        tail_obs=tail_obs,
         obs_queries=min(obs_window, seq_len - prefix),
     )
 
