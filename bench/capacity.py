@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_ragged.attention_backend.metadata import RequestPlan
+from sgl_ragged.attention_backend.plan import RequestPlan
 from sgl_ragged.attention_backend.torch_ref import request_forward
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.storage import RaggedStorage

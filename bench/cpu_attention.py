@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention
-from sgl_ragged.attention_backend.impl import AttentionImpl, TorchAttention
-from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata, RequestPlan
+from sgl_ragged.attention_backend.impl import AttentionImpl
+from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
+from sgl_ragged.attention_backend.torch_ref import TorchAttention
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.profile import BudgetProfile
@@ -101,10 +102,9 @@ def measure(profile: BudgetProfile, batch: int, context: int, decode: bool, warm
     for name, impl in (("reference", TorchAttention(storage)),
                        ("batched", BatchedTorchAttention(storage))):
         def step(impl: AttentionImpl = impl) -> torch.Tensor:
-            meta = RaggedForwardMetadata(requests=plans, pages_to_seal=torch.empty(0, dtype=torch.long))
-            impl.prepare(meta)
+            prepared = impl.prepare(BatchPlan(requests=plans))
             for layer in range(profile.num_layers):
-                out = impl.forward(layer, meta, q, k, v, scale, decode)
+                out = impl.forward(layer, prepared, q, k, v, scale, decode)
             return out
 
         outs[name] = step()
@@ -124,10 +124,9 @@ def measure_precision(profile: BudgetProfile, batch: int, context: int, decode: 
         impl = BatchedTorchAttention(storage)
 
         def step(impl: AttentionImpl = impl, plans: list[RequestPlan] = plans, q=q, k=k, v=v) -> None:
-            meta = RaggedForwardMetadata(requests=plans, pages_to_seal=torch.empty(0, dtype=torch.long))
-            impl.prepare(meta)
+            prepared = impl.prepare(BatchPlan(requests=plans))
             for layer in range(profile.num_layers):
-                impl.forward(layer, meta, q, k, v, scale, decode)
+                impl.forward(layer, prepared, q, k, v, scale, decode)
 
         result[f"{name}_s"] = timed(step, warmup, repeats)
         result[f"{name}_tokens_per_page"] = sum(sum(layer) for layer in storage.layout.slots) / sum(

@@ -9,7 +9,7 @@ attention of one decode step over all layers (CUDA events, medians over repetiti
 warm-up). Achieved bandwidth = bytes of the rows read / time, beside a device-to-device copy.
 With `--precision` (DESIGN.md section 11) every case also runs rows with that low tier, composed
 from the same budgets (tiers.compose: at most the drop-only bytes per page, so equal bytes up to
-rounding; the split map weighs groups by bytes read, impl.profile_split_ratios), beside the
+rounding; the split map weighs groups by bytes read, registry.profile_split_ratios), beside the
 drop-only rows. Writes decode_attention.json and decode_attention.md. Needs CUDA; exits 0
 without it.
 """
@@ -47,7 +47,7 @@ def synthetic_profile(heads_per_group: int, seed: int = 0):
 
 def build_case(profile, batch: int, context: int, precision: str = "bf16"):
     """Storage with random rows (and random low tiers), request plans and this step's q, k, v."""
-    from sgl_ragged.attention_backend.metadata import RequestPlan
+    from sgl_ragged.attention_backend.plan import RequestPlan
     from sgl_ragged.mem_pool.layout import RaggedLayout
     from sgl_ragged.mem_pool.storage import RaggedStorage
     from sgl_ragged.scoring import SnapKVScorer
@@ -112,7 +112,7 @@ def measure(profile, batch: int, context: int, warmup: int, repeats: int,
     """Latency of one decode step's attention (all layers) for the three strategies (FlashInfer
     reads drop-only rows only)."""
     from bench.flashinfer_decode import FlashInferPlannedDecode
-    from sgl_ragged.attention_backend.impl import profile_split_ratios
+    from sgl_ragged.attention_backend.registry import profile_split_ratios
     from sgl_ragged.kernels.aot import SplitStrategy, device_parallelism, split_plan
     from sgl_ragged.kernels.batch import kernel_batch
     from sgl_ragged.kernels.decode import decode_attention

@@ -21,6 +21,7 @@ class RaggedRuntime:
     num_staging_pages: int = 0
     # Every tensor-parallel rank's layout (rank order); capacity is the smallest (tp.py).
     rank_layouts: tuple[RaggedLayout, ...] = ()
+    attention_scale: float | None = None  # the model's softmax scale, from its config
 
     @property
     def dynamic_rho(self) -> float | None:

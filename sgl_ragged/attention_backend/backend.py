@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from sgl_ragged.attention_backend.graph import DecodeGraphBuffers
-from sgl_ragged.attention_backend.impl import make_attention_impl
-from sgl_ragged.attention_backend.metadata import (
-    RaggedForwardMetadata,
-    build_metadata,
-    plan_batch,
-)
+from sgl_ragged.attention_backend.plan import BatchPlan
+from sgl_ragged.attention_backend.planner import plan_batch, plan_forward, take_staging
+from sgl_ragged.attention_backend.registry import make_attention_impl
 from sgl_ragged.mem_pool.pool import RaggedKVPool
 from sgl_ragged.runtime import get_runtime
 from sgl_ragged.scheduler.metrics import make_metrics
@@ -28,10 +26,21 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 
+@dataclass(frozen=True)
+class RaggedForwardMetadata:
+    """One forward's state: the plan, what the implementation prepared from it, and whether
+    that is a captured decode graph's static buffers (graph.py)."""
+
+    plan: BatchPlan
+    prepared: Any  # the implementation's own prepared batch (AttentionImpl.prepare)
+    graph: bool = False
+
+
 class RaggedAttnBackend(AttentionBackend):
     """Extend and decode attention with compression fused in (DESIGN.md section 7).
 
-    Every forward: plan the batch (init_forward_metadata); per layer, attend over sealed rows +
+    Every forward: plan the batch, take its staging pages and let the implementation prepare
+    (init_forward_metadata); per layer, attend over sealed rows +
     staged pages + the new tokens, then seal the pages leaving the recent window and stage the
     rest; after the last layer, mark the sealed pages and release their staging pages. The
     per-layer work is an `AttentionImpl`: Triton kernels on CUDA, the torch reference elsewhere.
@@ -53,6 +62,7 @@ class RaggedAttnBackend(AttentionBackend):
         self.token_to_kv_pool = pool
         self.allocator = model_runner.token_to_kv_pool_allocator
         self.storage = pool.storage
+        self.prefill_chunks = pool.prefill_chunks  # chunk boundaries from the scheduler hook
         runtime = get_runtime()
         self.config = runtime.config
         # Query heads of this tensor-parallel rank (the model's with --tp-size 1).
@@ -65,6 +75,7 @@ class RaggedAttnBackend(AttentionBackend):
         self.forward_metadata: RaggedForwardMetadata | None = None
         self.metrics = make_metrics()
         self.graph_buffers: DecodeGraphBuffers | None = None
+        self._scale_warned = False
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
@@ -73,20 +84,17 @@ class RaggedAttnBackend(AttentionBackend):
             return
         if mode.is_target_verify():
             raise NotImplementedError("the ragged backend does not support speculative decoding")
-        self.forward_metadata = build_metadata(
-            forward_batch,
-            self.req_to_token_pool.req_to_token,
-            self.storage,
-            window_pages=self.config.window_pages,
-            obs_window=self.config.obs_window,
-        )
-        self.impl.prepare(self.forward_metadata)
+        final = self.prefill_chunks.take(forward_batch.req_pool_indices.tolist())
+        plan = plan_forward(forward_batch, self.req_to_token_pool.req_to_token, self.storage,
+                            self.config.window_pages, self.config.obs_window, final)
+        plan = take_staging(self.storage, plan)
+        self.forward_metadata = RaggedForwardMetadata(plan, self.impl.prepare(plan))
 
     # ---- CUDA graphs (decode) -------------------------------------------------------------
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Static buffers for decode graphs of up to max_bs requests."""
-        if not getattr(self.impl, "supports_cuda_graph", False):
+        if not self.impl.supports_cuda_graph:
             raise RuntimeError(
                 f"ragged attention {type(self.impl).__name__} cannot run under CUDA graphs "
                 "(only the Triton kernels can); pass --cuda-graph-backend-decode disabled or "
@@ -109,18 +117,20 @@ class RaggedAttnBackend(AttentionBackend):
         bs = forward_batch.batch_size
         mode = getattr(forward_batch, "actual_forward_mode", forward_batch.forward_mode)
         if in_capture or mode.is_idle():
-            self.forward_metadata = graph.capture_metadata(bs)
+            self.forward_metadata = RaggedForwardMetadata(BatchPlan([]), graph.capture_metadata(bs),
+                                                          graph=True)
             return
         if not mode.is_decode():
             raise NotImplementedError(f"the ragged backend captures decode graphs only, not {mode}")
         raw = bs - getattr(forward_batch, "num_padding", 0)
         seq_lens = (forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None
                     else forward_batch.seq_lens.cpu())[:raw].tolist()
-        planned = plan_batch(self.req_to_token_pool.req_to_token, self.storage,
-                             forward_batch.req_pool_indices[:raw].tolist(),
-                             [n - 1 for n in seq_lens], seq_lens,
-                             self.config.window_pages, self.config.obs_window)
-        self.forward_metadata = graph.load(bs, planned)
+        plan = plan_batch(self.req_to_token_pool.req_to_token, self.storage,
+                          forward_batch.req_pool_indices[:raw].tolist(),
+                          [n - 1 for n in seq_lens], seq_lens,
+                          self.config.window_pages, self.config.obs_window)
+        plan = take_staging(self.storage, plan)
+        self.forward_metadata = RaggedForwardMetadata(plan, graph.load(bs, plan), graph=True)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         """Nothing: the graph's buffers are filled before the replay, on the host."""
@@ -150,15 +160,19 @@ class RaggedAttnBackend(AttentionBackend):
         q3 = q.reshape(-1, h_q, d)
         k3 = k.reshape(-1, h_kv, d)
         v3 = v.reshape(-1, h_kv, layer.v_head_dim)
-        self.storage.scale = layer.scaling  # scorers that model attention logits need it
-        out = self.impl.forward(layer.layer_id, meta, q3, k3, v3, layer.scaling, decode)
+        if layer.scaling != self.storage.scale and not self._scale_warned:
+            self._scale_warned = True
+            logger.warning("layer %d's attention scale %g differs from the model config's %g "
+                           "(the scale scorers use when sealing outside a forward)",
+                           layer.layer_id, layer.scaling, self.storage.scale)
+        out = self.impl.forward(layer.layer_id, meta.prepared, q3, k3, v3, layer.scaling, decode)
         if layer.layer_id == self.num_layers - 1 and not meta.graph:
             self._finish_forward(meta)  # graphs: finish_graph_replay, after the replay
         return out.reshape(q.shape[0], h_q * d)
 
     def _finish_forward(self, meta: RaggedForwardMetadata) -> None:
         """All layers wrote their rows: the sealed pages give back their staging pages."""
-        self.storage.mark_sealed(meta.pages_to_seal)
+        self.storage.mark_sealed(meta.plan.pages_to_seal)
         if self.metrics is not None:
             self.metrics.update(self.storage.counters, self.storage.staging_in_use)
         if self.config.check_integrity:

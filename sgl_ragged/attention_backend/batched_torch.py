@@ -3,7 +3,7 @@
 Per layer and group g, every request's keys are its sealed rows followed by its tail pages,
 padded to the batch's longest: one gather and one attention call per group instead of one per
 (request, group) as in the reference (torch_ref.py, still the oracle). Staging and sealing run
-batched too (tail_batch.store_tails, sealed by `RaggedStorage.write_rows`).
+batched too (tail_batch.store_tails, sealed by the storage's `Sealer`).
 
 Padded key index k of request b in group g (k_g slots per sealed page, S sealed pages at most);
 query i sees key k iff key_pos[b, k] <= q_pos[b, i]:
@@ -24,16 +24,15 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_ragged.attention_backend.impl import AttentionImpl
-from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata, RequestPlan
+from sgl_ragged.attention_backend.ops import query_heads, take
+from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
 from sgl_ragged.attention_backend.tail_batch import (
+    TailBatch,
     store_tails,
     tail_batch,
     tail_pages,
-    take,
     window_tables,
-    write_rows_sealer,
 )
-from sgl_ragged.attention_backend.torch_ref import query_heads
 from sgl_ragged.mem_pool.storage import RaggedStorage
 
 NEVER = 2**62
@@ -128,40 +127,48 @@ def padded_batch(plans: Sequence[RequestPlan], first_page: Sequence[int], page_s
     )
 
 
-class BatchedTorchAttention(AttentionImpl):
+@dataclass(frozen=True)
+class BatchedTorchBatch:
+    """What `BatchedTorchAttention.prepare` builds once per forward."""
+
+    tails: TailBatch  # the batch's tail pages (staging and sealing)
+    padded: list[PaddedBatch]  # padded runs of consecutive requests (attention)
+
+
+class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
     """Ragged attention in torch, batched over requests (one call per head group)."""
 
     def __init__(self, storage: RaggedStorage, max_padded: int = MAX_PADDED) -> None:
         super().__init__(storage)
-        self.seal = write_rows_sealer(storage)
         self.max_padded = max_padded
 
-    def prepare(self, meta: RaggedForwardMetadata) -> None:
+    def prepare(self, plan: BatchPlan) -> BatchedTorchBatch:
+        assert plan.staged, "planner.take_staging did not run for this plan"
         P, device = self.storage.layout.page_size, self.storage.device
-        meta.tails = tail_batch(meta.requests, P, device)
-        meta.padded = padded_batches(meta.requests, P, device, self.max_padded)
+        return BatchedTorchBatch(tails=tail_batch(plan.requests, P, device),
+                                 padded=padded_batches(plan.requests, P, device, self.max_padded))
 
-    def forward(self, layer: int, meta: RaggedForwardMetadata, q: torch.Tensor,
-                k: torch.Tensor, v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
-        assert meta.tails is not None and meta.padded, "prepare() did not run for this forward"
-        small = sum(pb.pairs for pb in meta.padded) <= SINGLE_THREAD_PAIRS[decode]
+    def forward(self, layer: int, batch: BatchedTorchBatch, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
+        small = sum(pb.pairs for pb in batch.padded) <= SINGLE_THREAD_PAIRS[decode]
         with _intra_op_threads(1 if small else torch.get_num_threads()):
-            return self._forward(layer, meta, q, k, v, scale, decode)
+            return self._forward(layer, batch, q, k, v, scale, decode)
 
-    def _forward(self, layer: int, meta: RaggedForwardMetadata, q: torch.Tensor,
+    def _forward(self, layer: int, batch: BatchedTorchBatch, q: torch.Tensor,
                  k: torch.Tensor, v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
-        tails = meta.tails
+        tails = batch.tails
         k_pages, v_pages = tail_pages(self.storage, layer, tails, k, v)  # [M, P, H, D]
         out = torch.empty_like(q)
         lse = torch.zeros(q.shape[:2], dtype=torch.float32, device=q.device)  # window rows only
-        for pb in meta.padded:
+        for pb in batch.padded:
             # 1. Attention per group over the run's padded requests.
             out_pad, lse_pad = self._attend(layer, pb, q, k_pages, v_pages, scale, decode)
             # 2. Back to q's rows: every query's output, the window queries' log-sum-exps.
             out.index_copy_(0, pb.q_rows_valid, take(out_pad.flatten(0, 1), pb.q_flat_valid))
             lse.index_copy_(0, pb.win_rows_valid, take(lse_pad.flatten(0, 1), pb.win_flat_valid))
         # 3. Seal what leaves the window, stage the rest.
-        store_tails(self.storage, layer, tails, k_pages, v_pages, q, lse, scale, self.seal)
+        store_tails(self.storage, layer, tails, k_pages, v_pages, q, lse, scale,
+                    self.storage.sealer)
         return out
 
     def _attend(self, layer: int, pb: PaddedBatch, q: torch.Tensor, k_pages: torch.Tensor,

@@ -1,8 +1,8 @@
 """Decode under CUDA graphs: the kernels' per-forward inputs in static, fixed-capacity buffers.
 
 A captured graph replays the kernel launches of one forward with the addresses, grid sizes and
-scalars of its capture. So what the Triton path builds per forward (`KernelBatch`, `TailBatch`)
-lives here in buffers sized for the graph's batch size bs, and every replay writes the real
+scalars of its capture. So what the Triton path builds per forward (its `TritonBatch`:
+`KernelBatch` and `TailBatch`) lives here in buffers sized for the graph's batch size bs, and every replay writes the real
 batch into them before the graph runs (`load`, on the host, outside the graph). Everything past
 the real batch is padding that does nothing harmful:
 
@@ -20,8 +20,9 @@ checks them anyway. The padding requests of SGLang's padded batch (rows past the
 are never planned: planning them would stage pages of req_to_token row 0.
 
 What the eager path does on the host inside the forward moves out of the graph: the seal
-counters are counted in `load`, and the post-forward bookkeeping (`mark_sealed`) runs after
-the replay (RaggedAttnBackend.finish_graph_replay).
+counters are counted in `load` (the buffers' TailBatch is not `counted`, so the sealer counts
+nothing inside the graph), and the post-forward bookkeeping (`mark_sealed`) runs after the
+replay (RaggedAttnBackend.finish_graph_replay).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from dataclasses import fields, replace
 
 import torch
 
-from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata
-from sgl_ragged.attention_backend.tail_batch import TailBatch, tail_batch
-from sgl_ragged.kernels.batch import KernelBatch, kernel_batch
+from sgl_ragged.attention_backend.plan import BatchPlan
+from sgl_ragged.attention_backend.tail_batch import TailBatch
+from sgl_ragged.attention_backend.triton_batch import TritonBatch, triton_batch
+from sgl_ragged.kernels.batch import KernelBatch
 from sgl_ragged.mem_pool.storage import RaggedStorage
 
 _TAIL_PER_PAGE = ("page_req", "page_start", "prior_stage", "has_prior", "staged", "fresh",
@@ -44,7 +46,8 @@ _PADDING = {"q_len": 1, "seal_pages": -1}
 
 
 class DecodeGraphBuffers:
-    """Static KernelBatch and TailBatch for decode graphs of up to max_bs requests.
+    """A static TritonBatch (KernelBatch and TailBatch) for decode graphs of up to max_bs
+    requests.
 
     The graph of batch size bs reads `views(bs)`: leading slices of the same buffers, so a
     graph's addresses stay fixed across replays and the graphs of different sizes share memory
@@ -78,11 +81,11 @@ class DecodeGraphBuffers:
             new_row=zeros(M, P), obs=zeros(M, P, dtype=f32), page_win_row=zeros(M, 1),
             page_sees=zeros(M, 1, P, dtype=b), page_saw=zeros(M, 1, dtype=f32),
             seal_index=zeros(max_bs), seal_pages=zeros(max_bs), stay_index=zeros(M),
-            stay_stage=zeros(M), num_seal=max_bs, num_stay=M,
+            stay_stage=zeros(M), num_seal=max_bs, num_stay=M, counted=False,
         )
-        self._views: dict[int, tuple[KernelBatch, TailBatch]] = {}
+        self._views: dict[int, TritonBatch] = {}
 
-    def views(self, bs: int) -> tuple[KernelBatch, TailBatch]:
+    def views(self, bs: int) -> TritonBatch:
         """The buffers of the graph of batch size bs (the same tensor objects every call)."""
         if not 1 <= bs <= self.max_bs:
             raise ValueError(f"decode graph batch size {bs} is outside [1, {self.max_bs}]")
@@ -95,26 +98,28 @@ class DecodeGraphBuffers:
                             seal_index=t.seal_index[:bs], seal_pages=t.seal_pages[:bs],
                             stay_index=t.stay_index[:m], stay_stage=t.stay_stage[:m],
                             num_seal=bs, num_stay=m)
-            self._views[bs] = (kernel, tails)
+            self._views[bs] = TritonBatch(kernel=kernel, tails=tails)
         return self._views[bs]
 
-    def capture_metadata(self, bs: int) -> RaggedForwardMetadata:
-        """Metadata of a graph capture (and its warm-up runs): a batch of padding only."""
-        kernel, tails = self.views(bs)
-        self._pad(kernel, tails)
-        return self._metadata([], torch.empty(0, dtype=torch.long), kernel, tails)
+    def capture_metadata(self, bs: int) -> TritonBatch:
+        """The prepared batch of a graph capture (and its warm-up runs): padding only."""
+        batch = self.views(bs)
+        self._pad(batch.kernel, batch.tails)
+        return batch
 
-    def load(self, bs: int, meta: RaggedForwardMetadata) -> RaggedForwardMetadata:
-        """Write the planned decode batch `meta` (at most bs requests, one token each) into the
-        graph's buffers, padding the rest; count its sealed pages. Returns the replay's
-        metadata."""
-        plans = meta.requests
+    def load(self, bs: int, plan: BatchPlan) -> TritonBatch:
+        """Write the planned decode batch (at most bs requests, one token each, staging taken)
+        into the graph's buffers, padding the rest; count its sealed pages. Returns the
+        replay's prepared batch (the buffers)."""
+        plans = plan.requests
         if len(plans) > bs or any(p.q_len != 1 for p in plans):
             raise RuntimeError(f"a decode graph of batch size {bs} cannot run {len(plans)} "
                                "requests or a request with more than one new token")
-        kernel, tails = self.views(bs)
-        live_kernel = kernel_batch(plans, self.storage.device)
-        live_tails = tail_batch(plans, self.storage.layout.page_size, self.storage.device)
+        assert plan.staged, "planner.take_staging did not run for this plan"
+        batch = self.views(bs)
+        kernel, tails = batch.kernel, batch.tails
+        live = triton_batch(plan, self.storage.layout.page_size, self.storage.device)
+        live_kernel, live_tails = live.kernel, live.tails
         self._check_capacity(bs, live_kernel, live_tails)
         self._pad(kernel, tails)
         for name in ("q_start", "q_len", "num_sealed", "sealed_table", "num_staged", "stage_table"):
@@ -122,8 +127,8 @@ class DecodeGraphBuffers:
         for name in (*_TAIL_PER_PAGE, "seal_index", "seal_pages", "stay_index", "stay_stage"):
             _copy_leading(getattr(tails, name), getattr(live_tails, name))
         for layer in range(self.storage.layout.num_layers):
-            self.storage.count_sealed(layer, live_tails.num_seal)
-        return self._metadata(plans, meta.pages_to_seal, kernel, tails)
+            self.storage.sealer.count(layer, live_tails.num_seal)
+        return batch
 
     def _check_capacity(self, bs: int, kernel: KernelBatch, tails: TailBatch) -> None:
         limits = {
@@ -151,11 +156,6 @@ class DecodeGraphBuffers:
                     value.fill_(_PADDING.get(f.name, 0))
         torch.arange(kernel.q_start.numel(), out=kernel.q_start)
         tails.stay_stage.fill_(self.storage.scratch_stage)
-
-    def _metadata(self, plans: list, pages_to_seal: torch.Tensor, kernel: KernelBatch,
-                  tails: TailBatch) -> RaggedForwardMetadata:
-        return RaggedForwardMetadata(requests=plans, pages_to_seal=pages_to_seal, kernel=kernel,
-                                     tails=tails, graph=True)
 
 
 def _copy_leading(static: torch.Tensor, live: torch.Tensor) -> None:

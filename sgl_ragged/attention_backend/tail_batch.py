@@ -3,7 +3,8 @@
 `tail_batch` runs once per forward (layer-independent bookkeeping from the request plans);
 `store_tails` then does one layer's staging and sealing for the whole batch with a fixed number
 of batched tensor ops and one sealing call -- no loop over requests. It is the batched form of
-`torch_ref.store_tail`, which stays the oracle.
+`torch_ref.store_tail`, which stays the oracle; both seal through the storage's `Sealer`
+(mem_pool/sealer.py) or the Triton one.
 
 Tail page m (M in all: request 0's tail pages first, each request's in position order):
 
@@ -24,19 +25,16 @@ saw.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from sgl_ragged.attention_backend.metadata import RequestPlan
+from sgl_ragged.attention_backend.ops import take
+from sgl_ragged.attention_backend.plan import RequestPlan
+from sgl_ragged.mem_pool.sealer import SealBatch, Sealer
+from sgl_ragged.mem_pool.staging_stats import StagedQueryStats, page_stats
 from sgl_ragged.mem_pool.storage import RaggedStorage
-from sgl_ragged.scoring import PageStats
-
-Sealer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                   torch.Tensor], None]
-"""(layer, src_k, src_v [M, P, H, D], src_index [N] int64, pages [N] int64 logical pages,
-page_start [N] int64 positions, scores [N, H, P] float32): write the rows of N sealed pages."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +58,7 @@ class TailBatch:
     stay_stage: torch.Tensor  # [K] int64 their staging pages after this forward
     num_seal: int  # N (host copy)
     num_stay: int  # K (host copy)
+    counted: bool = True  # seals are counted when sealed (False: a graph's buffers, graph.py)
 
 
 def tail_batch(plans: Sequence[RequestPlan], page_size: int, device: torch.device) -> TailBatch:
@@ -142,7 +141,7 @@ def tail_pages(storage: RaggedStorage, layer: int, tails: TailBatch, k_new: torc
 
 def store_tails(storage: RaggedStorage, layer: int, tails: TailBatch, k_pages: torch.Tensor,
                 v_pages: torch.Tensor, q: torch.Tensor, lse: torch.Tensor, scale: float,
-                seal: Sealer) -> None:
+                sealer: Sealer) -> None:
     """One layer, whole batch: seal the tail pages leaving the window, stage the others.
 
     k_pages, v_pages: [M, P, H, D] from `tail_pages`; q: [N, H_q, D] this forward's queries;
@@ -153,47 +152,28 @@ def store_tails(storage: RaggedStorage, layer: int, tails: TailBatch, k_pages: t
     attn = _window_attention(tails, q, lse, k_pages, scale)  # [M, H, P]
     q_sum, q_sq, q_cnt = _window_query_stats(tails, q, k_pages.shape[2])
     # 2. Add what staged pages accumulated before this forward.
-    prior = tails.prior_stage
-    attn += torch.where(tails.staged[:, None, :], take(storage.stage_attn[:, layer], prior), 0.0)
+    prior = storage.stats.layer(layer, tails.prior_stage)  # [M, ...] (garbage where not held)
+    attn += torch.where(tails.staged[:, None, :], prior.attn, 0.0)
     held = tails.has_prior.float()
-    q_sum += held[:, None, None] * take(storage.stage_q_sum[:, layer], prior)
-    q_sq += held[:, None, None] * take(storage.stage_q_sq_sum[:, layer], prior)
-    q_cnt += held * take(storage.stage_q_count[:, layer], prior)
+    q_sum += held[:, None, None] * prior.q_sum
+    q_sq += held[:, None, None] * prior.q_sq_sum
+    q_cnt += held * prior.q_count
     # 3. Seal the pages leaving the window (scores from their statistics).
     if tails.num_seal:
         s = tails.seal_index
-        stats = PageStats(attn_sum=take(attn, s), obs_count=take(tails.obs, s),
-                          keys=take(k_pages, s), values=take(v_pages, s), q_sum=take(q_sum, s),
-                          q_sq_sum=take(q_sq, s), q_count=take(q_cnt, s), scale=scale)
-        seal(layer, k_pages, v_pages, s, tails.seal_pages, take(tails.page_start, s),
-             storage.scorer.page_scores(stats))
+        acc = StagedQueryStats(attn=take(attn, s), q_sum=take(q_sum, s), q_sq_sum=take(q_sq, s),
+                               q_count=take(q_cnt, s))
+        stats = page_stats(acc, take(tails.obs, s), take(k_pages, s), take(v_pages, s), scale)
+        sealer.seal(layer, SealBatch(stats, tails.seal_pages, take(tails.page_start, s),
+                                     count=tails.num_seal if tails.counted else 0))
     # 4. Stage the rest with their statistics.
     if tails.num_stay:
         s, stages = tails.stay_index, tails.stay_stage
         storage.stage_k[layer].index_copy_(0, stages, take(k_pages, s).to(storage.dtype))
         storage.stage_v[layer].index_copy_(0, stages, take(v_pages, s).to(storage.dtype))
-        for stat, value in ((storage.stage_attn, attn), (storage.stage_q_sum, q_sum),
-                            (storage.stage_q_sq_sum, q_sq), (storage.stage_q_count, q_cnt)):
-            stat[:, layer].index_copy_(0, stages, take(value, s))
-
-
-def write_rows_sealer(storage: RaggedStorage) -> Sealer:
-    """The torch sealer: `RaggedStorage.write_rows` on the gathered pages."""
-
-    def seal(layer: int, src_k: torch.Tensor, src_v: torch.Tensor, src_index: torch.Tensor,
-             pages: torch.Tensor, page_start: torch.Tensor, scores: torch.Tensor) -> None:
-        storage.write_rows(layer, pages, take(src_k, src_index), take(src_v, src_index), scores,
-                           page_start)
-
-    return seal
-
-
-def take(x: torch.Tensor, index: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """x indexed along `dim` by an index of any shape, like x[index] for dim 0, through
-    index_select: on a CPU, advanced indexing of small tensors costs a parallel region each
-    (tens of microseconds), index_select does not."""
-    out = x.index_select(dim, index.reshape(-1))
-    return out.view(*x.shape[:dim], *index.shape, *x.shape[dim + 1 :])
+        storage.stats.store(layer, stages, StagedQueryStats(
+            attn=take(attn, s), q_sum=take(q_sum, s), q_sq_sum=take(q_sq, s),
+            q_count=take(q_cnt, s)))
 
 
 def _gather(tails: TailBatch, stage: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

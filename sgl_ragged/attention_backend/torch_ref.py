@@ -11,15 +11,29 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from sgl_ragged.attention_backend.metadata import RequestPlan
+from sgl_ragged.attention_backend.impl import AttentionImpl
+from sgl_ragged.attention_backend.ops import query_heads
+from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
+from sgl_ragged.mem_pool.sealer import SealBatch
+from sgl_ragged.mem_pool.staging_stats import StagedQueryStats, page_stats
 from sgl_ragged.mem_pool.storage import RaggedStorage
-from sgl_ragged.scoring import PageStats, page_query_stats
+from sgl_ragged.scoring import page_query_stats
 
 
-def query_heads(kv_heads: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[H_p] KV heads -> [H_p * G] query heads reading them, in SDPA's GQA order."""
-    offsets = torch.arange(group_size, device=kv_heads.device)
-    return (kv_heads[:, None] * group_size + offsets[None, :]).flatten()
+class TorchAttention(AttentionImpl[BatchPlan]):
+    """The torch reference, request by request (`request_forward`); reads the plan itself."""
+
+    def prepare(self, plan: BatchPlan) -> BatchPlan:
+        assert plan.staged, "planner.take_staging did not run for this plan"
+        return plan
+
+    def forward(self, layer: int, batch: BatchPlan, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for plan in batch.requests:
+            rows = slice(plan.q_start, plan.q_start + plan.q_len)
+            out[rows] = request_forward(self.storage, layer, plan, q[rows], k[rows], v[rows], scale)
+        return out
 
 
 def request_forward(
@@ -141,7 +155,7 @@ def store_tail(
     # Attention mass accumulated while staged, plus this forward's.
     staged = plan.prefix - plan.tail_start
     if staged:
-        tail_attn[:, :staged] += storage.stage_attn[plan.prior_stages, layer].transpose(0, 1).flatten(1)[:, :staged]
+        tail_attn[:, :staged] += storage.stats.attn[plan.prior_stages, layer].transpose(0, 1).flatten(1)[:, :staged]
     n_pages = plan.tail_pages.numel()
     q_sum, q_sq, q_cnt = _page_query_stats(storage, layer, plan, q_win, n_pages)
     pad = n_pages * P - T
@@ -153,18 +167,16 @@ def store_tail(
     if n:
         pages = plan.tail_pages[:n].to(storage.device)
         start = plan.tail_start + P * torch.arange(n, device=storage.device)
-        stats = PageStats(attn_sum=attn_pages[:n], obs_count=obs_pages[:n], keys=k_pages[:n],
-                          values=v_pages[:n], q_sum=q_sum[:n], q_sq_sum=q_sq[:n],
-                          q_count=q_cnt[:n], scale=scale)
-        storage.write_rows(layer, pages, k_pages[:n], v_pages[:n], storage.scorer.page_scores(stats), start)
+        acc = StagedQueryStats(attn=attn_pages[:n], q_sum=q_sum[:n], q_sq_sum=q_sq[:n],
+                               q_count=q_cnt[:n])
+        stats = page_stats(acc, obs_pages[:n], k_pages[:n], v_pages[:n], scale)
+        storage.sealer.seal(layer, SealBatch(stats, pages, start, count=n))
     if n < n_pages:
         stages = plan.after_stages
         storage.stage_k[layer][stages] = k_pages[n:].to(storage.dtype)
         storage.stage_v[layer][stages] = v_pages[n:].to(storage.dtype)
-        storage.stage_attn[stages, layer] = attn_pages[n:]
-        storage.stage_q_sum[stages, layer] = q_sum[n:]
-        storage.stage_q_sq_sum[stages, layer] = q_sq[n:]
-        storage.stage_q_count[stages, layer] = q_cnt[n:]
+        storage.stats.store(layer, stages, StagedQueryStats(
+            attn=attn_pages[n:], q_sum=q_sum[n:], q_sq_sum=q_sq[n:], q_count=q_cnt[n:]))
 
 
 def _page_query_stats(
@@ -181,9 +193,10 @@ def _page_query_stats(
     sums, squares, counts = page_query_stats(q_win, q_pos, page_start, storage.layout.num_kv_heads)
     held = plan.prior_stages.numel()  # the tail's first pages were staged before
     if held:
-        sums[:held] += storage.stage_q_sum[plan.prior_stages, layer]
-        squares[:held] += storage.stage_q_sq_sum[plan.prior_stages, layer]
-        counts[:held] += storage.stage_q_count[plan.prior_stages, layer]
+        prior = storage.stats.layer(layer, plan.prior_stages)
+        sums[:held] += prior.q_sum
+        squares[:held] += prior.q_sq_sum
+        counts[:held] += prior.q_count
     return sums, squares, counts
 
 

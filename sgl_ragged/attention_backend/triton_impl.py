@@ -4,7 +4,8 @@ Decode batches use the split-KV decode kernel driven by the static split map (ke
 extend and mixed batches the extend kernel. Both return the log-sum-exp of every query row, from
 which the window queries' attention over the tail (the scorer's input) is recomputed on the tail
 alone, without a second pass over the sealed rows. Staging and sealing then run for the whole
-batch at once (tail_batch.store_tails), the selection and row scatter in the sealing kernel.
+batch at once (tail_batch.store_tails); `TritonSealer` scores like every sealer and leaves the
+selection and row scatter to the sealing kernel.
 """
 
 from __future__ import annotations
@@ -15,30 +16,48 @@ from collections.abc import Sequence
 import torch
 
 from sgl_ragged.attention_backend.impl import AttentionImpl
-from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata
-from sgl_ragged.attention_backend.tail_batch import store_tails, tail_batch, tail_pages
+from sgl_ragged.attention_backend.plan import BatchPlan
+from sgl_ragged.attention_backend.tail_batch import store_tails, tail_pages
+from sgl_ragged.attention_backend.triton_batch import TritonBatch, triton_batch
 from sgl_ragged.kernels.aot import (
     PROGRAMS_PER_SM,
     SplitStrategy,
     device_parallelism,
     split_plan,
 )
-from sgl_ragged.kernels.batch import KernelBatch, kernel_batch
+from sgl_ragged.kernels.batch import KernelBatch
 from sgl_ragged.kernels.decode import decode_attention, split_kernel_resources
 from sgl_ragged.kernels.extend import extend_attention
 from sgl_ragged.kernels.occupancy import SMLimits, programs_per_sm
 from sgl_ragged.kernels.seal import seal_pages
 from sgl_ragged.kernels.tables import LayerTables, all_layer_tables
+from sgl_ragged.mem_pool.sealer import Sealer
 from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.scoring import Scorer
 from sgl_ragged.scoring.select import sink_mask
 
 logger = logging.getLogger(__name__)
 
 
-class TritonAttention(AttentionImpl):
+class TritonSealer(Sealer):
+    """A `Sealer` whose selection and row writes are the sealing kernel (kernels/seal.py)."""
+
+    def __init__(self, storage: RaggedStorage, scorer: Scorer, tables: Sequence[LayerTables]) -> None:
+        super().__init__(storage, scorer)
+        self.tables = tables
+
+    def write(self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor, v_tok: torch.Tensor,
+              scores: torch.Tensor, page_start: torch.Tensor) -> None:
+        """Pages of -1 are padding and write nothing."""
+        sinks = sink_mask(page_start, self.storage.layout.page_size)
+        index = torch.arange(pages.numel(), dtype=torch.int32, device=pages.device)
+        seal_pages(self.tables[layer], k_tok, v_tok, index, pages.int(), scores, sinks)
+
+
+class TritonAttention(AttentionImpl[TritonBatch]):
     """Ragged attention with the Triton kernels; the split map is fixed at construction."""
 
-    supports_cuda_graph = True  # decode reads only device tensors (graph.py's static buffers)
+    supports_cuda_graph = True
 
     def __init__(self, storage: RaggedStorage, split_ratios: Sequence[Sequence[float]],
                  strategy: SplitStrategy = SplitStrategy.AOT, num_ctas: int | None = None,
@@ -50,38 +69,28 @@ class TritonAttention(AttentionImpl):
         if num_ctas is None:
             num_ctas = decode_parallelism(storage, self.tables[0], split_ratios, num_q_heads)
         self.splits = split_plan(split_ratios, num_ctas, storage.device, strategy)
+        self.sealer = TritonSealer(storage, storage.sealer.scorer, self.tables)
 
-    def prepare(self, meta: RaggedForwardMetadata) -> None:
-        meta.kernel = kernel_batch(meta.requests, self.storage.device)
-        meta.tails = tail_batch(meta.requests, self.storage.layout.page_size, self.storage.device)
+    def prepare(self, plan: BatchPlan) -> TritonBatch:
+        assert plan.staged, "planner.take_staging did not run for this plan"
+        return triton_batch(plan, self.storage.layout.page_size, self.storage.device)
 
-    def forward(self, layer: int, meta: RaggedForwardMetadata, q: torch.Tensor,
-                k: torch.Tensor, v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
-        out, lse = self.attend(layer, meta.kernel, q, k, v, scale, decode)
-        assert meta.tails is not None, "prepare() did not run for this forward"
-        k_pages, v_pages = tail_pages(self.storage, layer, meta.tails, k, v)
-        store_tails(self.storage, layer, meta.tails, k_pages, v_pages, q, lse, scale, self.seal)
-        if not meta.graph:  # a captured graph's tails are padded; graph.py counts its real pages
-            self.storage.count_sealed(layer, meta.tails.num_seal)
+    def forward(self, layer: int, batch: TritonBatch, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
+        out, lse = self.attend(layer, batch.kernel, q, k, v, scale, decode)
+        k_pages, v_pages = tail_pages(self.storage, layer, batch.tails, k, v)
+        store_tails(self.storage, layer, batch.tails, k_pages, v_pages, q, lse, scale, self.sealer)
         return out
 
-    def attend(self, layer: int, batch: KernelBatch | None, q: torch.Tensor, k: torch.Tensor,
+    def attend(self, layer: int, batch: KernelBatch, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor, scale: float, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention only: out [N, H_q, D] and lse [N, H_q] float32, one launch (two for decode)."""
-        assert batch is not None, "prepare() did not run for this forward"
         st = self.storage
         if decode:
             return decode_attention(q, k, v, st.stage_k[layer], st.stage_v[layer],
                                     self.tables[layer], self.splits.layer(layer), batch, scale)
         return extend_attention(q, k, v, st.stage_k[layer], st.stage_v[layer], self.tables[layer],
                                 batch, scale)
-
-    def seal(self, layer: int, src_k: torch.Tensor, src_v: torch.Tensor, src_index: torch.Tensor,
-             pages: torch.Tensor, page_start: torch.Tensor, scores: torch.Tensor) -> None:
-        """The sealing kernel for one layer's pages (a tail_batch.Sealer; pages of -1 are
-        padding and write nothing). Counted by the caller."""
-        sinks = sink_mask(page_start, self.storage.layout.page_size)
-        seal_pages(self.tables[layer], src_k, src_v, src_index.int(), pages.int(), scores, sinks)
 
 
 def decode_parallelism(storage: RaggedStorage, tables: LayerTables,

@@ -1,7 +1,8 @@
 """Per-forward kernel inputs: the batch's page tables as padded int32 device tensors.
 
-Built once per forward from the backend's plan (`RaggedForwardMetadata`), read by every layer.
-For request b (positions as in metadata.py):
+Built once per forward from the backend's request plans (attention_backend/plan.py, read here
+through the `PlannedRequest` protocol: kernels/ imports nothing from attention_backend/), read
+by every layer. For request b (positions as in attention_backend/plan.py):
 
     | tensor                 | index space                  | covers positions            |
     |------------------------|------------------------------|-----------------------------|
@@ -17,11 +18,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from sgl_ragged.attention_backend.metadata import RequestPlan
+
+class PlannedRequest(Protocol):
+    """The fields of a request plan (attention_backend/plan.RequestPlan) the kernels read."""
+
+    q_start: int  # first row of the request in q/k/v
+    prefix: int  # tokens cached before this forward
+    tail_start: int  # first position not in sealed rows
+    sealed_pages: torch.Tensor  # [n_s] int64 logical pages
+    prior_stages: torch.Tensor  # [n] int64 staging pages held before this forward
+
+    @property
+    def q_len(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -48,7 +61,7 @@ def _padded(rows: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     return pad_sequence(rows, batch_first=True, padding_value=0)
 
 
-def kernel_batch(plans: Sequence[RequestPlan], device: torch.device | str) -> KernelBatch:
+def kernel_batch(plans: Sequence[PlannedRequest], device: torch.device | str) -> KernelBatch:
     """Kernel inputs for these request plans (one host-to-device copy per field)."""
     device = torch.device(device)
 

@@ -92,7 +92,7 @@ def layer_tables(storage: RaggedStorage, layer: int) -> LayerTables:
              for name in LOW_TENSORS] for tier in storage.low_rows[layer]]
     if layout.low is not None and layout.head_dim != next_pow2(layout.head_dim):
         raise ValueError(f"the Triton kernels pack low-tier codes for power-of-two head sizes "
-                         f"only, not {layout.head_dim} (attention_backend/impl.triton_refuses)")
+                         f"only, not {layout.head_dim} (attention_backend/registry.triton_refuses)")
     return LayerTables(
         rows_k_ptr=ptrs(storage.rows_k[layer]),
         rows_v_ptr=ptrs(storage.rows_v[layer]),

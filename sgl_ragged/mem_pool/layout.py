@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sgl_ragged.mem_pool.quant import FULL_PRECISION, LowPrecision, low_precision
+from sgl_ragged.mem_pool.staging_stats import StagingStats
 from sgl_ragged.mem_pool.tiers import RowTiers, compose, tier_bytes
 from sgl_ragged.profile import BudgetProfile
 from sgl_ragged.scoring import SINK_TOKENS
@@ -110,12 +111,9 @@ class RaggedLayout:
         return self.row_bytes_per_page / self.full_bytes_per_page
 
     def staging_bytes_per_page(self) -> int:
-        """One staging page: full K+V of all layers plus its score accumulators (float32)."""
-        kv = self.full_bytes_per_page
-        scores = self.num_layers * self.num_kv_heads * self.page_size * 4
-        observed = self.page_size * 4
-        queries = self.num_layers * (2 * self.num_kv_heads * self.head_dim + 1) * 4
-        return kv + scores + observed + queries
+        """One staging page: full K+V of all layers plus its score accumulators (StagingStats)."""
+        return self.full_bytes_per_page + StagingStats.bytes_per_page(
+            self.num_layers, self.num_kv_heads, self.page_size, self.head_dim)
 
     def num_logical_pages(self, available_bytes: int, num_staging_pages: int) -> int:
         """Logical pages that fit in `available_bytes` once the staging pool (its pages plus

@@ -16,15 +16,18 @@ from sglang.srt.mem_cache.memory_pool import NoOpMHATokenToKVPool
 
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.runtime import get_runtime
+from sgl_ragged.scheduler.chunks import PrefillChunks
 from sgl_ragged.scoring import make_scorer
 
 logger = logging.getLogger(__name__)
 
 
 class RaggedKVPool(NoOpMHATokenToKVPool):
-    """MHA token-to-KV pool whose storage is a `RaggedStorage` (see storage.py)."""
+    """MHA token-to-KV pool whose storage is a `RaggedStorage` (see storage.py). It also
+    carries the prefill chunk boundaries from the scheduler hook to the backend's planning."""
 
     storage: RaggedStorage
+    prefill_chunks: PrefillChunks
 
     def _create_buffers(self) -> None:
         super()._create_buffers()  # tiny placeholders for code that inspects k_buffer
@@ -45,7 +48,9 @@ class RaggedKVPool(NoOpMHATokenToKVPool):
             device=self.device,
             scorer=make_scorer(runtime.config.scorer),
             dynamic_rho=runtime.dynamic_rho,
+            scale=runtime.attention_scale,
         )
+        self.prefill_chunks = PrefillChunks()
 
     def _finalize_allocation_log(self, num_tokens: int) -> None:
         self.mem_usage = self.storage.nbytes() / (1 << 30)

@@ -23,8 +23,9 @@ import torch
 
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.quant import QuantTier, dequantize, empty_tier, quantize
-from sgl_ragged.scoring import PageStats, Scorer
-from sgl_ragged.scoring.select import select_flat_top_pages, select_tiers, sink_mask
+from sgl_ragged.mem_pool.sealer import Sealer
+from sgl_ragged.mem_pool.staging_stats import StagingStats
+from sgl_ragged.scoring import Scorer
 
 
 class StagingExhaustedError(RuntimeError):
@@ -42,7 +43,8 @@ class SealCounters:
 
 
 class RaggedStorage:
-    """Owns every tensor of the ragged cache and the staging bookkeeping."""
+    """Owns every tensor of the ragged cache and the staging bookkeeping; its `sealer` turns
+    pages leaving the window into rows (sealer.py)."""
 
     def __init__(
         self,
@@ -53,12 +55,15 @@ class RaggedStorage:
         device: str | torch.device,
         scorer: Scorer,
         dynamic_rho: float | None = None,
+        scale: float | None = None,
     ) -> None:
+        """scale: the model's attention softmax scale (from its config, at pool creation;
+        default 1/sqrt(head_dim)), which scorers that model attention logits read."""
         self.layout = layout
         self.num_pages = num_pages  # logical pages incl. the padding page 0
         self.dtype = dtype
         self.device = torch.device(device)
-        self.scorer = scorer
+        self.scale = layout.head_dim**-0.5 if scale is None else scale
         P, H, D = layout.page_size, layout.num_kv_heads, layout.head_dim
         # rows_k[l][g]: [num_pages, hi[l][g], H_p, D] the full-precision slots (all k[l][g] of
         # them without a low tier), indexed by logical page.
@@ -79,15 +84,8 @@ class RaggedStorage:
         rows = num_staging_pages + 1  # S + 1
         self.stage_k = [self._zeros(rows, P, H, D) for _ in range(layout.num_layers)]
         self.stage_v = [self._zeros(rows, P, H, D) for _ in range(layout.num_layers)]
-        # stage_attn: [S + 1, L, H, P] float32 summed GQA-reduced attention received per token.
-        self.stage_attn = torch.zeros(rows, layout.num_layers, H, P, device=self.device)
-        # stage_obs: [S + 1, P] float32 number of queries that observed each token.
-        self.stage_obs = torch.zeros(rows, P, device=self.device)
-        # stage_q_sum, stage_q_sq_sum: [S + 1, L, H, D] float32 sums of the queries (and squares)
-        # observed while staged, pooled per KV head; stage_q_count: [S + 1, L] float32 their count.
-        self.stage_q_sum = torch.zeros(rows, layout.num_layers, H, D, device=self.device)
-        self.stage_q_sq_sum = torch.zeros_like(self.stage_q_sum)
-        self.stage_q_count = torch.zeros(rows, layout.num_layers, device=self.device)
+        # stats: what each staging page's tokens observed (the scorers' accumulators), [S + 1, ...].
+        self.stats = StagingStats.allocate(rows, layout.num_layers, H, P, D, self.device)
         # Dynamic reference mode (profile dynamic:<rho>): full rows, Eq. 3 picks the kept tokens.
         # row_keep[l]: [num_pages, H, P] bool, indexed by logical page; False = dropped (masked).
         self.dynamic_rho = dynamic_rho
@@ -98,8 +96,6 @@ class RaggedStorage:
                                  "(budgets of 1.0, --ragged-precision bf16)")
             self.row_keep = [torch.zeros(num_pages, H, P, dtype=torch.bool, device=self.device)
                              for _ in range(layout.num_layers)]
-        # scale: the model's attention softmax scale (the backend sets it from its layers).
-        self.scale = D**-0.5
         # page_to_stage: [num_pages] int64, staging page of a logical page or -1 (CPU bookkeeping).
         self.page_to_stage = torch.full((num_pages,), -1, dtype=torch.long)
         # stage_owner: [S] int64 logical page held by a staging page or -1.
@@ -107,10 +103,8 @@ class RaggedStorage:
         self.free_stage: list[int] = list(range(num_staging_pages - 1, -1, -1))
         # sealed: [num_pages] bool, the page's rows hold its compressed KV.
         self.sealed = torch.zeros(num_pages, dtype=torch.bool)
-        # chunk_final: req pool index -> whether its next extend is its last prefill chunk
-        # (set by the scheduler hook, consumed by the next forward's plan).
-        self.chunk_final: dict[int, bool] = {}
-        self.counters = SealCounters()
+        self.counters = SealCounters()  # counted by the sealers and mark_sealed
+        self.sealer = Sealer(self, scorer)
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.dtype, device=self.device)
@@ -135,8 +129,7 @@ class RaggedStorage:
         tensors += [t for layer in self.low_rows for tier in layer if tier is not None
                     for t in tier.tensors()]
         tensors += self.row_keep or []
-        tensors += self.stage_k + self.stage_v + [self.stage_attn, self.stage_obs, self.stage_q_sum,
-                                                  self.stage_q_sq_sum, self.stage_q_count]
+        tensors += self.stage_k + self.stage_v + self.stats.tensors()
         return sum(t.numel() * t.element_size() for t in tensors)
 
     # ---- staging pages ----------------------------------------------------------------------
@@ -154,9 +147,7 @@ class RaggedStorage:
         self.stage_owner[s] = page
         self.page_to_stage[page] = s
         self.sealed[page] = False
-        for stats in (self.stage_attn, self.stage_obs, self.stage_q_sum, self.stage_q_sq_sum,
-                      self.stage_q_count):
-            stats[s].zero_()
+        self.stats.reset(s)
         return s
 
     def unstage(self, pages: torch.Tensor) -> None:
@@ -181,36 +172,13 @@ class RaggedStorage:
         self.free_stage = list(range(self.num_staging_pages - 1, -1, -1))
         self.sealed.zero_()
 
-    # ---- sealing ----------------------------------------------------------------------------
+    # ---- row writes (the Sealer's, sealer.py) and sealed marks ------------------------------
 
-    def write_rows(
-        self,
-        layer: int,
-        pages: torch.Tensor,
-        k_tok: torch.Tensor,
-        v_tok: torch.Tensor,
-        scores: torch.Tensor,
-        page_start_pos: torch.Tensor,
-    ) -> None:
-        """Compress full pages of one layer into their rows.
-
-        pages: [N] int64 logical pages; k_tok, v_tok: [N, P, H, D] their full K/V (post-RoPE);
-        scores: [N, H, P] float32 token scores; page_start_pos: [N] int64 sequence position of
-        each page's first token (sinks are the first tokens of a sequence).
-        """
-        sinks = sink_mask(page_start_pos, self.layout.page_size)
-        if self.row_keep is not None:
-            self._write_dynamic(layer, pages, k_tok, v_tok, scores, sinks)
-            return
-        for g, t in enumerate(self.layout.tiers[layer]):
-            heads = self.head_index[layer][g]
-            hi_idx, lo_idx = select_tiers(scores[:, heads], t.hi, t.total, sinks)  # [N, H_p, *]
-            k_g, v_g = k_tok[:, :, heads], v_tok[:, :, heads]  # [N, P, H_p, D]
-            self.rows_k[layer][g][pages] = _gather_tokens(k_g, hi_idx).to(self.dtype)
-            self.rows_v[layer][g][pages] = _gather_tokens(v_g, hi_idx).to(self.dtype)
-            if t.lo:
-                self.write_low(layer, g, pages, _gather_tokens(k_g, lo_idx), _gather_tokens(v_g, lo_idx))
-        self.count_sealed(layer, pages.numel())
+    def write_group(self, layer: int, group: int, pages: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> None:
+        """The full-precision slots k, v [N, hi, H_p, D] of one group's rows at these pages."""
+        self.rows_k[layer][group][pages] = k.to(self.dtype)
+        self.rows_v[layer][group][pages] = v.to(self.dtype)
 
     def write_low(self, layer: int, group: int, pages: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> None:
@@ -220,45 +188,14 @@ class RaggedStorage:
         for dst, src in zip(tier.tensors(), q.tensors(), strict=True):
             dst[pages] = src
 
-    def count_sealed(self, layer: int, num_pages: int) -> None:
-        """Counters for `num_pages` pages of one layer compressed into their rows."""
-        layout = self.layout
-        kept = sum(k * len(heads) for heads, k in zip(layout.groups[layer], layout.slots[layer], strict=True))
-        self.counters.entries_kept += num_pages * kept
-        self.counters.entries_seen += num_pages * layout.page_size * layout.num_kv_heads
-
-    def _write_dynamic(
-        self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor, v_tok: torch.Tensor,
-        scores: torch.Tensor, sinks: torch.Tensor,
-    ) -> None:
-        """Dynamic mode: keep rows full, record TANGRAM Eq. 3's choice over these pages."""
-        keep = select_flat_top_pages(scores, self.dynamic_rho, sinks)  # [N, H, P]
+    def write_full_rows(self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor,
+                        v_tok: torch.Tensor, keep: torch.Tensor) -> None:
+        """Dynamic mode: whole pages k_tok, v_tok [N, P, H, D] into full rows, and which
+        tokens each head keeps, keep [N, H, P] bool."""
         self.row_keep[layer][pages] = keep
         for g, heads in enumerate(self.head_index[layer]):
             self.rows_k[layer][g][pages] = k_tok[:, :, heads].to(self.dtype)
             self.rows_v[layer][g][pages] = v_tok[:, :, heads].to(self.dtype)
-        self.counters.entries_kept += int(keep.sum())
-        self.counters.entries_seen += keep.numel()
-
-    def seal_staged_layer(self, layer: int, pages: torch.Tensor, page_start_pos: torch.Tensor) -> None:
-        """Compress staged pages of one layer from their staging copies and scores."""
-        stages = self.page_to_stage[pages].to(self.device)
-        scores = self.scorer.page_scores(self.staged_stats(layer, stages))
-        self.write_rows(layer, pages.to(self.device), self.stage_k[layer][stages],
-                        self.stage_v[layer][stages], scores, page_start_pos)
-
-    def staged_stats(self, layer: int, stages: torch.Tensor) -> PageStats:
-        """What staged pages accumulated so far in one layer; stages: [N] int64 staging pages."""
-        return PageStats(
-            attn_sum=self.stage_attn[stages, layer],
-            obs_count=self.stage_obs[stages],
-            keys=self.stage_k[layer][stages],
-            values=self.stage_v[layer][stages],
-            q_sum=self.stage_q_sum[stages, layer],
-            q_sq_sum=self.stage_q_sq_sum[stages, layer],
-            q_count=self.stage_q_count[stages, layer],
-            scale=self.scale,
-        )
 
     def mark_sealed(self, pages: torch.Tensor) -> None:
         """All layers of these pages are written: release their staging and count them."""
@@ -267,14 +204,6 @@ class RaggedStorage:
         self.sealed[pages] = True
         self.counters.pages_sealed += pages.numel()
         self.counters.tokens_sealed += pages.numel() * self.layout.page_size
-
-    def seal_staged(self, pages: torch.Tensor, page_start_pos: torch.Tensor) -> None:
-        """Seal staged pages in every layer (used outside a forward pass, e.g. at finish)."""
-        if pages.numel() == 0:
-            return
-        for layer in range(self.layout.num_layers):
-            self.seal_staged_layer(layer, pages, page_start_pos.to(self.device))
-        self.mark_sealed(pages)
 
     # ---- reading ----------------------------------------------------------------------------
 
@@ -338,12 +267,6 @@ class RaggedStorage:
         assert not (self.page_to_stage[free] >= 0).any(), "a free page still holds a staging page"
         assert not self.sealed[free].any(), "a free page is still marked sealed"
         assert not self.sealed[0] and self.page_to_stage[0] < 0, "the padding page is in use"
-
-
-def _gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x [N, P, H, D], idx [N, H, k] token offsets per head -> [N, k, H, D]."""
-    index = idx.transpose(1, 2).unsqueeze(-1).expand(-1, -1, -1, x.shape[-1])
-    return torch.gather(x, 1, index)
 
 
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

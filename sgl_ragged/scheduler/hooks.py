@@ -54,6 +54,7 @@ def compute_cell_size(original: Any, configurator: Any, kvc: Any, num_layers: in
                                      tp_size)
     profile = profiles[tp_rank]
     runtime.profile = profile  # its split ratios give the decode kernel's AOT split map
+    runtime.attention_scale = attention_scale(getattr(mc, "hf_text_config", mc.hf_config), mc.head_dim)
     schedule = get_schedule()
     dtype_bytes = torch._utils._element_size(kvc.kv_cache_dtype)
     layouts = [RaggedLayout.from_profile(p, schedule.page_size, mc.head_dim, dtype_bytes,
@@ -68,6 +69,13 @@ def compute_cell_size(original: Any, configurator: Any, kvc: Any, num_layers: in
                     cell, full, layout.retention, layout.describe_tiers())
     runtime.layout = layout
     return cell
+
+
+def attention_scale(hf_config: Any, head_dim: int) -> float:
+    """The model's attention softmax scale from its config: 1/sqrt(query_pre_attn_scalar) where
+    the config has one (Gemma 2/3), else 1/sqrt(head_dim) (Llama, Qwen, SmolLM2, ...)."""
+    scalar = getattr(hf_config, "query_pre_attn_scalar", None)
+    return float(scalar if scalar else head_dim) ** -0.5
 
 
 def calculate_pool_sizes(original: Any, configurator: Any, available_bytes: int, page_size: int) -> Any:
@@ -132,7 +140,7 @@ def checkpoint(original: Any, tree: Any, req: Req, *args: Any, up_to: int, **kwa
     staged = storage.page_to_stage[pages] >= 0
     if req.finished():
         positions = torch.nonzero(staged).flatten() * P
-        storage.seal_staged(pages[staged], positions)
+        storage.sealer.seal_staged(pages[staged], positions)
     elif staged.any():
         up_to = int(torch.nonzero(staged)[0]) * P
     return original(tree, req, *args, up_to=up_to, **kwargs)
@@ -141,11 +149,11 @@ def checkpoint(original: Any, tree: Any, req: Req, *args: Any, up_to: int, **kwa
 def after_prepare_for_extend(result: Any, batch: ScheduleBatch, *args: Any, **kwargs: Any) -> None:
     """AFTER ScheduleBatch.prepare_for_extend: tell the next forward which chunks are final
     (a non-final chunk seals all its complete pages; the final one keeps the window)."""
-    storage = getattr(batch.token_to_kv_pool_allocator._kvcache, "storage", None)
-    if storage is None:
+    chunks = getattr(batch.token_to_kv_pool_allocator._kvcache, "prefill_chunks", None)
+    if chunks is None:
         return
     for req in batch.reqs:
-        storage.chunk_final[req.kv.req_pool_idx] = req.extend_end >= len(req.full_untruncated_fill_ids)
+        chunks.record(req.kv.req_pool_idx, req.extend_end >= len(req.full_untruncated_fill_ids))
 
 
 def after_decode_graph_replay(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:

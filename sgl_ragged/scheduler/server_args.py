@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Any
 
-from sgl_ragged.attention_backend.impl import triton_refuses
+from sgl_ragged.attention_backend.registry import triton_refuses
 from sgl_ragged.config import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_PAGE_SIZE,

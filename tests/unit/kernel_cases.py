@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_ragged.attention_backend.impl import AttentionImpl, TorchAttention
-from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata, RequestPlan
+from sgl_ragged.attention_backend.impl import AttentionImpl
+from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
+from sgl_ragged.attention_backend.torch_ref import TorchAttention
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.quant import QuantTier
 from sgl_ragged.mem_pool.storage import RaggedStorage
@@ -65,10 +66,11 @@ def random_storage(rng: random.Random, device: str, layers: int = 1, heads_per_g
     for tier in (t for layer in storage.low_rows for t in layer if t is not None):
         _randomize_tier(tier, gen)
     # What staged pages accumulated in earlier forwards (non-negative, like the real ones).
-    for t in (storage.stage_attn, storage.stage_q_sum, storage.stage_q_count):
+    stats = storage.stats
+    for t in (stats.attn, stats.q_sum, stats.q_count):
         t.copy_(torch.rand(t.shape, generator=gen))
-    storage.stage_q_sq_sum.copy_(storage.stage_q_sum.square() + torch.rand(
-        storage.stage_q_sum.shape, generator=gen).to(storage.device))
+    stats.q_sq_sum.copy_(stats.q_sum.square() + torch.rand(
+        stats.q_sum.shape, generator=gen).to(storage.device))
     return storage
 
 
@@ -177,8 +179,9 @@ def storage_state(storage: RaggedStorage) -> list[torch.Tensor]:
     rows = [t for rows in (storage.rows_k, storage.rows_v) for layer in rows for t in layer]
     rows += [t for layer in storage.low_rows for tier in layer if tier is not None
              for t in tier.tensors()]
-    return [*rows, *storage.stage_k, *storage.stage_v, storage.stage_attn, storage.stage_q_sum,
-            storage.stage_q_sq_sum, storage.stage_q_count]
+    stats = storage.stats
+    return [*rows, *storage.stage_k, *storage.stage_v, stats.attn, stats.q_sum, stats.q_sq_sum,
+            stats.q_count]
 
 
 def assert_same_state(got: RaggedStorage, want: RaggedStorage) -> None:
@@ -205,10 +208,8 @@ def compare_with_reference(make_impl: Callable[[RaggedStorage], AttentionImpl],
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), device)
     outs = []
     for impl in make_impl(impl_store), TorchAttention(ref_store):
-        meta = RaggedForwardMetadata(requests=list(plans),
-                                     pages_to_seal=torch.empty(0, dtype=torch.long))
-        impl.prepare(meta)
-        outs.append(impl.forward(layer, meta, q, k, v, 1 / math.sqrt(D), decode))
+        batch = impl.prepare(BatchPlan(requests=list(plans)))
+        outs.append(impl.forward(layer, batch, q, k, v, 1 / math.sqrt(D), decode))
     rows = torch.cat([torch.arange(p.q_start, p.q_start + p.q_len) for p in plans])
     torch.testing.assert_close(outs[0][rows], outs[1][rows], atol=2e-5, rtol=1e-4)
     assert_same_state(impl_store, ref_store)

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from sgl_ragged.attention_backend.graph import DecodeGraphBuffers
-from sgl_ragged.attention_backend.impl import TorchAttention
-from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata, plan_batch
+from sgl_ragged.attention_backend.plan import BatchPlan
+from sgl_ragged.attention_backend.planner import plan_batch, take_staging
+from sgl_ragged.attention_backend.torch_ref import TorchAttention
 from sgl_ragged.attention_backend.triton_impl import TritonAttention
 from sgl_ragged.kernels.aot import layout_split_ratios
 from sgl_ragged.mem_pool.storage import RaggedStorage
@@ -70,20 +71,21 @@ class Requests:
         self.req_to_token = self.req_to_token.to(device)
         self.seq_lens = [0] * (n + 1)
 
-    def plan(self, storage: RaggedStorage, rows: list[int], new: list[int]) -> RaggedForwardMetadata:
+    def plan(self, storage: RaggedStorage, rows: list[int], new: list[int]) -> BatchPlan:
         prefixes = [self.seq_lens[r] for r in rows]
         seq_lens = [s + n for s, n in zip(prefixes, new, strict=True)]
-        return plan_batch(self.req_to_token, storage, rows, prefixes, seq_lens, self.window, OBS)
+        plan = plan_batch(self.req_to_token, storage, rows, prefixes, seq_lens, self.window, OBS)
+        return take_staging(storage, plan)
 
     def advance(self, rows: list[int], new: list[int]) -> None:
         for r, n in zip(rows, new, strict=True):
             self.seq_lens[r] += n
 
 
-def _eager(storage: RaggedStorage, meta: RaggedForwardMetadata, qkv: list, decode: bool) -> list:
+def _eager(storage: RaggedStorage, meta: BatchPlan, qkv: list, decode: bool) -> list:
     impl = TorchAttention(storage)
-    impl.prepare(meta)
-    outs = [impl.forward(layer, meta, *qkv[layer], SCALE, decode) for layer in range(LAYERS)]
+    batch = impl.prepare(meta)
+    outs = [impl.forward(layer, batch, *qkv[layer], SCALE, decode) for layer in range(LAYERS)]
     storage.mark_sealed(meta.pages_to_seal)
     return outs
 
@@ -104,12 +106,9 @@ def _assert_same(got: RaggedStorage, want: RaggedStorage) -> None:
     rows += [(a, b) for la, lb in zip(got.low_rows, want.low_rows, strict=True)
              for ta, tb in zip(la, lb, strict=True) if ta is not None
              for a, b in zip(ta.tensors(), tb.tensors(), strict=True)]
-    staged = [(a[:S], b[:S]) for a, b in zip([*got.stage_k, *got.stage_v, got.stage_attn,
-                                              got.stage_q_sum, got.stage_q_sq_sum,
-                                              got.stage_q_count, got.stage_obs],
-                                             [*want.stage_k, *want.stage_v, want.stage_attn,
-                                              want.stage_q_sum, want.stage_q_sq_sum,
-                                              want.stage_q_count, want.stage_obs], strict=True)]
+    staged = [(a[:S], b[:S]) for a, b in zip([*got.stage_k, *got.stage_v, *got.stats.tensors()],
+                                             [*want.stage_k, *want.stage_v, *want.stats.tensors()],
+                                             strict=True)]
     for i, (a, b) in enumerate(rows + staged):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, i=i: f"tensor {i}: {m}")
     assert torch.equal(got.page_to_stage, want.page_to_stage)
@@ -158,7 +157,8 @@ def test_replayed_decode_graph_matches_eager_decode(kernel_device, seed, window,
     for step in range(2 * P + 2):
         active = rows if step % 5 != 3 else rows[1:]  # some steps run below the graph's size
         ones = [1] * len(active)
-        replay_meta = buffers.load(bs, requests.plan(graph_store, active, ones))
+        replay_plan = requests.plan(graph_store, active, ones)
+        buffers.load(bs, replay_plan)
         eager_meta = requests.plan(eager_store, active, ones)
         sealing_steps += eager_meta.pages_to_seal.numel() > 0
         qkv = _random_qkv(bs, gen, kernel_device)  # rows past the batch: garbage padding
@@ -166,7 +166,7 @@ def test_replayed_decode_graph_matches_eager_decode(kernel_device, seed, window,
             for buf, x in zip(static[layer], qkv[layer], strict=True):
                 buf.copy_(x)
         graph.replay()
-        graph_store.mark_sealed(replay_meta.pages_to_seal)  # finish_graph_replay's work
+        graph_store.mark_sealed(replay_plan.pages_to_seal)  # finish_graph_replay's work
         want = _eager(eager_store, eager_meta, [tuple(x[: len(active)] for x in t) for t in qkv],
                       decode=True)
         requests.advance(active, ones)
@@ -195,9 +195,8 @@ def test_load_rejects_batches_over_the_graph_capacity():
     buffers = DecodeGraphBuffers(storage, 2, WINDOW, CONTEXT_PAGES)
     rng = random.Random(3)
 
-    def meta(specs: list[Spec]) -> RaggedForwardMetadata:
-        plans = random_plans(storage, specs, rng)
-        return RaggedForwardMetadata(requests=plans, pages_to_seal=torch.empty(0, dtype=torch.long))
+    def meta(specs: list[Spec]) -> BatchPlan:
+        return BatchPlan(requests=random_plans(storage, specs, rng))
 
     buffers.load(2, meta([Spec(sealed=2, staged=P, q_len=1, seal=1), Spec(1, 3, 1)]))
     with pytest.raises(RuntimeError, match="tail pages 3 > 2"):  # 2P + 1 tail tokens
@@ -244,16 +243,15 @@ def test_recorded_graph_replays_triton_launches(kernel_device):
     storage = random_storage(random.Random(7), "cpu", layers=1)
     impl = TritonAttention(storage, layout_split_ratios(storage.layout))
     plans = random_plans(storage, [Spec(sealed=2, staged=3, q_len=1)], random.Random(8))
-    meta = RaggedForwardMetadata(requests=plans, pages_to_seal=torch.empty(0, dtype=torch.long))
-    impl.prepare(meta)
+    batch = impl.prepare(BatchPlan(requests=plans))
     q, k, v = _random_qkv(1, torch.Generator().manual_seed(9), "cpu")[0]
     graph = RecordedGraph()
     with graph.capture():
-        out, _ = impl.attend(0, meta.kernel, q, k, v, SCALE, True)
+        out, _ = impl.attend(0, batch.kernel, q, k, v, SCALE, True)
     first = out.clone()
     q.mul_(-1.0)
     graph.replay()
-    want, _ = impl.attend(0, meta.kernel, q, k, v, SCALE, True)
+    want, _ = impl.attend(0, batch.kernel, q, k, v, SCALE, True)
     assert not torch.allclose(first, want)
     torch.testing.assert_close(out, want)
 
@@ -297,7 +295,7 @@ def test_backend_graph_hooks_plan_only_the_real_requests():
     # Capture: padding only, no planning.
     backend.init_forward_metadata_out_graph(SimpleNamespace(batch_size=4, forward_mode=ForwardMode.DECODE),
                                             in_capture=True)
-    assert backend.forward_metadata.graph and backend.forward_metadata.requests == []
+    assert backend.forward_metadata.graph and backend.forward_metadata.plan.requests == []
     # Replay of 2 real requests padded to 4: rows 3 and 2 are about to complete a page.
     requests.seq_lens[3], requests.seq_lens[2] = 2 * P - 1, P - 3
     for r in (3, 2):
@@ -305,15 +303,15 @@ def test_backend_graph_hooks_plan_only_the_real_requests():
         storage.stage(int(requests.req_to_token[r, P]) // P)
     backend.init_forward_metadata_out_graph(_replay_view([3, 2], [2 * P, P - 2], 4))
     meta = backend.forward_metadata
-    assert meta.graph and [p.seq_len for p in meta.requests] == [2 * P, P - 2]
+    assert meta.graph and [p.seq_len for p in meta.plan.requests] == [2 * P, P - 2]
     first_page = int(requests.req_to_token[3, 0]) // P
-    assert meta.pages_to_seal.tolist() == [first_page]  # request 3 completed its 2nd page
+    assert meta.plan.pages_to_seal.tolist() == [first_page]  # request 3 completed its 2nd page
     runner = SimpleNamespace(_replay_attn_backend=lambda: backend)
     after_decode_graph_replay(None, runner)  # the plugin's hook after the runner's execute
     assert storage.sealed[first_page] and storage.page_to_stage[first_page] < 0
     # An idle replay (no requests): padding only again.
     backend.init_forward_metadata_out_graph(_replay_view([], [], 4, ForwardMode.IDLE))
-    assert backend.forward_metadata.requests == []
+    assert backend.forward_metadata.plan.requests == []
 
 
 def _replay_view(pool_idx: list[int], seq_lens: list[int], bs: int, mode=None):

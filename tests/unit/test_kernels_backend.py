@@ -13,12 +13,12 @@ import random
 import pytest
 
 from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention
-from sgl_ragged.attention_backend.impl import (
-    TorchAttention,
+from sgl_ragged.attention_backend.registry import (
     make_attention_impl,
     profile_split_ratios,
     triton_refuses,
 )
+from sgl_ragged.attention_backend.torch_ref import TorchAttention
 from sgl_ragged.attention_backend.triton_impl import TritonAttention
 from sgl_ragged.config import RaggedConfig
 from sgl_ragged.kernels.aot import layout_split_ratios
@@ -104,6 +104,16 @@ def test_split_ratios_of_low_tiers_weigh_bytes_read():
     tiers = layout.tiers[1]
     assert tiers[0].total == tiers[1].total and tiers[0].hi != tiers[1].hi  # slots alone: equal
     assert ratios[1][0] != pytest.approx(ratios[1][1])
+
+
+def test_registry_serves_every_flag_value():
+    from sgl_ragged.attention_backend.registry import IMPLEMENTATIONS
+    from sgl_ragged.config import ATTENTION_IMPLS
+
+    assert set(ATTENTION_IMPLS) == {"auto", *IMPLEMENTATIONS}
+    storage = random_storage(random.Random(0), "cpu")
+    with pytest.raises(ValueError, match="unknown"):
+        make_attention_impl(storage, None, "flash")
 
 
 def test_triton_refuses_only_what_it_cannot_pack():

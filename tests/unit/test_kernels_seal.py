@@ -1,4 +1,4 @@
-"""The sealing kernel against `RaggedStorage.write_rows` (select_top_k + gather) as oracle.
+"""The sealing kernel against `Sealer.write` (select_top_k + gather) as oracle.
 
 Random scores with deliberate ties (the stable tie-break must match), sink pages, k == P groups,
 pages gathered from a larger source; rows of pages that are not sealed must stay untouched.
@@ -62,7 +62,7 @@ def _check_seal(kernel_device, ties, dtype, precision, seed):
     scores = _scores(n, gen, ties).to(kernel_device)
     seal_pages(layer_tables(kernel_store, layer), src_k, src_v, src_index.int(), pages.int(),
                scores, sink_mask(start, P))
-    oracle.write_rows(layer, pages, src_k[src_index], src_v[src_index], scores, start)
+    oracle.sealer.write(layer, pages, src_k[src_index], src_v[src_index], scores, start)
     # Every row and low-tier tensor of both layers (the other layer must stay untouched).
     for i, (got, want) in enumerate(zip(storage_state(kernel_store), storage_state(oracle),
                                         strict=True)):
@@ -92,7 +92,7 @@ def test_seal_gpu_shapes(precision):
     scores = torch.rand(n, h, p, generator=gen).to("cuda")
     seal_pages(layer_tables(storage, 0), src_k, src_v, torch.arange(n, device="cuda").int(),
                pages.int(), scores, sink_mask(start, p))
-    oracle.write_rows(0, pages, src_k, src_v, scores, start)
+    oracle.sealer.write(0, pages, src_k, src_v, scores, start)
     for i, (got, want) in enumerate(zip(storage_state(storage), storage_state(oracle),
                                         strict=True)):
         if got.dtype == torch.uint8:  # codes: rounding ties may go either way

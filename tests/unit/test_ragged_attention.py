@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from sgl_ragged.attention_backend.metadata import build_metadata
+from sgl_ragged.attention_backend.planner import plan_forward, take_staging
 from sgl_ragged.attention_backend.torch_ref import request_forward
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.storage import RaggedStorage
@@ -35,7 +35,7 @@ class _Mode:
 
 @dataclass
 class _Batch:
-    """The ForwardBatch fields build_metadata reads."""
+    """The ForwardBatch fields plan_forward reads."""
 
     forward_mode: _Mode
     seq_lens_cpu: torch.Tensor
@@ -69,10 +69,10 @@ class _Request:
             if pos % P == 0:
                 page = self.free_pages.pop()
                 self.req_to_token[0, pos : pos + P] = torch.arange(page * P, page * P + P)
-        self.storage.chunk_final[0] = final
         batch = _Batch(_Mode(n_new == 1 and prefix > 0), torch.tensor([seq_len]), [prefix],
                        torch.tensor([0]))
-        meta = build_metadata(batch, self.req_to_token, self.storage, window, obs_window=4)
+        meta = take_staging(self.storage, plan_forward(batch, self.req_to_token, self.storage,
+                                                        window, obs_window=4, final=[final]))
         k_new = torch.randn(LAYERS, n_new, H_KV, D, generator=self.gen)
         v_new = torch.randn(LAYERS, n_new, H_KV, D, generator=self.gen)
         self.k, self.v = torch.cat([self.k, k_new], 1), torch.cat([self.v, v_new], 1)

@@ -244,7 +244,7 @@ def test_serving_query_stats_and_dense_oracle(name, monkeypatch):
     rng = random.Random(7)
     budgets = [[rng.choice([0.5, 0.75]) for _ in range(ragged.H_KV)] for _ in range(ragged.LAYERS)]
     storage = ragged._storage(budgets, ragged.GROUPS_2)
-    recorder = storage.scorer = _Recorder(make_scorer(name))
+    recorder = storage.sealer.scorer = _Recorder(make_scorer(name))
     # 1. Record, per layer, the window queries of every forward and which pages each sealed.
     # windows[layer]: (positions, queries) of each forward's window queries.
     windows: list[list[tuple[list[int], list]]] = [[] for _ in range(ragged.LAYERS)]

@@ -15,14 +15,13 @@ import random
 import pytest
 import torch
 
-from sgl_ragged.attention_backend.impl import TorchAttention
-from sgl_ragged.attention_backend.metadata import RaggedForwardMetadata
+from sgl_ragged.attention_backend.plan import BatchPlan
 from sgl_ragged.attention_backend.tail_batch import (
     store_tails,
     tail_batch,
     tail_pages,
-    write_rows_sealer,
 )
+from sgl_ragged.attention_backend.torch_ref import TorchAttention
 from tests.unit.kernel_cases import (
     D,
     P,
@@ -50,9 +49,8 @@ def _run_both(seed: int, specs: list[Spec], layer: int, gap: int) -> None:
         lse[rows] = reference_lse(batched, layer, p, q[rows], k[rows], SCALE)
     tails = tail_batch(plans, P, torch.device("cpu"))
     k_pages, v_pages = tail_pages(batched, layer, tails, k, v)
-    store_tails(batched, layer, tails, k_pages, v_pages, q, lse, SCALE, write_rows_sealer(batched))
-    meta = RaggedForwardMetadata(requests=plans, pages_to_seal=torch.empty(0, dtype=torch.long))
-    TorchAttention(ref).forward(layer, meta, q, k, v, SCALE, decode=False)
+    store_tails(batched, layer, tails, k_pages, v_pages, q, lse, SCALE, batched.sealer)
+    TorchAttention(ref).forward(layer, BatchPlan(requests=plans), q, k, v, SCALE, decode=False)
     assert_same_state(batched, ref)
 
 

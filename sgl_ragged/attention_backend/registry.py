@@ -1,0 +1,103 @@
+"""`--ragged-attention` names -> attention implementations, and the choice for `auto`.
+
+The implementations are imported only when built (the Triton one imports Triton).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from sgl_ragged.mem_pool.quant import FULL_PRECISION
+
+if TYPE_CHECKING:
+    from sgl_ragged.attention_backend.impl import AttentionImpl
+    from sgl_ragged.mem_pool.storage import RaggedStorage
+    from sgl_ragged.profile import BudgetProfile
+
+TRITON_LOW_TIERS = True
+"""Whether the Triton kernels read rows with a low-precision tier (--ragged-precision)."""
+
+
+def triton_refuses(head_dim: int, precision: str) -> str | None:
+    """Why the Triton kernels cannot serve rows of this head size and --ragged-precision
+    (they pack low-tier codes planar in registers: a power-of-two head size), or None."""
+    if precision == FULL_PRECISION:
+        return None
+    if not TRITON_LOW_TIERS:
+        return "does not read low-precision tiers yet"
+    if head_dim & (head_dim - 1):
+        return f"packs low-tier codes for power-of-two head sizes only, not {head_dim}"
+    return None
+
+
+def _reference(storage: RaggedStorage, profile: BudgetProfile | None,
+               num_q_heads: int | None) -> AttentionImpl:
+    from sgl_ragged.attention_backend.torch_ref import TorchAttention
+
+    return TorchAttention(storage)
+
+
+def _batched(storage: RaggedStorage, profile: BudgetProfile | None,
+             num_q_heads: int | None) -> AttentionImpl:
+    from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention
+
+    return BatchedTorchAttention(storage)
+
+
+def _triton(storage: RaggedStorage, profile: BudgetProfile | None,
+            num_q_heads: int | None) -> AttentionImpl:
+    if storage.device.type != "cuda":
+        raise ValueError(f"--ragged-attention triton needs a CUDA device, the KV cache is on "
+                         f"{storage.device.type}; use auto, batched or reference")
+    from sgl_ragged.attention_backend.triton_impl import TritonAttention
+
+    return TritonAttention(storage, profile_split_ratios(storage, profile), num_q_heads=num_q_heads)
+
+
+IMPLEMENTATIONS: dict[str, Callable[[RaggedStorage, BudgetProfile | None, int | None],
+                                    AttentionImpl]] = {
+    "reference": _reference,
+    "batched": _batched,
+    "triton": _triton,
+}
+"""--ragged-attention name -> builder (storage, resolved profile, query heads per rank)."""
+
+
+def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
+                        choice: str = "auto", num_q_heads: int | None = None) -> AttentionImpl:
+    """The implementation `choice` names (config.ATTENTION_IMPLS); auto = the Triton kernels on
+    CUDA, batched torch elsewhere, and the reference for the dynamic reference mode (its
+    per-head keep masks are a reference feature no other implementation reads). num_q_heads
+    (per rank) lets the Triton path measure its decode kernel's occupancy."""
+    dynamic = storage.row_keep is not None
+    if dynamic and choice not in ("auto", "reference"):
+        raise ValueError(f"--ragged-attention {choice} does not support the dynamic reference "
+                         "mode (profile dynamic:<rho>); use auto or reference")
+    layout = storage.layout
+    refused = triton_refuses(layout.head_dim, layout.low.name) if layout.low else None
+    if choice == "auto":
+        cuda = storage.device.type == "cuda" and not refused
+        choice = "reference" if dynamic else "triton" if cuda else "batched"
+    if choice == "triton" and refused:
+        raise ValueError(f"--ragged-attention triton {refused}; use --ragged-attention batched "
+                         f"(or auto) with --ragged-precision {layout.low.name}")
+    if choice not in IMPLEMENTATIONS:
+        raise ValueError(f"--ragged-attention {choice!r} is unknown; choose one of "
+                         f"{['auto', *IMPLEMENTATIONS]}")
+    return IMPLEMENTATIONS[choice](storage, profile, num_q_heads)
+
+
+def profile_split_ratios(storage: RaggedStorage,
+                         profile: BudgetProfile | None) -> tuple[tuple[float, ...], ...]:
+    """[L][G] split ratios of the profile (computed from its budgets if it stores none), or
+    the layout's shares of bytes read per page without a profile or with a low tier (the
+    profile's ratios count full-precision slots, a quantized row's bytes are its tiers')."""
+    from sgl_ragged import budgets
+    from sgl_ragged.kernels.aot import layout_split_ratios
+
+    layout = storage.layout
+    if (profile is None or layout.quantized
+            or tuple(map(tuple, profile.groups)) != tuple(map(tuple, layout.groups))):
+        return layout_split_ratios(layout)
+    return profile.split_ratios or budgets.split_ratios(profile.budgets, profile.groups)

@@ -1,0 +1,25 @@
+"""Prefill chunk boundaries, handed from the scheduler to the next forward's planning."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class PrefillChunks:
+    """Which requests' next extend is their last prefill chunk (DESIGN.md section 4: a chunk
+    that is not the last seals all its complete pages, the last one keeps the window).
+
+    The scheduler hook after `prepare_for_extend` records each request of the batch; the
+    backend takes the records of the batch it plans and passes them to the planner. Owned by
+    the KV pool, which both reach. Requests without a record (decode) count as final.
+    """
+
+    def __init__(self) -> None:
+        self._final: dict[int, bool] = {}  # req pool index -> its next extend is the last chunk
+
+    def record(self, req_pool_idx: int, final: bool) -> None:
+        self._final[req_pool_idx] = final
+
+    def take(self, req_pool_indices: Sequence[int]) -> list[bool]:
+        """Per request, whether this forward's extend is its last chunk; forgets the records."""
+        return [self._final.pop(r, True) for r in req_pool_indices]

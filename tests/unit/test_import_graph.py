@@ -1,0 +1,169 @@
+"""No import circle among sgl_ragged's modules, and kernels/ independent of attention_backend/.
+
+The import graph is read statically (ast) from every .py file of the package: module-level and
+function-level imports of sgl_ragged modules count, imports under `if TYPE_CHECKING:` do not
+(they never run). A strongly connected component of more than one module is a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+PACKAGE = "sgl_ragged"
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE  # this checkout's package
+
+KNOWN_CIRCLES: tuple[frozenset[str], ...] = ()
+"""Circles tolerated for now (none): a new one fails the test."""
+
+
+def module_name(path: Path, root: Path = ROOT, package: str = PACKAGE) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([package, *parts])
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(node: ast.AST) -> Iterable[ast.Import | ast.ImportFrom]:
+    """Every import statement under node, skipping the bodies of `if TYPE_CHECKING:`."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            for stmt in child.orelse:
+                yield from _imports_of_stmt(stmt)
+            continue
+        yield from _imports_of_stmt(child)
+
+
+def _imports_of_stmt(stmt: ast.AST) -> Iterable[ast.Import | ast.ImportFrom]:
+    if isinstance(stmt, ast.Import | ast.ImportFrom):
+        yield stmt
+    else:
+        yield from _imports(stmt)
+
+
+def imported_modules(source: str, name: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The modules of `modules` that module `name` imports (`from a import b` counts a.b when
+    that is a module, else a)."""
+    found: set[str] = set()
+    for stmt in _imports(ast.parse(source)):
+        if isinstance(stmt, ast.Import):
+            targets = [alias.name for alias in stmt.names]
+        else:
+            base = stmt.module or ""
+            if stmt.level:  # relative: from the module's package, up level - 1
+                pkg = name.split(".") if is_package else name.split(".")[:-1]
+                pkg = pkg[: len(pkg) - (stmt.level - 1)]
+                base = ".".join([*pkg, base] if base else pkg)
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                       for alias in stmt.names]
+        for target in targets:
+            # `import a.b.c` imports a.b.c; keep the longest known module prefix.
+            parts = target.split(".")
+            for n in range(len(parts), 0, -1):
+                candidate = ".".join(parts[:n])
+                if candidate in modules:
+                    found.add(candidate)
+                    break
+    found.discard(name)
+    return found
+
+
+def import_graph(root: Path = ROOT, package: str = PACKAGE) -> dict[str, set[str]]:
+    """module -> the package's modules it imports (outside TYPE_CHECKING blocks)."""
+    files = {module_name(p, root, package): p for p in sorted(root.rglob("*.py"))}
+    modules = set(files)
+    return {name: imported_modules(path.read_text(), name, path.name == "__init__.py", modules)
+            for name, path in files.items()}
+
+
+def circles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_cycle_finder_finds_circles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}, "f": set()}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+    assert circles({"x": {"y"}, "y": {"x"}, "p": {"q"}, "q": {"p"}}) == [["p", "q"], ["x", "y"]]
+
+
+def test_imports_are_read_with_their_scope(tmp_path):
+    """Function-level imports count, TYPE_CHECKING ones do not; relative and `from pkg import
+    module` forms resolve to modules."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from pkg.b import B\n"
+        "def f():\n    from pkg.sub import c\n    return c\n")
+    (pkg / "b.py").write_text("import pkg.a\n")
+    (pkg / "sub" / "c.py").write_text("from .. import b\nfrom . import d\n")
+    (pkg / "sub" / "d.py").write_text("from pkg.sub import c\n")
+    graph = import_graph(pkg, "pkg")
+    assert graph["pkg.a"] == {"pkg.sub.c"}
+    assert graph["pkg.b"] == {"pkg.a"}
+    assert graph["pkg.sub.c"] == {"pkg.b", "pkg.sub.d"}
+    assert graph["pkg.sub.d"] == {"pkg.sub.c"}
+    assert circles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c", "pkg.sub.d"]]
+    (pkg / "a.py").write_text("")  # cut a -> c: only c <-> d is left
+    assert circles(import_graph(pkg, "pkg")) == [["pkg.sub.c", "pkg.sub.d"]]
+
+
+def test_no_import_circle_in_the_package():
+    found = [c for c in circles(import_graph()) if frozenset(c) not in KNOWN_CIRCLES]
+    assert not found, "import circles among sgl_ragged's modules:\n" + "\n".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_kernels_import_nothing_from_the_attention_backend():
+    graph = import_graph()
+    bad = {m: sorted(t for t in targets if t.startswith(f"{PACKAGE}.attention_backend"))
+           for m, targets in graph.items() if m.startswith(f"{PACKAGE}.kernels")}
+    bad = {m: t for m, t in bad.items() if t}
+    assert not bad, f"kernels/ imports attention_backend/: {bad}"
+
+
+def test_the_plan_and_shared_ops_are_leaves():
+    """plan.py and ops.py import nothing of the package (every implementation imports them)."""
+    graph = import_graph()
+    for leaf in ("attention_backend.plan", "attention_backend.ops"):
+        assert graph[f"{PACKAGE}.{leaf}"] == set(), leaf
