@@ -2,8 +2,8 @@
 ``--ragged-profile`` specs (DESIGN.md section 5).
 
 budget_profile.py (``BudgetProfile``, JSON I/O) <- model_shape.py, samples.py, tiers.py (its
-parts) and validation.py (load-time checks, ``ProfileError``); spec.py parses ``uniform:``,
-``dynamic:`` and files. Its ``source`` is a ``sgl_ragged.sources.SourceRecord``.
+parts, with source.py: the typed ``source`` record) and validation.py (load-time checks,
+``ProfileError``); spec.py parses ``uniform:``, ``dynamic:`` and files.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from sgl_ragged.profile.budget_profile import CALIBRATE_HINT, BudgetProfile
 from sgl_ragged.profile.model_shape import ModelShape
 from sgl_ragged.profile.samples import STATS_SCHEMA, SampleRetention
+from sgl_ragged.profile.source import ModelFreeKind, SourceRecord
 from sgl_ragged.profile.spec import (
     UNIFORM_SPEC_HELP,
     dynamic_profile,
@@ -28,7 +29,6 @@ from sgl_ragged.profile.validation import (
     READABLE_VERSIONS,
     ProfileError,
 )
-from sgl_ragged.sources.record import ModelFreeKind, SourceRecord
 
 __all__ = [
     "CALIBRATE_HINT",

@@ -17,6 +17,7 @@ from typing import Any
 import sgl_ragged.budgets as budget_math
 from sgl_ragged.profile.model_shape import ModelShape
 from sgl_ragged.profile.samples import SampleRetention
+from sgl_ragged.profile.source import MODEL_FREE_KINDS, SourceRecord
 from sgl_ragged.profile.tiers import ProfileTiers
 from sgl_ragged.profile.validation import (
     PROFILE_FORMAT,
@@ -33,7 +34,6 @@ from sgl_ragged.profile.validation import (
     float_matrix,
     stat_matrix,
 )
-from sgl_ragged.sources.record import MODEL_FREE_KINDS, SourceRecord
 
 CALIBRATE_HINT = (
     "calibrate one for this model with `python -m sgl_ragged.calibrate --model ...` "
@@ -247,11 +247,7 @@ class BudgetProfile:
     # ----- validation helpers -------------------------------------------------------
 
     def _check_source_and_model(self) -> None:
-        if not isinstance(self.source, SourceRecord):
-            try:
-                object.__setattr__(self, "source", SourceRecord.from_json(self.source))
-            except ValueError as exc:
-                raise ProfileError(str(exc)) from exc
+        object.__setattr__(self, "source", SourceRecord.of(self.source))
         check_jsonable("source", self.source.to_json())
         check_jsonable("stats", self.stats)
         if not isinstance(self.stats, dict):

@@ -11,8 +11,8 @@ import math
 import sgl_ragged.budgets as budget_math
 from sgl_ragged.profile.budget_profile import BudgetProfile
 from sgl_ragged.profile.model_shape import ModelShape
+from sgl_ragged.profile.source import ModelFreeKind, SourceRecord
 from sgl_ragged.profile.validation import ProfileError, check_heads_per_group, is_number
-from sgl_ragged.sources.record import ModelFreeKind, SourceRecord
 
 UNIFORM_SPEC_HELP = "expected uniform:<ratio in (0,1]>"
 DYNAMIC_SPEC_HELP = "a dynamic profile is 'dynamic:<rho>' with rho in (0, 1], e.g. dynamic:0.3; got"

@@ -1,17 +1,17 @@
-"""Budget sources: where a calibrated profile's per-head budgets come from, and the typed
-``source`` record every profile carries (record.py).
+"""Budget sources: where a calibrated profile's per-head budgets come from.
 
-The registry below is the only place that knows source names and record kinds; everything else
-asks a source (``make_source``, ``source_of``) or the record (``fits_any_model``, ``is_dynamic``).
+The registry below is the only place that knows the calibrating sources' names and record
+kinds; everything else asks a source (``make_source``, ``source_of``) or a profile's typed
+``SourceRecord`` (sgl_ragged/profile/source.py: ``fits_any_model``, ``is_dynamic``).
 """
 
 from __future__ import annotations
 
+from sgl_ragged.profile.source import MODEL_FREE_KINDS, ModelFreeKind, SourceRecord
 from sgl_ragged.sources.baklava import BaKlaVaSource
 from sgl_ragged.sources.base import BudgetSource, CalibrationRun, ProfileKey
 from sgl_ragged.sources.kvcompose import KVComposeSource
 from sgl_ragged.sources.margin import MarginSource
-from sgl_ragged.sources.record import MODEL_FREE_KINDS, ModelFreeKind, SourceRecord
 from sgl_ragged.sources.tangram import TangramSource
 
 SOURCES: dict[str, type[BudgetSource]] = {

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from sgl_ragged import budgets as budget_math
+from sgl_ragged.profile.source import SourceRecord
 from sgl_ragged.scoring.snapkv import window_attention_probs
 from sgl_ragged.sources.base import BudgetSource, CalibrationRun, ProfileKey, scorer_params_text
-from sgl_ragged.sources.record import SourceRecord
 
 if TYPE_CHECKING:
     from sgl_ragged.calibrate.pipeline import CalibrationConfig

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from sgl_ragged.sources.record import SourceRecord
+from sgl_ragged.profile.source import SourceRecord
 
 if TYPE_CHECKING:
     from sgl_ragged.calibrate.pipeline import CalibrationConfig

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sgl_ragged.profile.source import SourceRecord
 from sgl_ragged.sources.base import BudgetSource, CalibrationRun, ProfileKey, scorer_params_text
-from sgl_ragged.sources.record import SourceRecord
 
 if TYPE_CHECKING:
     from sgl_ragged.profile import BudgetProfile

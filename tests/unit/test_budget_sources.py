@@ -103,7 +103,7 @@ def test_record_is_frozen_and_keeps_key_order() -> None:
     assert record["alpha"] == 2.0 and record == {"kind": "calibrated", "rho": 0.3, "alpha": 2.0}
     with pytest.raises(TypeError):
         record.params["rho"] = 0.5  # type: ignore[index]
-    with pytest.raises(ValueError, match="string 'kind'"):
+    with pytest.raises(ProfileError, match="string 'kind'"):
         SourceRecord.from_json({"rho": 0.3})
     with pytest.raises(ProfileError, match="only \\['dynamic', 'uniform'\\] profiles fit any model"):
         BudgetProfile(None, [[0.5]], [[[0]]], {"kind": "calibrated"})

@@ -1,8 +1,9 @@
 """The ``source`` record of a budget profile: which source made its budgets, with what settings.
 
 On disk it is the profile's ``"source"`` object: ``{"kind": ..., <parameters>...}``. Kinds are
-the model-free ones (``uniform``, ``dynamic``: the ``<kind>:<ratio>`` specs, no calibration)
-and those a calibrating ``BudgetSource`` writes (sources/__init__.py's registry says which).
+the model-free ones below (``uniform``, ``dynamic``: the ``<kind>:<ratio>`` specs of spec.py, no
+calibration) and those a calibrating ``BudgetSource`` writes (the registry in sgl_ragged/sources
+says which source wrote a record: ``source_of``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from types import MappingProxyType
 from typing import Any
+
+from sgl_ragged.profile.validation import ProfileError
 
 
 class ModelFreeKind(str, Enum):
@@ -39,9 +42,9 @@ class SourceRecord(Mapping[str, Any]):
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, str) or not self.kind:
-            raise ValueError(f"a source record needs a non-empty string kind, got {self.kind!r}")
+            raise ProfileError(f"a source record needs a non-empty string kind, got {self.kind!r}")
         if "kind" in self.params:
-            raise ValueError("a source record's params must not repeat its kind")
+            raise ProfileError("a source record's params must not repeat its kind")
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
 
     @classmethod
@@ -84,9 +87,9 @@ class SourceRecord(Mapping[str, Any]):
 
     @classmethod
     def from_json(cls, data: Any) -> SourceRecord:
-        """Inverse of ``to_json``; ValueError unless ``data`` is an object with a string kind."""
+        """Inverse of ``to_json``; ProfileError unless ``data`` is an object with a string kind."""
         if not isinstance(data, Mapping) or not isinstance(data.get("kind"), str):
-            raise ValueError(f"source must be an object with a string 'kind' (e.g. 'calibrated'), "
+            raise ProfileError(f"source must be an object with a string 'kind' (e.g. 'calibrated'), "
                              f"got {data!r}")
         return cls(data["kind"], {k: v for k, v in data.items() if k != "kind"})
 
