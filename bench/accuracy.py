@@ -51,6 +51,13 @@ class Config:
     profile: str  # --ragged-profile
     precision: str = "bf16"  # --ragged-precision
 
+    @property
+    def is_dynamic(self) -> bool:
+        """Whether this is the dynamic reference mode (--ragged-profile dynamic:<rho>)."""
+        from sgl_ragged.profile import ModelFreeKind, model_free_kind
+
+        return model_free_kind(self.profile) is ModelFreeKind.DYNAMIC
+
     def server_args(self) -> list[str]:
         return ["--attention-backend", "ragged", "--ragged-profile", self.profile,
                 "--ragged-scorer", self.scorer, "--ragged-precision", self.precision]
@@ -80,12 +87,31 @@ def config_bytes(config: Config, shape: Any, page_size: int = 64) -> float:
     from sgl_ragged.mem_pool.layout import RaggedLayout
     from sgl_ragged.profile import resolve_profile
 
-    if config.kind == "dynamic":
+    if config.is_dynamic:
         return config.rho
     if config.kind == "stock-fp8":
         return 0.5
     profile = resolve_profile(config.profile, shape)
     return RaggedLayout.from_profile(profile, page_size, shape.head_dim, 2, config.precision).retention
+
+
+def other_sources() -> list[str]:
+    """The budget sources besides TANGRAM's (whose profiles are the static configurations);
+    a configuration of one has the source's name as its kind."""
+    from sgl_ragged.sources import DEFAULT_SOURCE, SOURCES
+
+    return [name for name in SOURCES if name != DEFAULT_SOURCE]
+
+
+def equal_memory_file(source: str, scorer: str, rho: float) -> str:
+    """The file name of a source's equal-memory profile: <prefix><scorer>-[mean-]rho<rho>.json,
+    in budget mode mean (mean budget = rho) where the source has a margin
+    (kvcompose-<s>-mean-rho<r>.json, baklava-<s>-rho<r>.json)."""
+    from sgl_ragged.sources import make_source
+
+    budget_source = make_source(source)
+    mean = "mean-" if budget_source.margin else ""
+    return f"{budget_source.output_prefix}{scorer}-{mean}rho{rho}.json"
 
 
 def plan_configs(rhos: list[float], scorers: list[str], profile_dir: Path,
@@ -107,8 +133,8 @@ def plan_configs(rhos: list[float], scorers: list[str], profile_dir: Path,
             mean_path = profile_dir / f"{s}-mean-rho{rho}.json"
             if mean_path.is_file():
                 configs.append(Config(f"static-mean-{s}@{rho}", "static-mean", rho, s, str(mean_path)))
-            for source, file in (("kvcompose", f"kvcompose-{s}-mean-rho{rho}.json"),
-                                 ("baklava", f"baklava-{s}-rho{rho}.json")):
+            for source in other_sources():
+                file = equal_memory_file(source, s, rho)
                 if (profile_dir / file).is_file():
                     configs.append(Config(f"{source}-{s}@{rho}", source, rho, s, str(profile_dir / file)))
             configs.append(Config(f"dynamic-{s}@{rho}", "dynamic", rho, s, f"dynamic:{rho}"))
@@ -243,8 +269,7 @@ def comparisons(configs: list[Config], records: dict[str, list[dict[str, Any]]])
     by_name = {c.name: c for c in configs if c.name in records}
     versus = {"static": ("dynamic-{s}@{r}", "uniform@{r}"),
               "static-mean": ("uniform@{r}", "dynamic-{s}@{r}", "static-{s}@{r}"),
-              "kvcompose": ("uniform@{r}", "static-mean-{s}@{r}"),
-              "baklava": ("uniform@{r}", "static-mean-{s}@{r}"),
+              **{source: ("uniform@{r}", "static-mean-{s}@{r}") for source in other_sources()},
               "tiers": ("uniform@{r}",)}
     pairs = []
     for c in by_name.values():

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.accuracy import FULL, Config, plan_configs, plot_kl
+from bench.accuracy import FULL, Config, other_sources, plan_configs, plot_kl
 from bench.accuracy_stats import mean_se, paired_diff
 
 SEED = 7  # calibration draws seed 0, BaKlaVa's search seed 1: these samples are held out
@@ -47,7 +47,7 @@ def selection_for(config: Config, shape: Any, page_size: int) -> tuple[Any, floa
 
     if config.kind == FULL:
         return None, 1.0
-    if config.kind == "dynamic":
+    if config.is_dynamic:
         return FlatTopSelection(config.rho), config.rho
     if config.kind == "stock-fp8":
         return StockFp8(), 0.5
@@ -100,10 +100,10 @@ def summarize(configs: list[Config], raw: dict[str, Any]) -> tuple[list[dict[str
     names = {c.name for c in configs}
     diffs = []
     for c in configs:
-        others = [] if c.kind in (FULL, "uniform", "tiers-all", "stock-fp8") else [f"uniform@{c.rho}"]
-        if c.kind in ("kvcompose", "baklava"):
+        others = [] if c.kind in (FULL, "tiers-all", "stock-fp8") else [f"uniform@{c.rho}"]
+        if c.kind in other_sources():
             others.append(f"static-mean-{c.scorer}@{c.rho}")
-        for other in (o for o in others if o in names):
+        for other in (o for o in others if o in names and o != c.name):  # not uniform@rho itself
             d = paired_diff(raw[c.name]["kl"], raw[other]["kl"])
             diffs.append({"a": c.name, "b": other, "rho": c.rho, "kl_mean": d.mean, "kl_se": d.se,
                           "kl_z": d.z})

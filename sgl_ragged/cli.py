@@ -16,12 +16,11 @@ from pathlib import Path
 
 from sgl_ragged.calibrate.statistics import BUDGET_MODES
 from sgl_ragged.profile import (
-    MODEL_FREE_KINDS,
     BudgetProfile,
     ProfileError,
+    model_free_kind,
+    model_free_profile,
     resolve_profile,
-    spec_kind,
-    uniform_profile,
 )
 
 
@@ -137,16 +136,11 @@ def _tiers(args: argparse.Namespace) -> int:
 def load_profile(spec: str, model: str | None) -> BudgetProfile:
     """A profile file (checked against ``model`` if given), ``uniform:<ratio>`` or
     ``dynamic:<rho>``."""
-    kind = spec_kind(spec)
-    if model is None and kind not in MODEL_FREE_KINDS:
+    if model is None and model_free_kind(spec) is None:
         return BudgetProfile.load(spec)
     model = model or _default_model()
     if model is None:  # a spec without a model: one layer, one head (shape-free numbers)
-        from sgl_ragged.profile import dynamic_profile, parse_dynamic_spec, parse_uniform_spec
-
-        if kind == "dynamic":
-            return dynamic_profile(parse_dynamic_spec(spec), 1, 1)
-        return uniform_profile(parse_uniform_spec(spec), 1, 1)
+        return model_free_profile(spec, 1, 1)
     from sgl_ragged.scheduler.server_args import model_shape
 
     return resolve_profile(spec, model_shape(model))
@@ -161,7 +155,7 @@ def _default_model() -> str | None:
 
 
 def _default_png(spec: str) -> Path:
-    if spec_kind(spec) in MODEL_FREE_KINDS:
+    if model_free_kind(spec) is not None:
         return Path(f"profile-{spec.replace(':', '-').strip()}.png")
     return Path(spec).with_suffix(".png")
 

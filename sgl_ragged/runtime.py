@@ -26,9 +26,9 @@ class RaggedRuntime:
     @property
     def dynamic_rho(self) -> float | None:
         """rho of the dynamic reference mode (profile dynamic:<rho>), else None."""
-        if self.profile is None or self.profile.source.get("kind") != "dynamic":
+        if self.profile is None or not self.profile.source.is_dynamic:
             return None
-        return float(self.profile.source["rho"])
+        return self.profile.source.rho
 
     def require_layout(self) -> RaggedLayout:
         if self.layout is None:

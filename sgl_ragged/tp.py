@@ -19,7 +19,6 @@ from collections.abc import Sequence
 import sgl_ragged.budgets as budget_math
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.profile import (
-    MODEL_FREE_KINDS,
     BudgetProfile,
     ModelShape,
     ProfileError,
@@ -61,7 +60,7 @@ def rank_group_size(profile: BudgetProfile, local_heads: int, heads_per_group: i
     ProfileError if it does not divide the rank's heads (a group would straddle ranks)."""
     if heads_per_group is not None:
         size, what = heads_per_group, f"--ragged-heads-per-group {heads_per_group}"
-    elif profile.source["kind"] in MODEL_FREE_KINDS:
+    elif profile.source.fits_any_model:
         return local_heads
     else:
         size, what = profile.heads_per_group, f"the profile's head groups of {profile.heads_per_group}"
@@ -95,7 +94,7 @@ def slice_profile(profile: BudgetProfile, tp_size: int, rank: int,
     if model is not None:
         model = dataclasses.replace(model, num_kv_heads=len(heads))
     ratios = None if profile.split_ratios is None else budget_math.split_ratios(budgets, groups)
-    source = {**profile.source, TP_SOURCE_KEY: {"size": tp_size, "rank": rank, "heads": list(heads)}}
+    source = profile.source.updated({TP_SOURCE_KEY: {"size": tp_size, "rank": rank, "heads": list(heads)}})
     stats = {k: v for k, v in profile.stats.items() if k != "samples"}  # [S][L][H]: whole model
     return BudgetProfile(model, budgets, groups, source, pick(profile.mu), pick(profile.sigma),
                          ratios, stats)
@@ -129,7 +128,7 @@ def resolve_rank_profiles(spec: str, shape: ModelShape, heads_per_group: int | N
         return (resolve_profile(spec, shape, heads_per_group),)
     check_tp_size(shape.num_kv_heads, tp_size)
     whole = resolve_profile(spec, shape)
-    if whole.source["kind"] == "dynamic":
+    if whole.source.is_dynamic:
         raise ProfileError(
             f"--ragged-profile {spec} (the dynamic reference mode) selects tokens over all KV "
             f"heads of a layer at once (Eq. 3), but with --tp-size {tp_size} each rank holds only "

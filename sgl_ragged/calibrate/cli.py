@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sgl_ragged.calibrate.retention import ChunkingConfig
-from sgl_ragged.calibrate.sources import SOURCES
 from sgl_ragged.calibrate.statistics import BUDGET_MODES
 from sgl_ragged.scoring import SCORERS
+from sgl_ragged.sources import DEFAULT_SOURCE, SOURCES, make_source
 
 DEFAULT_OUTPUT = "calib_profiles/{model}/{prefix}{{scorer}}-rho{{rho}}.json"
 
@@ -21,10 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Calibrate per-KV-head retention budgets (TANGRAM Eq. 3-5, or KVCompose's "
                     "or BaKlaVa's budgets) and write profiles.",
     )
-    p.add_argument("--source", choices=SOURCES, default="tangram",
-                   help="tangram: Eq. 3 per head, budgets mu + alpha*sigma (default); kvcompose: "
-                        "layer-adaptive budgets, uniform within a layer (H_p = H); baklava: head "
-                        "importance reallocation, (r, t) searched by compressed loss")
+    p.add_argument("--source", choices=list(SOURCES), default=DEFAULT_SOURCE,
+                   help="; ".join(f"{name}: {cls.help}" for name, cls in SOURCES.items()))
     p.add_argument("model", nargs="?", help="HF checkpoint directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--model", dest="model_opt", metavar="PATH", help="same as the positional MODEL")
     p.add_argument("--scorer", nargs="+", default=["snapkv"],
@@ -39,13 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads-per-group", type=int, default=None, metavar="H_P",
                    help="KV heads per head group (budget-aware clustering; default 1, or all the "
                         "KV heads of a layer for --source kvcompose)")
-    p.add_argument("--eval-samples", type=int, default=2,
-                   help="baklava: held-out samples whose compressed loss picks (r, t) (default 2)")
-    p.add_argument("--baklava-reductions", type=float, nargs="+", default=[0.25, 0.5, 0.75, 0.9],
-                   metavar="R", help="baklava: candidate reductions r of low-importance heads")
-    p.add_argument("--baklava-quantiles", type=float, nargs="+", default=[0.25, 0.5, 0.75, 0.9],
-                   metavar="Q", help="baklava: candidate thresholds t at these quantiles of the "
-                                     "head importances")
+    for cls in SOURCES.values():
+        cls().add_cli_options(p)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--chunk-size", type=int, default=512, help="prefill chunk (multiple of page size)")
     p.add_argument("--obs-window", type=int, default=32, help="window queries that score a chunk")
@@ -70,17 +63,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sgl_ragged.models.smollm2 import ensure_smollm2
 
         model = str(ensure_smollm2())
-    prefix = "" if args.source == "tangram" else f"{args.source}-"
-    output = args.output or DEFAULT_OUTPUT.format(model=Path(model).name.lower(), prefix=prefix)
+    source = make_source(args.source)
+    output = args.output or DEFAULT_OUTPUT.format(model=Path(model).name.lower(),
+                                                  prefix=source.output_prefix)  # fmt: skip
     try:
         heads_per_group = args.heads_per_group
         if heads_per_group is None:
-            heads_per_group = _num_kv_heads(model) if args.source == "kvcompose" else 1
+            heads_per_group = source.default_heads_per_group(model)
+        options = {k: v for cls in SOURCES.values() for k, v in cls().options_from_args(args).items()}
         cfg = CalibrationConfig(
             model_path=model, output=output, scorers=tuple(args.scorer), rhos=tuple(args.rho),
             samples=args.samples, alpha=args.alpha, budget_mode=args.budget_mode,
-            heads_per_group=heads_per_group, source=args.source, eval_samples=args.eval_samples,
-            reductions=tuple(args.baklava_reductions), quantiles=tuple(args.baklava_quantiles),
+            heads_per_group=heads_per_group, source=args.source, **options,
             chunking=ChunkingConfig(args.page_size, args.chunk_size, args.obs_window),
             min_tokens=args.min_tokens, max_tokens=args.max_tokens, seed=args.seed,
             device=args.device, dtype=args.dtype,
@@ -93,8 +87,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(path)
     return 0
 
-
-def _num_kv_heads(model: str) -> int:
-    from sgl_ragged.scheduler.server_args import model_shape
-
-    return model_shape(model).num_kv_heads

@@ -14,6 +14,7 @@ import numpy as np
 
 from sgl_ragged.calibrate.summary import PAGE_SIZE, reclaimed_by_group_size
 from sgl_ragged.profile import BudgetProfile
+from sgl_ragged.sources import source_of
 
 TASK_MARKERS = ("o", "s", "^", "D", "v")
 
@@ -85,9 +86,7 @@ def _reclaimed_panel(ax, profile: BudgetProfile, page_size: int) -> None:  # typ
 
 
 def _title(profile: BudgetProfile) -> str:
-    src = profile.source
     model = profile.model.architecture if profile.model else "any model"
-    if src.get("kind") == "calibrated":
-        return (f"{model}: {src.get('scorer')} at rho {src.get('rho')}, alpha {src.get('alpha')}, "
-                f"{src.get('samples')} samples")  # fmt: skip
-    return f"{model}: {src.get('kind')} profile"
+    source = source_of(profile.source)
+    what = f"{profile.source.kind} profile" if source is None else source.plot_title(profile.source)
+    return f"{model}: {what}"

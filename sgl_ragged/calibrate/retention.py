@@ -4,8 +4,9 @@ A sample is split into prefill chunks as serving splits it. Each chunk's pages a
 as serving scores pages it seals in prefill: the attention of the chunk's last ``obs_window``
 queries, max-reduced over the query heads of each KV head and summed, with per-token observation
 counts and the window-query statistics, go into ``PageStats``; the scorer turns them into
-``[N, H_kv, P]`` scores. Then, per layer and chunk, the global top-ceil(rho * H * n) over all
-heads' tokens (``select_flat_top``, sinks forced in) decides what each head keeps. A head's
+``[N, H_kv, P]`` scores. Then the budget source's selection decides what each head keeps
+(TANGRAM: per layer and chunk, the global top-ceil(rho * H * n) over all heads' tokens, sinks
+forced in; KVCompose: the layers' composite tokens, sources/kvcompose.py). A head's
 retention for the sample is its kept tokens over the tokens offered to it, summed over chunks.
 """
 
@@ -16,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_ragged.calibrate import sources
 from sgl_ragged.calibrate.runner import LayerQKV
 from sgl_ragged.scoring import SINK_TOKENS, PageStats, Scorer, page_query_stats
-from sgl_ragged.scoring.select import select_flat_top_pages, sink_mask
+from sgl_ragged.scoring.select import sink_mask
 from sgl_ragged.scoring.snapkv import gqa_reduce, window_attention_probs
+from sgl_ragged.sources import DEFAULT_SOURCE, MarginSource, make_source, margin_sources
 
 
 @dataclass(frozen=True)
@@ -94,41 +95,27 @@ def chunk_sinks(start: int, pages: int, page_size: int, device: torch.device | s
     return sink_mask(start + page_size * torch.arange(pages, device=device), page_size)
 
 
-def flat_top_kept(scores: torch.Tensor, start: int, rhos: Sequence[float]) -> torch.Tensor:
-    """Tokens each head keeps under Eq. 3, for each rho.
-
-    scores: [N, H_kv, P] float32 page scores of one chunk starting at sequence position
-    ``start``. Returns [R, H_kv] int64 kept counts (R = len(rhos)).
-    """
-    pages, _, p = scores.shape
-    sinks = chunk_sinks(start, pages, p, scores.device)  # [N, P]
-    return torch.stack([select_flat_top_pages(scores, rho, sinks).sum((0, 2)) for rho in rhos])
-
-
 def sample_retention(
     layers: Sequence[LayerQKV], scorers: Sequence[Scorer], rhos: Sequence[float],
-    cfg: ChunkingConfig, scale: float, source: str = "tangram",
+    cfg: ChunkingConfig, scale: float, source: str = DEFAULT_SOURCE,
 ) -> torch.Tensor:  # fmt: skip
     """Per-head retention of one sample: [S_c, R, L, H_kv] float64 kept / offered.
 
     S_c = len(scorers), R = len(rhos), L = len(layers); one model run serves them all.
-    source "tangram": Eq. 3 per layer and chunk (heads of a layer compete); "kvcompose": the
-    layers compete through their composite tokens (calibrate/sources.py) and every head of a
-    layer keeps the layer's count.
+    ``source`` names a MarginSource, whose ``chunk_kept`` selects each chunk's tokens: tangram,
+    Eq. 3 per layer (heads of a layer compete); kvcompose, the layers compete through their
+    composite tokens and every head of a layer keeps the layer's count.
     """
-    if source not in ("tangram", "kvcompose"):
-        raise ValueError(f"per-sample retention exists for tangram and kvcompose, not {source!r}")
+    selector = make_source(source)
+    if not isinstance(selector, MarginSource):
+        raise ValueError(f"per-sample retention exists for {' and '.join(margin_sources())}, "
+                         f"not {source!r}")
     num_tokens, h_kv = layers[0].k.shape[:2]
     kept = torch.zeros(len(scorers), len(rhos), len(layers), h_kv, dtype=torch.int64)
     for start, end in cfg.chunks(num_tokens):
-        sinks = chunk_sinks(start, (end - start) // cfg.page_size, cfg.page_size)
+        sinks = chunk_sinks(start, (end - start) // cfg.page_size, cfg.page_size)  # [N, P]
         stats = [chunk_page_stats(layer, start, end, cfg, scale) for layer in layers]
         for si, scorer in enumerate(scorers):
-            scores = [scorer.page_scores(st).cpu() for st in stats]
-            if source == "tangram":
-                for li, layer_scores in enumerate(scores):
-                    kept[si, :, li] += flat_top_kept(layer_scores, start, rhos)
-            else:
-                composite = [sources.composite_scores(x, sinks) for x in scores]
-                kept[si] += sources.layer_kept_counts(composite, rhos)[:, :, None]
+            scores = [scorer.page_scores(st).cpu() for st in stats]  # [L] of [N, H_kv, P]
+            kept[si] += selector.chunk_kept(scores, sinks, rhos)
     return kept.double() / num_tokens

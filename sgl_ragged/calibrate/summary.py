@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 from sgl_ragged import budgets as budget_math
 from sgl_ragged.profile import BudgetProfile
+from sgl_ragged.sources import BudgetSource, SourceRecord, source_of
 
 PAGE_SIZE = 64  # serving's default logical page (the compression block)
 GROUP_SIZES = (1, 2, 4)  # H_p compared in the memory table, plus H (one group per layer)
@@ -55,7 +56,7 @@ def describe(profile: BudgetProfile, name: str, page_size: int = PAGE_SIZE) -> s
     ]  # fmt: skip
     if profile.tiers is not None:
         lines[7:7] = [_tiers_line(profile, page_size)]
-    lines += _stats_lines(profile.stats)
+    lines += _stats_lines(profile.stats, source_of(profile.source))
     return "\n".join(lines)
 
 
@@ -70,35 +71,11 @@ def _tiers_line(profile: BudgetProfile, page_size: int) -> str:
             f"{t.precision} slots per page of {page_size}{chosen}")
 
 
-def _source(source: dict[str, Any]) -> str:
-    kind = source.get("kind")
-    if kind not in ("calibrated", "baklava"):
-        return ", ".join(f"{k} {v}" for k, v in source.items())
-    params = ", ".join(f"{k}={v}" for k, v in source.get("scorer_params", {}).items())
-    corpus = source.get("corpus", {})
-    tasks = ", ".join(f"{t} {n}" for t, n in corpus.get("tasks", {}).items())
-    tokens = "-".join(str(t) for t in corpus.get("tokens", []))
-    if kind == "baklava":
-        head = (f"BaKlaVa for {source.get('scorer')} ({params}), rho {source.get('rho')}, "
-                f"r {source.get('reduction')}, t {_f(source.get('threshold'))} (searched on "
-                f"{source.get('eval_samples')} held-out samples), importance from ")  # fmt: skip
-    else:
-        method = source.get("method", "tangram")
-        via = "" if method == "tangram" else f" ({method} budgets)"
-        head = (f"calibrated{via} with {source.get('scorer')} ({params}), rho {source.get('rho')}, "
-                f"alpha {source.get('alpha')}{_budget_mode(source)}, ")  # fmt: skip
-    return (
-        f"{head}{source.get('samples')} samples of "
-        f"{corpus.get('name', '?')} ({tasks}; {tokens} tokens), seed {source.get('seed')}, "
-        f"chunk {source.get('chunk_size')}, page {source.get('page_size')}, "
-        f"obs window {source.get('obs_window')}"
-    )
-
-
-def _budget_mode(source: dict[str, Any]) -> str:
-    if source.get("budget_mode", "margin") == "margin":
-        return ""
-    return " (budget mode mean: the margin that makes the mean budget rho)"
+def _source(record: SourceRecord) -> str:
+    source = source_of(record)
+    if source is None:  # model-free (uniform, dynamic) or written by no registered source
+        return ", ".join(f"{k} {v}" for k, v in record.items())
+    return source.describe(record)
 
 
 def _mu_note(profile: BudgetProfile) -> str:
@@ -119,7 +96,7 @@ def _layer_table(profile: BudgetProfile, page_size: int) -> list[str]:
     return lines
 
 
-def _stats_lines(stats: dict[str, Any]) -> list[str]:
+def _stats_lines(stats: dict[str, Any], source: BudgetSource | None) -> list[str]:
     lines = []
     rank = stats.get("rank_stability")
     if isinstance(rank, dict):
@@ -148,20 +125,8 @@ def _stats_lines(stats: dict[str, Any]) -> list[str]:
         ]
     elif cover is not None:
         lines.append(f"coverage   {cover}")
-    baklava = stats.get("baklava")
-    if isinstance(baklava, dict):
-        lines += ["", f"BaKlaVa search (mean NLL of held-out tokens after the first chunk; full KV "
-                      f"{_f(baklava.get('full_nll'))})", "  r      t      mean B  NLL"]
-        for row in baklava.get("search", []):
-            chosen = "  <- chosen" if (row.get("reduction"), row.get("threshold")) == (
-                baklava.get("reduction"), baklava.get("threshold")) else ""
-            lines.append(f"  {row.get('reduction'):<5}  {_f(row.get('threshold')):<5}  "
-                         f"{_f(row.get('mean_budget'))}   {_f(row.get('nll'))}{chosen}")
-        rank = baklava.get("importance_rank_stability")
-        if isinstance(rank, dict):
-            lines.append(f"importance rank stability across samples: "
-                         f"{_f(rank.get('samples_global_mean'))} (all heads), "
-                         f"{_f(rank.get('samples_within_layer_mean'))} (within layers)")
+    if source is not None:
+        lines += source.summary_lines(stats)
     run = stats.get("run")
     if isinstance(run, dict):
         lines.append(f"run        {run.get('seconds')} s on {run.get('device')} "

@@ -9,7 +9,7 @@ metadata and the regularity statistics, including the per-sample retention itsel
 from __future__ import annotations
 
 import string
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import numpy as np
 from sgl_ragged import budgets as budget_math
 from sgl_ragged.calibrate import statistics
 from sgl_ragged.profile import STATS_SCHEMA, BudgetProfile, ModelShape
+from sgl_ragged.sources import SourceRecord, margin_sources, source_of
 
 DIGITS = 6  # decimals kept for B, mu, sigma
 SAMPLE_DIGITS = 4  # decimals kept for per-sample retention
@@ -25,19 +26,21 @@ SAMPLE_DIGITS = 4  # decimals kept for per-sample retention
 
 def build_profile(
     shape: ModelShape, retention: np.ndarray, tasks: Sequence[str], tokens: Sequence[int],
-    alpha: float, heads_per_group: int, source: dict[str, Any], extra_stats: dict[str, Any],
+    alpha: float, heads_per_group: int, source: SourceRecord | Mapping[str, Any],
+    extra_stats: dict[str, Any],
     budget_mode: str = "margin",
 ) -> BudgetProfile:  # fmt: skip
-    """A calibrated profile from ``retention`` [S, L, H] (one scorer, one rho = source["rho"]).
+    """A calibrated profile from ``retention`` [S, L, H] (one scorer, one rho = source.rho).
     budget_mode (statistics.BUDGET_MODES): "mean" replaces alpha by the margin at which the
     mean budget is rho; the source records the alpha used and the mode."""
     if budget_mode not in statistics.BUDGET_MODES:
         raise ValueError(f"budget mode must be one of {statistics.BUDGET_MODES}, got {budget_mode!r}")
+    record = SourceRecord.of(source)
     # 1. Eq. 5 per head (in mean mode with the margin that makes the mean budget rho).
     mu, sigma = statistics.mean_and_std(retention)
     if budget_mode == "mean":
-        alpha = statistics.mean_matched_alpha(mu, sigma, source["rho"])
-    source = {**source, "alpha": round(alpha, DIGITS), "budget_mode": budget_mode}
+        alpha = statistics.mean_matched_alpha(mu, sigma, record.rho)
+    record = record.updated({"alpha": round(alpha, DIGITS), "budget_mode": budget_mode})
     budgets = np.round(statistics.reserved_budgets(mu, sigma, alpha), DIGITS)
     # 2. Budget-aware clustering and the AOT split ratios of the clustered groups.
     groups = tuple(budget_math.cluster_heads(row, heads_per_group) for row in budgets.tolist())
@@ -61,45 +64,10 @@ def build_profile(
         model=shape,
         budgets=budgets.tolist(),
         groups=groups,
-        source=source,
+        source=record,
         mu=np.round(mu, DIGITS).tolist(),
         sigma=np.round(sigma, DIGITS).tolist(),
         split_ratios=ratios,
-        stats=stats,
-    )
-
-
-def build_baklava_profile(
-    shape: ModelShape, importance: np.ndarray, per_sample: np.ndarray, tasks: Sequence[str],
-    best: dict[str, Any], searched: Sequence[dict[str, Any]], full_nll: float,
-    heads_per_group: int, source: dict[str, Any], extra_stats: dict[str, Any],
-) -> BudgetProfile:  # fmt: skip
-    """A BaKlaVa profile (calibrate/sources.py): Algorithm 2's budgets at the searched (r, t)
-    ``best``, from the mean head ``importance`` [L, H] of the samples ``per_sample`` [S, L, H].
-    The stats keep the importance, its rank stability across samples and the whole search."""
-    from sgl_ragged.calibrate.sources import baklava_budgets
-
-    r, t = best["reduction"], best["threshold"]
-    budgets = np.round(baklava_budgets(importance, source["rho"], r, t), DIGITS)
-    groups = tuple(budget_math.cluster_heads(row, heads_per_group) for row in budgets.tolist())
-    stats = {
-        "mean_budget": round(float(budgets.mean()), DIGITS),
-        "baklava": {
-            "reduction": r,
-            "threshold": t,
-            "importance": np.round(importance, DIGITS).tolist(),
-            "importance_rank_stability": statistics.rank_stability(per_sample, tasks),
-            "full_nll": round(full_nll, 6),
-            "search": list(searched),
-        },
-        **extra_stats,
-    }
-    return BudgetProfile(
-        model=shape,
-        budgets=budgets.tolist(),
-        groups=groups,
-        source={**source, "reduction": r, "threshold": t},
-        split_ratios=budget_math.split_ratios(budgets.tolist(), groups),
         stats=stats,
     )
 
@@ -110,10 +78,11 @@ def rebuild_profile(profile: BudgetProfile, alpha: float, heads_per_group: int,
     retention a calibrated profile stores (no model run): another margin, budget mode or group
     size."""
     samples = profile.stats.get("samples")
-    if profile.source.get("kind") != "calibrated" or not samples or profile.model is None:
+    source = source_of(profile.source)
+    if source is None or not source.margin or not samples or profile.model is None:
         raise ValueError(f"{derived_from} is not a calibrated profile with its samples; only "
-                         "profiles of sgl-ragged-calibrate's tangram and kvcompose sources "
-                         "store per-sample retention to derive from (for other BaKlaVa "
+                         f"profiles of sgl-ragged-calibrate's {' and '.join(margin_sources())} "
+                         "sources store per-sample retention to derive from (for other BaKlaVa "
                          "budgets, rerun the calibrator with --source baklava)")
     kept = {k: v for k, v in profile.stats.items() if k == "run"}
     return build_profile(

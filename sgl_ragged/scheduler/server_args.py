@@ -21,7 +21,7 @@ from sgl_ragged.config import (
     move_cli_args_to_env,
 )
 from sgl_ragged.mem_pool.quant import low_precision
-from sgl_ragged.profile import ModelShape, spec_kind
+from sgl_ragged.profile import ModelFreeKind, ModelShape, model_free_kind
 from sgl_ragged.tp import resolve_rank_profiles
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,8 @@ def _decode_graphs(cfg: Any, config: RaggedConfig, head_dim: int | None = None) 
     graph_config = cfg.cuda_graph_config
     on_cuda = str(cfg.device or "cuda").startswith("cuda")
     if (graph_config is None or graph_config.decode.backend == Backend.DISABLED or not on_cuda
-            or config.attention not in ("auto", "triton") or spec_kind(config.profile) == "dynamic"
+            or config.attention not in ("auto", "triton")
+            or model_free_kind(config.profile) is ModelFreeKind.DYNAMIC
             or (head_dim is not None and triton_refuses(head_dim, config.precision))):
         return False
     if graph_config.decode.backend != Backend.FULL:

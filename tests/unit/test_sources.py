@@ -24,17 +24,12 @@ from sgl_ragged.calibrate.pipeline import CalibrationConfig, calibrate
 from sgl_ragged.calibrate.retention import ChunkingConfig, chunk_page_stats, sample_retention
 from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
 from sgl_ragged.calibrate.samples import build_samples
-from sgl_ragged.calibrate.sources import (
-    baklava_budgets,
-    baklava_grid,
-    composite_scores,
-    head_importance,
-    layer_kept_counts,
-)
 from sgl_ragged.calibrate.summary import describe
 from sgl_ragged.profile import BudgetProfile, resolve_profile
 from sgl_ragged.scheduler.server_args import model_shape
 from sgl_ragged.scoring import SINK_TOKENS, make_scorer
+from sgl_ragged.sources.baklava import baklava_budgets, baklava_grid, head_importance
+from sgl_ragged.sources.kvcompose import composite_scores, layer_kept_counts
 from sgl_ragged.testing.tiny_model import save_tiny_llama
 
 TINY = ChunkingConfig(page_size=16, chunk_size=32, obs_window=8)
