@@ -99,8 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _derive(args: argparse.Namespace) -> int:
     from sgl_ragged.budgets import check_heads_per_group
     from sgl_ragged.calibrate.writer import rebuild_profile, save
+    from sgl_ragged.sources import derivable
 
     profile = BudgetProfile.load(args.profile)
+    derivable(profile.source, Path(args.profile).name)
     alpha = profile.source.get("alpha", 2.0) if args.alpha is None else args.alpha
     heads_per_group = args.heads_per_group or profile.heads_per_group
     check_heads_per_group(profile.num_kv_heads, heads_per_group)

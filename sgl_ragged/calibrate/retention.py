@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,7 +22,9 @@ from sgl_ragged.calibrate.runner import LayerQKV
 from sgl_ragged.scoring import SINK_TOKENS, PageStats, Scorer, page_query_stats
 from sgl_ragged.scoring.select import sink_mask
 from sgl_ragged.scoring.snapkv import gqa_reduce, window_attention_probs
-from sgl_ragged.sources import DEFAULT_SOURCE, MarginSource, make_source, margin_sources
+
+if TYPE_CHECKING:
+    from sgl_ragged.sources.margin import MarginSource
 
 
 @dataclass(frozen=True)
@@ -97,19 +100,18 @@ def chunk_sinks(start: int, pages: int, page_size: int, device: torch.device | s
 
 def sample_retention(
     layers: Sequence[LayerQKV], scorers: Sequence[Scorer], rhos: Sequence[float],
-    cfg: ChunkingConfig, scale: float, source: str = DEFAULT_SOURCE,
+    cfg: ChunkingConfig, scale: float, selector: MarginSource,
 ) -> torch.Tensor:  # fmt: skip
     """Per-head retention of one sample: [S_c, R, L, H_kv] float64 kept / offered.
 
     S_c = len(scorers), R = len(rhos), L = len(layers); one model run serves them all.
-    ``source`` names a MarginSource, whose ``chunk_kept`` selects each chunk's tokens: tangram,
-    Eq. 3 per layer (heads of a layer compete); kvcompose, the layers compete through their
+    ``selector`` (a MarginSource) selects each chunk's tokens through ``chunk_kept``: TANGRAM,
+    Eq. 3 per layer (heads of a layer compete); KVCompose, the layers compete through their
     composite tokens and every head of a layer keeps the layer's count.
     """
-    selector = make_source(source)
-    if not isinstance(selector, MarginSource):
-        raise ValueError(f"per-sample retention exists for {' and '.join(margin_sources())}, "
-                         f"not {source!r}")
+    if not getattr(selector, "margin", False):
+        raise ValueError(f"per-sample retention exists for the margin sources (Eq. 5 budgets), "
+                         f"not {getattr(selector, 'name', selector)!r}")
     num_tokens, h_kv = layers[0].k.shape[:2]
     kept = torch.zeros(len(scorers), len(rhos), len(layers), h_kv, dtype=torch.int64)
     for start, end in cfg.chunks(num_tokens):

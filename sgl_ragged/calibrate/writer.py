@@ -18,7 +18,7 @@ import numpy as np
 from sgl_ragged import budgets as budget_math
 from sgl_ragged.calibrate import statistics
 from sgl_ragged.profile import STATS_SCHEMA, BudgetProfile, ModelShape
-from sgl_ragged.sources import SourceRecord, margin_sources, source_of
+from sgl_ragged.profile.source import SourceRecord
 
 DIGITS = 6  # decimals kept for B, mu, sigma
 SAMPLE_DIGITS = 4  # decimals kept for per-sample retention
@@ -76,14 +76,10 @@ def rebuild_profile(profile: BudgetProfile, alpha: float, heads_per_group: int,
                     budget_mode: str, derived_from: str) -> BudgetProfile:
     """The profile a calibration with these settings would have written, from the per-sample
     retention a calibrated profile stores (no model run): another margin, budget mode or group
-    size."""
+    size. The caller checks that a margin source wrote ``profile`` (sources.derivable)."""
     samples = profile.stats.get("samples")
-    source = source_of(profile.source)
-    if source is None or not source.margin or not samples or profile.model is None:
-        raise ValueError(f"{derived_from} is not a calibrated profile with its samples; only "
-                         f"profiles of sgl-ragged-calibrate's {' and '.join(margin_sources())} "
-                         "sources store per-sample retention to derive from (for other BaKlaVa "
-                         "budgets, rerun the calibrator with --source baklava)")
+    if not samples or profile.model is None:
+        raise ValueError(f"{derived_from} is not a calibrated profile with its samples")
     kept = {k: v for k, v in profile.stats.items() if k == "run"}
     return build_profile(
         profile.model, np.asarray(samples["retention"], dtype=np.float64), samples["tasks"],

@@ -37,6 +37,19 @@ def source_of(record: SourceRecord) -> BudgetSource | None:
     return None
 
 
+def derivable(record: SourceRecord, name: str) -> BudgetSource:
+    """The margin source that wrote a profile with this ``source`` record, whose stored
+    per-sample retention `sgl-ragged profile derive` rebuilds budgets from; a ValueError naming
+    the file (``name``) otherwise."""
+    source = source_of(record)
+    if source is None or not source.margin:
+        raise ValueError(f"{name} is not a calibrated profile with its samples; only "
+                         f"profiles of sgl-ragged-calibrate's {' and '.join(margin_sources())} "
+                         "sources store per-sample retention to derive from (for other BaKlaVa "
+                         "budgets, rerun the calibrator with --source baklava)")
+    return source
+
+
 def margin_sources() -> list[str]:
     """Names of the sources whose profiles hold per-sample retention and Eq. 5 budgets."""
     return [name for name, cls in SOURCES.items() if cls.margin]
@@ -55,6 +68,7 @@ __all__ = [
     "ProfileKey",
     "SourceRecord",
     "TangramSource",
+    "derivable",
     "make_source",
     "margin_sources",
     "source_of",

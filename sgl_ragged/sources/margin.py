@@ -45,7 +45,7 @@ class MarginSource(BudgetSource):
         scorers = [make_scorer(name) for name in cfg.scorers]
         # 1. One model run per sample: every scorer's and rho's retention, [S_c, R, S, L, H].
         per_sample = [
-            sample_retention(runner.run(s.input_ids), scorers, cfg.rhos, cfg.chunking, runner.scale, self.name)
+            sample_retention(runner.run(s.input_ids), scorers, cfg.rhos, cfg.chunking, runner.scale, self)
             for s in run.progress(run.samples, "calibrating")
         ]  # fmt: skip
         retention = torch.stack(per_sample, dim=2).numpy()

@@ -31,6 +31,7 @@ from sgl_ragged.calibrate.writer import build_profile, output_paths
 from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileError, resolve_profile
 from sgl_ragged.scheduler.server_args import model_shape
 from sgl_ragged.scoring import SINK_TOKENS, SnapKVScorer
+from sgl_ragged.sources import TangramSource
 from sgl_ragged.testing.tiny_model import save_tiny_llama
 
 TINY_CHUNKING = ChunkingConfig(page_size=16, chunk_size=64, obs_window=8)
@@ -81,7 +82,8 @@ def test_sample_retention_matches_brute_force(kernel: int, rho: float) -> None:
     t_len, h_q, h_kv, d = 48, 4, 2, 8
     layer = LayerQKV(*(torch.randn(t_len, h, d, generator=gen) * 2 for h in (h_q, h_kv, h_kv)))
     cfg = ChunkingConfig(page_size=8, chunk_size=16, obs_window=5)
-    got = sample_retention([layer], [SnapKVScorer(kernel)], [rho], cfg, scale=d**-0.5)
+    got = sample_retention([layer], [SnapKVScorer(kernel)], [rho], cfg, scale=d**-0.5,
+                           selector=TangramSource())
     assert got.shape == (1, 1, 1, h_kv)
     want = _brute_retention(layer, cfg, rho, kernel, d**-0.5)
     assert got[0, 0, 0].tolist() == pytest.approx(want, abs=1e-12)
@@ -91,7 +93,8 @@ def test_retention_keeps_sinks_and_meets_rho() -> None:
     gen = torch.Generator().manual_seed(1)
     layer = LayerQKV(*(torch.randn(64, h, 8, generator=gen) for h in (4, 2, 2)))
     cfg = ChunkingConfig(page_size=16, chunk_size=32, obs_window=4)
-    got = sample_retention([layer, layer], [SnapKVScorer()], [0.25, 1.0], cfg, scale=8**-0.5)
+    got = sample_retention([layer, layer], [SnapKVScorer()], [0.25, 1.0], cfg, scale=8**-0.5,
+                           selector=TangramSource())
     assert got.shape == (1, 2, 2, 2)
     assert got[0, 0].mean().item() == pytest.approx(0.25)  # ceil(0.25 * 2 * 32) = 16 per chunk
     assert (got[0, 1] == 1.0).all()

@@ -28,6 +28,7 @@ from sgl_ragged.calibrate.summary import describe
 from sgl_ragged.profile import BudgetProfile, resolve_profile
 from sgl_ragged.scheduler.server_args import model_shape
 from sgl_ragged.scoring import SINK_TOKENS, make_scorer
+from sgl_ragged.sources import BaKlaVaSource, KVComposeSource
 from sgl_ragged.sources.baklava import baklava_budgets, baklava_grid, head_importance
 from sgl_ragged.sources.kvcompose import composite_scores, layer_kept_counts
 from sgl_ragged.testing.tiny_model import save_tiny_llama
@@ -109,7 +110,7 @@ def test_kvcompose_retention_is_per_layer_and_spends_rho() -> None:
     cfg = ChunkingConfig(page_size=16, chunk_size=64, obs_window=8)
     layers = [_random_layer(gen, 160) for _ in range(3)]
     scorer = make_scorer("snapkv")
-    got = sample_retention(layers, [scorer], [0.3, 0.6], cfg, 0.35, source="kvcompose")[0]  # [R, L, H]
+    got = sample_retention(layers, [scorer], [0.3, 0.6], cfg, 0.35, KVComposeSource())[0]  # [R, L, H]
     assert torch.equal(got[:, :, 0], got[:, :, 1])  # every head of a layer keeps the same share
     want = torch.zeros(2, 3)
     for start, end in cfg.chunks(160):
@@ -123,8 +124,8 @@ def test_kvcompose_retention_is_per_layer_and_spends_rho() -> None:
     # Over a whole sample the layers keep rho of the tokens (plus rounding per chunk).
     assert got[0].mean() == pytest.approx(0.3, abs=3 / (3 * 160))
     assert not torch.allclose(got[0, :, 0], got[0, 0, 0].expand(3))  # layers differ
-    with pytest.raises(ValueError, match="tangram and kvcompose"):
-        sample_retention(layers, [scorer], [0.3], cfg, 0.35, source="baklava")
+    with pytest.raises(ValueError, match="margin sources"):
+        sample_retention(layers, [scorer], [0.3], cfg, 0.35, BaKlaVaSource())
 
 
 # ----- BaKlaVa ------------------------------------------------------------------------------
