@@ -43,7 +43,8 @@ class RaggedAttnBackend(AttentionBackend):
     (init_forward_metadata); per layer, attend over sealed rows +
     staged pages + the new tokens, then seal the pages leaving the recent window and stage the
     rest; after the last layer, mark the sealed pages and release their staging pages. The
-    per-layer work is an `AttentionImpl`: Triton kernels on CUDA, the torch reference elsewhere.
+    per-layer work is an `AttentionImpl` (registry.py): Triton kernels on CUDA, batched torch on
+    the CPU, the per-request torch reference as the oracle and for the dynamic mode.
 
     Decode runs under SGLang's CUDA graphs with the Triton kernels (graph.py): the graph runner
     calls init_cuda_graph_state once, init_forward_metadata_out_graph before each capture and
