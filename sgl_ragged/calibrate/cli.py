@@ -70,11 +70,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         heads_per_group = args.heads_per_group
         if heads_per_group is None:
             heads_per_group = source.default_heads_per_group(model)
-        options = {k: v for cls in SOURCES.values() for k, v in cls().options_from_args(args).items()}
         cfg = CalibrationConfig(
             model_path=model, output=output, scorers=tuple(args.scorer), rhos=tuple(args.rho),
             samples=args.samples, alpha=args.alpha, budget_mode=args.budget_mode,
-            heads_per_group=heads_per_group, source=args.source, **options,
+            heads_per_group=heads_per_group, source=args.source,
+            source_options=source.options_from_args(args),
             chunking=ChunkingConfig(args.page_size, args.chunk_size, args.obs_window),
             min_tokens=args.min_tokens, max_tokens=args.max_tokens, seed=args.seed,
             device=args.device, dtype=args.dtype,

@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from sgl_ragged.budgets import check_heads_per_group
 from sgl_ragged.calibrate import writer
@@ -40,9 +40,9 @@ class CalibrationConfig:
     budget_mode: str = "margin"  # statistics.BUDGET_MODES
     heads_per_group: int = 1
     source: str = DEFAULT_SOURCE  # sources.SOURCES: tangram (Eq. 3), kvcompose, baklava
-    eval_samples: int = 2  # baklava: samples of the (r, t) search's compressed loss
-    reductions: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9)  # baklava: r candidates
-    quantiles: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9)  # baklava: t at these importance quantiles
+    # The source's own settings by name (its options_type's fields; unset ones default), e.g.
+    # {"eval_samples": 1} for baklava; validated by the source in __post_init__.
+    source_options: Mapping[str, Any] = field(default_factory=dict)
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     min_tokens: int = 1024
     max_tokens: int = 1536

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +32,24 @@ DIGITS = 6  # decimals kept for B and the importance
 SearchRows = dict[ProfileKey, list[dict[str, Any]]]  # (scorer, rho) -> one row per (r, t)
 
 
+@dataclass(frozen=True)
+class BaKlaVaOptions:
+    """Algorithm 3's search (the calibrator's --eval-samples, --baklava-reductions and
+    --baklava-quantiles)."""
+
+    eval_samples: int = 2  # held-out samples whose compressed loss picks (r, t)
+    reductions: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9)  # candidate r
+    quantiles: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9)  # t at these importance quantiles
+
+    def __post_init__(self) -> None:
+        if self.eval_samples < 1:
+            raise ValueError(f"--eval-samples must be >= 1, got {self.eval_samples}")
+        if not all(0.0 <= r < 1.0 for r in self.reductions) or not self.reductions:
+            raise ValueError(f"--baklava-reductions must be in [0, 1), got {list(self.reductions)}")
+        if not all(0.0 <= q <= 1.0 for q in self.quantiles) or not self.quantiles:
+            raise ValueError(f"--baklava-quantiles must be in [0, 1], got {list(self.quantiles)}")
+
+
 class BaKlaVaSource(BudgetSource):
     """Algorithm 2's budgets from the mean head importance, at the (r, t) of the lowest
     compressed loss on held-out samples (Algorithm 3)."""
@@ -41,6 +60,7 @@ class BaKlaVaSource(BudgetSource):
                  "rho, (r, t) with the lowest compressed loss on held-out samples (Algorithm 3)")
     record_kind = "baklava"
     margin = False  # Algorithm 2 gives the budgets
+    options_type = BaKlaVaOptions
 
     def add_cli_options(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--eval-samples", type=int, default=2,
@@ -59,12 +79,7 @@ class BaKlaVaSource(BudgetSource):
         if cfg.budget_mode != "margin":
             raise ValueError("--budget-mode applies to tangram and kvcompose (mu + alpha * "
                              "sigma); BaKlaVa's budgets already spend rho on average")
-        if cfg.eval_samples < 1:
-            raise ValueError(f"--eval-samples must be >= 1, got {cfg.eval_samples}")
-        if not all(0.0 <= r < 1.0 for r in cfg.reductions) or not cfg.reductions:
-            raise ValueError(f"--baklava-reductions must be in [0, 1), got {list(cfg.reductions)}")
-        if not all(0.0 <= q <= 1.0 for q in cfg.quantiles) or not cfg.quantiles:
-            raise ValueError(f"--baklava-quantiles must be in [0, 1], got {list(cfg.quantiles)}")
+        super().check(cfg)
         if cfg.min_tokens <= cfg.chunking.chunk_size:
             raise ValueError(
                 f"BaKlaVa's search scores the tokens after the first prefill chunk: --min-tokens "
@@ -72,7 +87,7 @@ class BaKlaVaSource(BudgetSource):
             )
 
     def extra_record(self, cfg: CalibrationConfig) -> dict[str, Any]:
-        return {"eval_samples": cfg.eval_samples, "eval_seed": cfg.seed + 1}
+        return {"eval_samples": self.options(cfg).eval_samples, "eval_seed": cfg.seed + 1}
 
     def calibrate(self, run: CalibrationRun) -> dict[ProfileKey, BudgetProfile]:
         from sgl_ragged.scoring import make_scorer
@@ -197,14 +212,15 @@ def search(cfg: CalibrationConfig, runner: CaptureRunner, importance: np.ndarray
     from sgl_ragged.calibrate.samples import build_samples
     from sgl_ragged.scoring import make_scorer
 
-    held_out = build_samples(runner.tokenizer, cfg.eval_samples, cfg.seed + 1, cfg.min_tokens,
+    opts = BaKlaVaSource().options(cfg)
+    held_out = build_samples(runner.tokenizer, opts.eval_samples, cfg.seed + 1, cfg.min_tokens,
                              cfg.max_tokens, cfg.chunking.page_size)  # fmt: skip
     losses = {name: CompressedLoss(runner, make_scorer(name), cfg.chunking) for name in cfg.scorers}
 
     def mean_nll(name: str, selection: Any) -> float:
         return float(torch.cat([losses[name].token_nll(s.input_ids, selection) for s in held_out]).mean())
 
-    grid = baklava_grid(importance, cfg.reductions, cfg.quantiles)
+    grid = baklava_grid(importance, opts.reductions, opts.quantiles)
     jobs = [(name, rho, r, t) for name in cfg.scorers for rho in cfg.rhos for r, t in grid]
     seen: dict[Any, float] = {}  # (scorer, slots) -> mean NLL
     searched: SearchRows = {}

@@ -7,7 +7,7 @@ import platform
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -52,6 +52,11 @@ class CalibrationRun:
         return round(time.perf_counter() - self.started, 1)
 
 
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a source that has none of its own."""
+
+
 class BudgetSource(ABC):
     """Where a calibrated profile's per-(layer, KV head) budgets come from: TANGRAM's Eq. 3-5,
     KVCompose's layer budgets or BaKlaVa's head-importance reallocation (DESIGN.md section 5).
@@ -70,6 +75,9 @@ class BudgetSource(ABC):
     record_kind: ClassVar[str] = "calibrated"  # the record's "kind"
     margin: ClassVar[bool] = False  # B = mu + alpha * sigma from stored per-sample retention
     unnamed_records: ClassVar[bool] = False  # records without "method" (older files) are its
+    # Its own settings: a frozen dataclass validated in __post_init__, built from
+    # CalibrationConfig.source_options (the CLI fills those through options_from_args).
+    options_type: ClassVar[type] = NoOptions
 
     @property
     def output_prefix(self) -> str:
@@ -82,11 +90,23 @@ class BudgetSource(ABC):
         """Add this source's own options (the calibrator accepts every source's options)."""
 
     def options_from_args(self, args: argparse.Namespace) -> dict[str, Any]:
-        """``CalibrationConfig`` fields set from this source's options."""
+        """``CalibrationConfig.source_options`` from this source's command-line options."""
         return {}
 
-    def check(self, cfg: CalibrationConfig) -> None:  # noqa: B027 (optional)
-        """Raise ValueError naming the option when ``cfg`` does not suit this source."""
+    def options(self, cfg: CalibrationConfig) -> Any:
+        """This source's typed options (``options_type``) from ``cfg.source_options``; a
+        ValueError naming what is wrong (an option another source takes, a bad value)."""
+        known = {f.name for f in fields(self.options_type)}
+        unknown = sorted(set(cfg.source_options) - known)
+        if unknown:
+            raise ValueError(f"--source {self.name} takes no option {', '.join(unknown)} "
+                             f"(its options: {', '.join(sorted(known)) or 'none'})")
+        return self.options_type(**cfg.source_options)
+
+    def check(self, cfg: CalibrationConfig) -> None:
+        """Raise ValueError naming the option when ``cfg`` does not suit this source (its
+        options are validated here; sources with more checks extend this)."""
+        self.options(cfg)
 
     def default_heads_per_group(self, model_path: str) -> int:
         """H_p when --heads-per-group is not given."""

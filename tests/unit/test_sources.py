@@ -304,7 +304,8 @@ def test_kvcompose_calibration(tiny_llama: Path, tmp_path: Path) -> None:
 def test_baklava_calibration(tiny_llama: Path, tmp_path: Path) -> None:
     cfg = CalibrationConfig(
         model_path=str(tiny_llama), output=str(tmp_path / "bak-rho{rho}.json"), rhos=(0.5,),
-        samples=2, source="baklava", eval_samples=1, reductions=(0.5,), quantiles=(0.5,),
+        samples=2, source="baklava",
+        source_options={"eval_samples": 1, "reductions": (0.5,), "quantiles": (0.5,)},
         chunking=TINY, min_tokens=128, max_tokens=128,
     )  # fmt: skip
     (path,) = calibrate(cfg, progress=False)
@@ -333,9 +334,11 @@ def test_baklava_calibration(tiny_llama: Path, tmp_path: Path) -> None:
     [
         ({"source": "snapkv"}, "--source must be one of"),
         ({"source": "baklava", "budget_mode": "mean"}, "--budget-mode applies to"),
-        ({"source": "baklava", "eval_samples": 0}, "--eval-samples must be >= 1"),
-        ({"source": "baklava", "reductions": (1.0,)}, "--baklava-reductions must be in"),
-        ({"source": "baklava", "quantiles": (1.5,)}, "--baklava-quantiles must be in"),
+        ({"source": "baklava", "source_options": {"eval_samples": 0}}, "--eval-samples must be >= 1"),
+        ({"source": "baklava", "source_options": {"reductions": (1.0,)}}, "--baklava-reductions must be in"),
+        ({"source": "baklava", "source_options": {"quantiles": (1.5,)}}, "--baklava-quantiles must be in"),
+        ({"source": "tangram", "source_options": {"eval_samples": 1}},
+         "--source tangram takes no option eval_samples"),
         ({"source": "baklava", "min_tokens": 512, "max_tokens": 600}, "must exceed --chunk-size"),
     ],
 )
