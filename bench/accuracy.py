@@ -67,11 +67,18 @@ def precision_configs(rhos: list[float], precisions: list[str], scorer: str) -> 
     """Row tiers (DESIGN.md section 11) at uniform byte budgets: per low precision p, "p@rho"
     spends rho of the bytes by the default composition (tiers.compose: every token at p, the
     best upgraded, or the best at p and the rest dropped), and "p-all@r" keeps every token at p
-    and nothing else (r: the budget that buys exactly that, in bf16 bytes)."""
+    and nothing else (r: the budget that buys exactly that, in bf16 bytes). A pair "h+l" (e.g.
+    int8+int4, `MIXED_SEP`) gives "h+l@rho": both tiers quantized (tiers.compose_mixed; offline
+    only, bench.offline_loss)."""
     from sgl_ragged.mem_pool.quant import low_precision
 
     configs = []
     for p in precisions:
+        if MIXED_SEP in p:
+            mixed_formats(p)  # checks the pair
+            configs += [Config(f"{p}@{rho}", "tiers-mixed", rho, scorer, f"uniform:{rho}", p)
+                        for rho in sorted(rhos) if rho < 1.0]
+            continue
         fmt = low_precision(p)
         whole = fmt.tier_bytes(64, 1, 64) / (2 * 64 * 64 * 2)  # a full page of p, bf16 SmolLM2
         r = round(-(-whole * 64 // 1) / 64, 6)  # whole slots of budget
@@ -79,6 +86,41 @@ def precision_configs(rhos: list[float], precisions: list[str], scorer: str) -> 
         configs += [Config(f"{p}@{rho}", "tiers", rho, scorer, f"uniform:{rho}", p)
                     for rho in sorted(rhos) if rho < 1.0]
     return configs
+
+
+MIXED_SEP = "+"  # "int8+int4": the high tier's format + the low tier's
+
+
+def mixed_formats(precision: str) -> tuple[Any, Any]:
+    """The (hi, lo) LowPrecision formats of a pair "hi+lo" such as "int8+int4"."""
+    from sgl_ragged.mem_pool.quant import LOW_PRECISIONS, low_precision
+
+    parts = precision.split(MIXED_SEP)
+    if len(parts) != 2 or not all(x in LOW_PRECISIONS for x in parts):
+        raise ValueError(f"precision pair {precision!r}: expected <hi>{MIXED_SEP}<lo> with both in "
+                         f"{list(LOW_PRECISIONS)}, e.g. int8{MIXED_SEP}int4")
+    hi, lo = (low_precision(x) for x in parts)
+    return hi, lo
+
+
+def mixed_tiers(config: Config, shape: Any, page_size: int = 64) -> tuple[list[list[Any]], float]:
+    """A "h+l@rho" configuration's row tiers [L][G] (tiers.compose_mixed per group of its
+    profile) and its KV bytes per token as a fraction of a full bf16 cache."""
+    from sgl_ragged.mem_pool.tiers import compose_mixed, mixed_tier_bytes
+    from sgl_ragged.profile import resolve_profile
+    from sgl_ragged.scoring import SINK_TOKENS
+
+    hi_fmt, lo_fmt = mixed_formats(config.precision)
+    profile = resolve_profile(config.profile, shape)
+    budget_slots = profile.slots_per_group(page_size, min_slots=SINK_TOKENS)  # [L][G]
+    tiers = [[compose_mixed(k, page_size, shape.head_dim, 2, hi_fmt, lo_fmt, SINK_TOKENS)
+              for k in layer] for layer in budget_slots]
+    kept = sum(mixed_tier_bytes(t, hi_fmt, lo_fmt, len(heads), shape.head_dim)
+               for layer_groups, layer_tiers in zip(profile.groups, tiers, strict=True)
+               for heads, t in zip(layer_groups, layer_tiers, strict=True))
+    heads = sum(len(g) for g in profile.groups[0])
+    full = 2 * len(profile.groups) * heads * page_size * shape.head_dim * 2
+    return tiers, kept / full
 
 
 def config_bytes(config: Config, shape: Any, page_size: int = 64) -> float:
@@ -91,6 +133,8 @@ def config_bytes(config: Config, shape: Any, page_size: int = 64) -> float:
         return config.rho
     if config.kind == "stock-fp8":
         return 0.5
+    if MIXED_SEP in config.precision:
+        return mixed_tiers(config, shape, page_size)[1]
     profile = resolve_profile(config.profile, shape)
     return RaggedLayout.from_profile(profile, page_size, shape.head_dim, 2, config.precision).retention
 
@@ -425,6 +469,10 @@ def main() -> None:
 
     model = args.model or str(ensure_smollm2())
     profile_dir = args.profile_dir or Path("calib_profiles") / Path(model).name.lower()
+    if any(MIXED_SEP in p for p in args.precision):
+        raise SystemExit(f"--precision {args.precision}: pairs such as int8{MIXED_SEP}int4 (a quantized "
+                         "high tier) are offline only (python -m bench.offline_loss); the server "
+                         "stores its high tier at the model dtype")
     configs, missing = plan_configs(args.rho, args.scorer, profile_dir, args.precision)
     if args.base_url or args.only:
         wanted = {args.config} if args.base_url else set(args.only)

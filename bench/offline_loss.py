@@ -12,6 +12,12 @@ Much cheaper per token than bench.accuracy (thousands of scored tokens per confi
 few seconds each), but it covers prefill compression only: decode-time sealing and the
 multi-turn radix reuse are bench.accuracy's.
 
+``--precision`` takes low precisions (int8 int4 int2 fp8: p@rho, the best tokens at bf16 over a
+p remainder, and p-all) and pairs ``hi+lo`` such as ``int8+int4``: ``int8+int4@rho`` spends rho
+of the bytes on the most tokens that fit in int4, the best of them upgraded to int8 while the
+bytes allow (mem_pool/tiers.py ``compose_mixed``; every tier's scales and zeros counted). Pairs
+are offline only: the server stores its high tier at the model dtype (bench.accuracy refuses them).
+
     python -m bench.offline_loss --rho 0.7 0.5 0.3 --scorer snapkv --samples 12 --out results/offline-loss
 """
 
@@ -24,7 +30,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.accuracy import FULL, Config, other_sources, plan_configs, plot_kl
+from bench.accuracy import (
+    FULL,
+    MIXED_SEP,
+    Config,
+    mixed_formats,
+    mixed_tiers,
+    other_sources,
+    plan_configs,
+    plot_kl,
+)
 from bench.accuracy_stats import mean_se, paired_diff
 
 SEED = 7  # calibration draws seed 0, BaKlaVa's search seed 1: these samples are held out
@@ -51,6 +66,11 @@ def selection_for(config: Config, shape: Any, page_size: int) -> tuple[Any, floa
         return FlatTopSelection(config.rho), config.rho
     if config.kind == "stock-fp8":
         return StockFp8(), 0.5
+    if MIXED_SEP in config.precision:
+        tiers, retention = mixed_tiers(config, shape, page_size)
+        hi_fmt, lo_fmt = mixed_formats(config.precision)
+        groups = resolve_profile(config.profile, shape).groups
+        return TierSelection(head_tiers(tiers, groups), lo_fmt, hi_fmt), retention
     profile = resolve_profile(config.profile, shape)
     layout = RaggedLayout.from_profile(profile, page_size, shape.head_dim, 2, config.precision)
     if layout.quantized:
@@ -135,7 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-dir", type=Path, default=None,
                    help="profiles as bench.accuracy finds them (default calib_profiles/<model>)")
     p.add_argument("--precision", nargs="*", default=[],
-                   help="also row tiers at these low precisions (int8 int4 int2 fp8), as bench.accuracy")
+                   help="also row tiers at these low precisions (int8 int4 int2 fp8), as bench.accuracy; "
+                        "a pair hi+lo (e.g. int8+int4) quantizes the high tier too: hi+lo@rho per rho")
     p.add_argument("--stock-fp8", action="store_true",
                    help="also SGLang's own FP8 KV cache (every token cast to float8_e4m3fn, scale 1)")
     p.add_argument("--samples", type=int, default=12)

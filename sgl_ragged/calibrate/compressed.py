@@ -77,10 +77,13 @@ class FlatTopSelection:
 @dataclass(frozen=True)
 class TierSelection:
     """Static row tiers: head h of layer l keeps, of every page, its ``tiers[l][h].hi`` best
-    tokens exactly and the next ``.lo`` quantized in ``fmt`` (as the server's rows)."""
+    tokens exactly and the next ``.lo`` quantized in ``fmt`` (as the server's rows). With
+    ``hi_fmt`` the hi tokens are quantized too, in that format (tiers.compose_mixed: e.g. int8
+    over int4; offline only, the server stores its hi tier at the model dtype)."""
 
     tiers: Sequence[Sequence[RowTiers]]  # [L][H] (head_tiers)
     fmt: LowPrecision | None
+    hi_fmt: LowPrecision | None = None
 
     def keep(self, layer_idx: int, scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
         keep = torch.zeros_like(scores, dtype=torch.bool)
@@ -92,21 +95,28 @@ class TierSelection:
     def sealed_kv(self, layer_idx: int, scores: torch.Tensor, sinks: torch.Tensor,
                   k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [N, P, H, D] of a chunk's pages -> the values its kept tokens are read as
-        (low tier dequantized; other entries unchanged, the mask hides them)."""
+        (each quantized tier dequantized; other entries unchanged, the mask hides them)."""
         k, v = k.clone(), v.clone()
         for heads, t in _heads_by_tiers(self.tiers[layer_idx]):
-            if not t.lo:
-                continue
-            lo = select_tiers(scores[:, heads], t.hi, t.total, sinks)[1]  # [N, H', lo]
-            index = lo.transpose(1, 2)[..., None].expand(-1, -1, -1, k.shape[-1])  # [N, lo, H', D]
-            lo_k = torch.gather(k[:, :, heads], 1, index)
-            lo_v = torch.gather(v[:, :, heads], 1, index)
-            deq_k, deq_v = dequantize(self.fmt, quantize(self.fmt, lo_k, lo_v), k.dtype)
-            for dst, src in ((k, deq_k), (v, deq_v)):
-                part = dst[:, :, heads]
-                part.scatter_(1, index, src)
-                dst[:, :, heads] = part
+            hi, lo = select_tiers(scores[:, heads], t.hi, t.total, sinks)  # [N, H', hi|lo]
+            for idx, fmt in ((hi, self.hi_fmt), (lo, self.fmt)):
+                if idx.shape[-1] and fmt is not None:
+                    _requantize(fmt, idx, heads, k, v)
         return k, v
+
+
+def _requantize(fmt: LowPrecision, idx: torch.Tensor, heads: list[int], k: torch.Tensor,
+                v: torch.Tensor) -> None:
+    """In place: the tokens idx [N, H', n] (per page, of the heads `heads`) of k, v [N, P, H, D]
+    replaced by their values quantized as one tier of `fmt` per page and head, dequantized."""
+    index = idx.transpose(1, 2)[..., None].expand(-1, -1, -1, k.shape[-1])  # [N, n, H', D]
+    tier_k = torch.gather(k[:, :, heads], 1, index)
+    tier_v = torch.gather(v[:, :, heads], 1, index)
+    deq_k, deq_v = dequantize(fmt, quantize(fmt, tier_k, tier_v), k.dtype)
+    for dst, src in ((k, deq_k), (v, deq_v)):
+        part = dst[:, :, heads]
+        part.scatter_(1, index, src)
+        dst[:, :, heads] = part
 
 
 @dataclass(frozen=True)
