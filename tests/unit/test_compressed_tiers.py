@@ -14,7 +14,7 @@ from sgl_ragged.calibrate.compressed import CompressedLoss, StockFp8, TierSelect
 from sgl_ragged.calibrate.retention import chunk_page_stats
 from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
 from sgl_ragged.calibrate.samples import build_samples
-from sgl_ragged.mem_pool.quant import LOW_PRECISIONS, dequantize, quantize
+from sgl_ragged.mem_pool.quant import LOW_PRECISIONS, LowPrecision, dequantize, quantize
 from sgl_ragged.mem_pool.tiers import RowTiers
 from sgl_ragged.scoring import SINK_TOKENS, make_scorer
 from tests.unit.test_calibrate import save_tiny_llama
@@ -26,9 +26,18 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tiers"))
 
 
-def _brute_sealed(layer: LayerQKV, tiers: list[RowTiers], fmt, scale: float):
+def _requant(fmt: LowPrecision, k: torch.Tensor, v: torch.Tensor, h: int, pos: list[int]) -> None:
+    """Head h's tokens at positions pos of K, V [H, T, D] quantized as one tier, in place."""
+    deq_k, deq_v = dequantize(fmt, quantize(fmt, k[h, pos][None, :, None], v[h, pos][None, :, None]),
+                              torch.float32)
+    k[h, pos], v[h, pos] = deq_k[0, :, 0], deq_v[0, :, 0]
+
+
+def brute_sealed(layer: LayerQKV, tiers: list[RowTiers], fmt: LowPrecision | None, scale: float,
+                 hi_fmt: LowPrecision | None = None):
     """[H, T] keep mask and K, V [H, T, D] as later chunks read them, page by page, head by
-    head, with the ranking written out (sinks first in position order, then by score)."""
+    head, with the ranking written out (sinks first in position order, then by score); the lo
+    tier quantized in fmt, the hi tier in hi_fmt (None: kept exact), each tier on its own."""
     k, v = layer.k.transpose(0, 1).clone(), layer.v.transpose(0, 1).clone()  # [H, T, D]
     h_kv, n_tok = k.shape[:2]
     keep = torch.ones(h_kv, n_tok, dtype=torch.bool)
@@ -42,15 +51,30 @@ def _brute_sealed(layer: LayerQKV, tiers: list[RowTiers], fmt, scale: float):
                 t = tiers[h]
                 ranked = sorted(range(p), key=lambda o, page=page, h=h: (
                     base + o >= SINK_TOKENS, 0.0 if base + o < SINK_TOKENS else -float(scores[page, h, o]), o))
-                lo = sorted(ranked[t.hi : t.total])
                 for o in range(p):
                     keep[h, base + o] = o in ranked[: t.total]
-                if lo:
-                    pos = [base + o for o in lo]
-                    deq_k, deq_v = dequantize(fmt, quantize(fmt, k[h, pos][None, :, None], v[h, pos][None, :, None]),
-                                              torch.float32)
-                    k[h, pos], v[h, pos] = deq_k[0, :, 0], deq_v[0, :, 0]
+                for tier_fmt, part in ((hi_fmt, ranked[: t.hi]), (fmt, ranked[t.hi : t.total])):
+                    if tier_fmt is not None and part:
+                        _requant(tier_fmt, k, v, h, [base + o for o in sorted(part)])
     return keep, k, v
+
+
+def assert_per_query_softmax(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             sealed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                             scale: float) -> None:
+    """out [H_q, T, D] of the emulator's attention (q [H_q, T, D], k, v [H, T, D], GQA 2,
+    32-token chunks) against one softmax per query: its own chunk exact, earlier chunks' kept
+    tokens as `sealed` = brute_sealed(...) reads them."""
+    keep, k_sealed, v_sealed = sealed
+    for hq in range(q.shape[0]):
+        h = hq // 2
+        for i in range(q.shape[1]):
+            own = [(k[h, j], v[h, j]) for j in range(i + 1) if j // 32 == i // 32]
+            old = [(k_sealed[h, j], v_sealed[h, j]) for j in range(i + 1) if j // 32 != i // 32 and keep[h, j]]
+            keys, values = zip(*(own + old), strict=True)
+            w = torch.softmax(torch.stack([q[hq, i] @ kj for kj in keys]) * scale, 0)
+            want = sum(wj * vj for wj, vj in zip(w, values, strict=True))
+            torch.testing.assert_close(out[hq, i], want, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("precision", ["int4", "int2", "fp8"])
@@ -63,16 +87,8 @@ def test_tier_attention_matches_per_query_softmax(tiny_llama: Path, precision: s
     fmt = LOW_PRECISIONS[precision]
     out = loss._attention(TierSelection(tiers, fmt))(0, q, k, v)
     layer = LayerQKV(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-    keep, k_sealed, v_sealed = _brute_sealed(layer, tiers[0], fmt, runner.scale)
-    for hq in range(4):
-        h = hq // 2
-        for i in range(64):
-            own = [(k[h, j], v[h, j]) for j in range(i + 1) if j // 32 == i // 32]
-            old = [(k_sealed[h, j], v_sealed[h, j]) for j in range(i + 1) if j // 32 != i // 32 and keep[h, j]]
-            keys, values = zip(*(own + old), strict=True)
-            w = torch.softmax(torch.stack([q[hq, i] @ kj for kj in keys]) * runner.scale, 0)
-            want = sum(wj * vj for wj, vj in zip(w, values, strict=True))
-            torch.testing.assert_close(out[hq, i], want, atol=1e-5, rtol=1e-4)
+    assert_per_query_softmax(out, q, k, v, brute_sealed(layer, tiers[0], fmt, runner.scale),
+                             runner.scale)
 
 
 def test_full_tiers_are_the_model_and_stock_fp8_is_close(tiny_llama: Path) -> None:

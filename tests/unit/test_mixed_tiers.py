@@ -10,12 +10,12 @@ import torch
 
 from bench.accuracy import config_bytes, mixed_formats, mixed_tiers, precision_configs
 from sgl_ragged.calibrate.compressed import CompressedLoss, TierSelection
-from sgl_ragged.calibrate.retention import chunk_page_stats
 from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
-from sgl_ragged.mem_pool.quant import LOW_PRECISIONS, LowPrecision, dequantize, quantize
+from sgl_ragged.mem_pool.quant import LOW_PRECISIONS, LowPrecision
 from sgl_ragged.mem_pool.tiers import RowTiers, compose, compose_mixed, mixed_tier_bytes
 from sgl_ragged.scoring import SINK_TOKENS, make_scorer
 from tests.unit.test_calibrate import save_tiny_llama
+from tests.unit.test_compressed_tiers import assert_per_query_softmax, brute_sealed
 from tests.unit.test_sources import TINY
 
 INT8, INT4, INT2 = (LOW_PRECISIONS[p] for p in ("int8", "int4", "int2"))
@@ -103,36 +103,6 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-mixed"))
 
 
-def _requant(fmt: LowPrecision, k: torch.Tensor, v: torch.Tensor, h: int, pos: list[int]) -> None:
-    deq_k, deq_v = dequantize(fmt, quantize(fmt, k[h, pos][None, :, None], v[h, pos][None, :, None]),
-                              torch.float32)
-    k[h, pos], v[h, pos] = deq_k[0, :, 0], deq_v[0, :, 0]
-
-
-def _brute_sealed(layer: LayerQKV, tiers: list[RowTiers], hi_fmt: LowPrecision, lo_fmt: LowPrecision,
-                  scale: float):
-    """[H, T] keep mask and K, V [H, T, D] as later chunks read them, page by page and head by
-    head: the ranking written out (sinks first, then by score), each tier quantized on its own."""
-    k, v = layer.k.transpose(0, 1).clone(), layer.v.transpose(0, 1).clone()  # [H, T, D]
-    h_kv, n_tok = k.shape[:2]
-    keep = torch.ones(h_kv, n_tok, dtype=torch.bool)
-    p, scorer = TINY.page_size, make_scorer("snapkv")
-    for start, end in TINY.chunks(n_tok)[:-1]:
-        scores = scorer.page_scores(chunk_page_stats(layer, start, end, TINY, scale))  # [N, H, P]
-        for page in range((end - start) // p):
-            base = start + page * p
-            for h in range(h_kv):
-                t = tiers[h]
-                ranked = sorted(range(p), key=lambda o, page=page, h=h: (
-                    base + o >= SINK_TOKENS, 0.0 if base + o < SINK_TOKENS else -float(scores[page, h, o]), o))
-                for o in range(p):
-                    keep[h, base + o] = o in ranked[: t.total]
-                for fmt, part in ((hi_fmt, ranked[: t.hi]), (lo_fmt, ranked[t.hi : t.total])):
-                    if part:
-                        _requant(fmt, k, v, h, [base + o for o in sorted(part)])
-    return keep, k, v
-
-
 @pytest.mark.parametrize("pair", [("int8", "int4"), ("int4", "int2")])
 def test_mixed_tier_attention_matches_per_query_softmax(tiny_llama: Path, pair: tuple[str, str]) -> None:
     runner = CaptureRunner(str(tiny_llama))
@@ -143,14 +113,6 @@ def test_mixed_tier_attention_matches_per_query_softmax(tiny_llama: Path, pair: 
     hi_fmt, lo_fmt = (LOW_PRECISIONS[x] for x in pair)
     out = loss._attention(TierSelection(tiers, lo_fmt, hi_fmt))(0, q, k, v)
     layer = LayerQKV(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-    keep, k_sealed, v_sealed = _brute_sealed(layer, tiers[0], hi_fmt, lo_fmt, runner.scale)
-    assert not torch.equal(k_sealed, layer.k.transpose(0, 1))  # the hi tier was quantized too
-    for hq in range(4):
-        h = hq // 2
-        for i in range(64):
-            own = [(k[h, j], v[h, j]) for j in range(i + 1) if j // 32 == i // 32]
-            old = [(k_sealed[h, j], v_sealed[h, j]) for j in range(i + 1) if j // 32 != i // 32 and keep[h, j]]
-            keys, values = zip(*(own + old), strict=True)
-            w = torch.softmax(torch.stack([q[hq, i] @ kj for kj in keys]) * runner.scale, 0)
-            want = sum(wj * vj for wj, vj in zip(w, values, strict=True))
-            torch.testing.assert_close(out[hq, i], want, atol=1e-5, rtol=1e-4)
+    sealed = brute_sealed(layer, tiers[0], lo_fmt, runner.scale, hi_fmt=hi_fmt)
+    assert not torch.equal(sealed[1], layer.k.transpose(0, 1))  # the hi tier was quantized too
+    assert_per_query_softmax(out, q, k, v, sealed, runner.scale)
