@@ -70,7 +70,7 @@ def precision_configs(rhos: list[float], precisions: list[str], scorer: str) -> 
     and nothing else (r: the budget that buys exactly that, in bf16 bytes). A pair "h+l" (e.g.
     int8+int4, `MIXED_SEP`) gives "h+l@rho": both tiers quantized (tiers.compose_mixed; offline
     only, bench.offline_loss)."""
-    from sgl_ragged.mem_pool.quant import low_precision
+    from sgl_ragged.precision import low_precision
 
     configs = []
     for p in precisions:
@@ -93,7 +93,7 @@ MIXED_SEP = "+"  # "int8+int4": the high tier's format + the low tier's
 
 def mixed_formats(precision: str) -> tuple[Any, Any]:
     """The (hi, lo) LowPrecision formats of a pair "hi+lo" such as "int8+int4"."""
-    from sgl_ragged.mem_pool.quant import LOW_PRECISIONS, low_precision
+    from sgl_ragged.precision import LOW_PRECISIONS, low_precision
 
     parts = precision.split(MIXED_SEP)
     if len(parts) != 2 or not all(x in LOW_PRECISIONS for x in parts):

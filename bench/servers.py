@@ -47,7 +47,7 @@ class Target:
             return cls("baseline", None)
         if kind == "ragged" and rest:
             if precision:
-                from sgl_ragged.mem_pool.quant import low_precision
+                from sgl_ragged.precision import low_precision
 
                 low_precision(precision)  # raises for an unknown one
             return cls(spec, rest, precision or "bf16")

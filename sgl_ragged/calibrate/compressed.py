@@ -27,8 +27,9 @@ import torch
 from sgl_ragged import budgets as budget_math
 from sgl_ragged.calibrate.retention import ChunkingConfig, chunk_page_stats, chunk_sinks
 from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
-from sgl_ragged.mem_pool.quant import LowPrecision, dequantize, quantize
+from sgl_ragged.mem_pool.quant import dequantize, quantize
 from sgl_ragged.mem_pool.tiers import RowTiers
+from sgl_ragged.precision import LowPrecision
 from sgl_ragged.scoring import SINK_TOKENS, Scorer
 from sgl_ragged.scoring.select import select_flat_top_pages, select_tiers, select_top_k
 

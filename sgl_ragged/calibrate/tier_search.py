@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sgl_ragged.mem_pool.quant import LowPrecision, low_precision
 from sgl_ragged.mem_pool.tiers import RowTiers, compose
+from sgl_ragged.precision import LowPrecision, low_precision
 from sgl_ragged.profile import BudgetProfile, ProfileTiers
 from sgl_ragged.scoring import SINK_TOKENS
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sgl_ragged.mem_pool.quant import LowPrecision
+from sgl_ragged.precision import LowPrecision
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ from sgl_ragged.calibrate.compressed import CompressedLoss, StockFp8, TierSelect
 from sgl_ragged.calibrate.retention import chunk_page_stats
 from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
 from sgl_ragged.calibrate.samples import build_samples
-from sgl_ragged.mem_pool.quant import LOW_PRECISIONS, LowPrecision, dequantize, quantize
+from sgl_ragged.mem_pool.quant import dequantize, quantize
 from sgl_ragged.mem_pool.tiers import RowTiers
+from sgl_ragged.precision import LOW_PRECISIONS, LowPrecision
 from sgl_ragged.scoring import SINK_TOKENS, make_scorer
 from tests.unit.test_calibrate import save_tiny_llama
 from tests.unit.test_sources import TINY

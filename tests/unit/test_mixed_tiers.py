@@ -11,8 +11,8 @@ import torch
 from bench.accuracy import config_bytes, mixed_formats, mixed_tiers, precision_configs
 from sgl_ragged.calibrate.compressed import CompressedLoss, TierSelection
 from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
-from sgl_ragged.mem_pool.quant import LOW_PRECISIONS, LowPrecision
 from sgl_ragged.mem_pool.tiers import RowTiers, compose, compose_mixed, mixed_tier_bytes
+from sgl_ragged.precision import LOW_PRECISIONS, LowPrecision
 from sgl_ragged.scoring import SINK_TOKENS, make_scorer
 from tests.unit.test_calibrate import save_tiny_llama
 from tests.unit.test_compressed_tiers import assert_per_query_softmax, brute_sealed

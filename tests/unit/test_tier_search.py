@@ -12,8 +12,8 @@ import pytest
 from sgl_ragged.calibrate.tier_search import candidate_tiers, shared_composition
 from sgl_ragged.cli import main
 from sgl_ragged.mem_pool.layout import RaggedLayout
-from sgl_ragged.mem_pool.quant import LOW_PRECISIONS
 from sgl_ragged.mem_pool.tiers import RowTiers, compose, tier_bytes
+from sgl_ragged.precision import LOW_PRECISIONS
 from sgl_ragged.profile import BudgetProfile, uniform_profile
 from sgl_ragged.scheduler.server_args import model_shape
 from tests.unit.test_calibrate import save_tiny_llama
