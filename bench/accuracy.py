@@ -525,7 +525,7 @@ def main() -> None:
 
     done = [c for c in plan_configs(args.rho, args.scorer, profile_dir, args.precision)[0]
             if c.name in records]
-    from sgl_ragged.scheduler.server_args import model_shape
+    from sgl_ragged.profile import model_shape
 
     shape = model_shape(model)
     summaries = [summarize(c, records[c.name], config_bytes(c, shape)) for c in done]

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from sgl_ragged.mem_pool.layout import RaggedLayout
-from sgl_ragged.profile import ModelShape, resolve_profile
-from sgl_ragged.scheduler.server_args import model_shape
+from sgl_ragged.profile import ModelShape, model_shape, resolve_profile
 
 PAGE = 64
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}

@@ -143,7 +143,7 @@ def load_profile(spec: str, model: str | None) -> BudgetProfile:
     model = model or _default_model()
     if model is None:  # a spec without a model: one layer, one head (shape-free numbers)
         return model_free_profile(spec, 1, 1)
-    from sgl_ragged.scheduler.server_args import model_shape
+    from sgl_ragged.profile import model_shape
 
     return resolve_profile(spec, model_shape(model))
 

@@ -28,8 +28,7 @@ from sgl_ragged.calibrate.statistics import (
     spearman,
 )
 from sgl_ragged.calibrate.writer import build_profile, output_paths
-from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileError, resolve_profile
-from sgl_ragged.scheduler.server_args import model_shape
+from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileError, model_shape, resolve_profile
 from sgl_ragged.scoring import SINK_TOKENS, SnapKVScorer
 from sgl_ragged.sources import TangramSource
 from sgl_ragged.testing.tiny_model import save_tiny_llama

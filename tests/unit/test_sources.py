@@ -25,8 +25,7 @@ from sgl_ragged.calibrate.retention import ChunkingConfig, chunk_page_stats, sam
 from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
 from sgl_ragged.calibrate.samples import build_samples
 from sgl_ragged.calibrate.summary import describe
-from sgl_ragged.profile import BudgetProfile, resolve_profile
-from sgl_ragged.scheduler.server_args import model_shape
+from sgl_ragged.profile import BudgetProfile, model_shape, resolve_profile
 from sgl_ragged.scoring import SINK_TOKENS, make_scorer
 from sgl_ragged.sources import BaKlaVaSource, KVComposeSource
 from sgl_ragged.sources.baklava import baklava_budgets, baklava_grid, head_importance

@@ -14,8 +14,7 @@ from sgl_ragged.cli import main
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.tiers import RowTiers, compose, tier_bytes
 from sgl_ragged.precision import LOW_PRECISIONS
-from sgl_ragged.profile import BudgetProfile, uniform_profile
-from sgl_ragged.scheduler.server_args import model_shape
+from sgl_ragged.profile import BudgetProfile, model_shape, uniform_profile
 from tests.unit.test_calibrate import save_tiny_llama
 
 
