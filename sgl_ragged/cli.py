@@ -14,7 +14,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from sgl_ragged.calibrate.statistics import BUDGET_MODES
 from sgl_ragged.profile import (
     BudgetProfile,
     ProfileError,
@@ -22,6 +21,7 @@ from sgl_ragged.profile import (
     model_free_profile,
     resolve_profile,
 )
+from sgl_ragged.sources.statistics import BUDGET_MODES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,8 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _derive(args: argparse.Namespace) -> int:
     from sgl_ragged.budgets import check_heads_per_group
-    from sgl_ragged.calibrate.writer import rebuild_profile, save
     from sgl_ragged.sources import derivable
+    from sgl_ragged.sources.writer import rebuild_profile, save
 
     profile = BudgetProfile.load(args.profile)
     derivable(profile.source, Path(args.profile).name)

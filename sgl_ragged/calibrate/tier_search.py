@@ -1,6 +1,6 @@
 """Row compositions searched on the compressed loss (DESIGN.md section 11), like BaKlaVa's
 (r, t) search: a few candidate ways of spending every group's byte budget, each run through the
-offline emulator (compressed.py) on held-out samples, the one closest to the full cache (mean
+offline emulator (emulator/compressed.py) on held-out samples, the one closest to the full cache (mean
 KL per scored token) written into the profile as its tiers (format version 2).
 
 Candidates: the default rule (tiers.compose: every token at the low precision when a page of it
@@ -83,10 +83,10 @@ def search_tiers(profile: BudgetProfile, cfg: TierSearchConfig, progress: bool =
                  ) -> tuple[BudgetProfile, list[dict[str, Any]]]:
     """The profile with the best candidate's tiers, and every candidate's row of the search
     (name, bytes fraction, KL mean and standard error over samples)."""
-    from sgl_ragged.calibrate.compressed import CompressedLoss, TierSelection, head_tiers, token_kl
-    from sgl_ragged.calibrate.retention import ChunkingConfig
-    from sgl_ragged.calibrate.runner import CaptureRunner
-    from sgl_ragged.calibrate.samples import build_samples
+    from sgl_ragged.emulator.chunks import ChunkingConfig
+    from sgl_ragged.emulator.compressed import CompressedLoss, TierSelection, head_tiers, token_kl
+    from sgl_ragged.emulator.runner import CaptureRunner
+    from sgl_ragged.emulator.samples import build_samples
     from sgl_ragged.mem_pool.layout import RaggedLayout
     from sgl_ragged.scoring import make_scorer
 

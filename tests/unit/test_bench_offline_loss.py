@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from bench import offline_loss
-from sgl_ragged.calibrate.compressed import CompressedLoss, FlatTopSelection, token_kl
 from sgl_ragged.calibrate.pipeline import CalibrationConfig, calibrate
-from sgl_ragged.calibrate.retention import ChunkingConfig
-from sgl_ragged.calibrate.runner import CaptureRunner
-from sgl_ragged.calibrate.samples import build_samples
+from sgl_ragged.emulator.chunks import ChunkingConfig
+from sgl_ragged.emulator.compressed import CompressedLoss, FlatTopSelection, token_kl
+from sgl_ragged.emulator.runner import CaptureRunner
+from sgl_ragged.emulator.samples import build_samples
 from sgl_ragged.scoring import make_scorer
 from sgl_ragged.testing.tiny_model import save_tiny_llama
 

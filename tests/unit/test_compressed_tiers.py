@@ -1,4 +1,4 @@
-"""The offline emulator's row tiers (calibrate/compressed.py, DESIGN.md section 11) against a
+"""The offline emulator's row tiers (emulator/compressed.py, DESIGN.md section 11) against a
 brute force: every query of a chunk attends to its own chunk at full precision and to earlier
 chunks' kept tokens as the server's rows hold them (hi tokens exact, lo tokens quantized per
 page and head, dropped tokens hidden); SGLang's stock FP8 cache casts them instead."""
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgl_ragged.calibrate.compressed import CompressedLoss, StockFp8, TierSelection
-from sgl_ragged.calibrate.retention import chunk_page_stats
-from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
-from sgl_ragged.calibrate.samples import build_samples
+from sgl_ragged.emulator.chunks import chunk_page_stats
+from sgl_ragged.emulator.compressed import CompressedLoss, StockFp8, TierSelection
+from sgl_ragged.emulator.runner import CaptureRunner, LayerQKV
+from sgl_ragged.emulator.samples import build_samples
 from sgl_ragged.mem_pool.quant import dequantize, quantize
 from sgl_ragged.mem_pool.tiers import RowTiers
 from sgl_ragged.precision import LOW_PRECISIONS, LowPrecision

@@ -1,4 +1,4 @@
-"""Row tiers with a quantized high tier (tiers.compose_mixed, TierSelection.hi_fmt, the
+"""Row tiers with a quantized high tier (mixed.compose_mixed, TierSelection.hi_fmt, the
 "hi+lo@rho" configurations of bench.offline_loss) against brute forces."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from bench.accuracy import config_bytes, mixed_formats, mixed_tiers, precision_configs
-from sgl_ragged.calibrate.compressed import CompressedLoss, TierSelection
-from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
-from sgl_ragged.mem_pool.tiers import RowTiers, compose, compose_mixed, mixed_tier_bytes
+from sgl_ragged.emulator.compressed import CompressedLoss, TierSelection
+from sgl_ragged.emulator.mixed import compose_mixed, mixed_tier_bytes
+from sgl_ragged.emulator.runner import CaptureRunner, LayerQKV
+from sgl_ragged.mem_pool.tiers import RowTiers, compose
 from sgl_ragged.precision import LOW_PRECISIONS, LowPrecision
 from sgl_ragged.scoring import SINK_TOKENS, make_scorer
 from tests.unit.test_calibrate import save_tiny_llama
