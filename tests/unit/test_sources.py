@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sgl_ragged.calibrate.pipeline import CalibrationConfig, calibrate
-from sgl_ragged.calibrate.summary import describe
+from sgl_ragged.cli.summary import describe
 from sgl_ragged.emulator.chunks import ChunkingConfig, chunk_page_stats
 from sgl_ragged.emulator.compressed import (
     CompressedLoss,

@@ -82,11 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _tiers(args)
         profile = load_profile(args.profile, args.model)
         if args.action == "show":
-            from sgl_ragged.calibrate.summary import describe
+            from sgl_ragged.cli.summary import describe
 
             print(describe(profile, args.profile, args.page_size))
         else:
-            from sgl_ragged.calibrate.plots import plot_profile
+            from sgl_ragged.cli.plots import plot_profile
 
             out = args.output or _default_png(args.profile)
             print(plot_profile(profile, out, args.layers, page_size=args.page_size))
