@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.accuracy import (
+from bench.accuracy_configs import (
     FULL,
     MIXED_SEP,
     Config,
@@ -38,9 +38,10 @@ from bench.accuracy import (
     mixed_tiers,
     other_sources,
     plan_configs,
-    plot_kl,
 )
-from bench.accuracy_stats import mean_se, paired_diff
+from bench.accuracy_report import plot_kl
+from bench.accuracy_stats import paired_diff
+from sgl_ragged.stats import mean_se
 
 SEED = 7  # calibration draws seed 0, BaKlaVa's search seed 1: these samples are held out
 
@@ -177,7 +178,11 @@ def main(argv: list[str] | None = None) -> None:
 
     model = args.model or str(ensure_smollm2())
     profile_dir = args.profile_dir or Path("calib_profiles") / Path(model).name.lower()
-    configs, missing = plan_configs(args.rho, args.scorer, profile_dir, args.precision)
+    from sgl_ragged.profile import model_shape
+
+    head_dim = model_shape(model).head_dim
+    configs, missing = plan_configs(args.rho, args.scorer, profile_dir, head_dim, args.precision,
+                                    args.page_size)
     if args.stock_fp8:
         configs.append(Config("sglang-fp8", "stock-fp8", 0.5, args.scorer[0], "uniform:1.0"))
     if args.only:

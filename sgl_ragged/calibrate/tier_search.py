@@ -22,6 +22,7 @@ from sgl_ragged.mem_pool.tiers import RowTiers, compose
 from sgl_ragged.precision import LowPrecision, low_precision
 from sgl_ragged.profile import BudgetProfile, ProfileTiers
 from sgl_ragged.scoring import SINK_TOKENS
+from sgl_ragged.stats import mean_se
 
 DEFAULT_SHARES = (0.0, 0.15, 0.3, 0.5, 1.0)
 Tiers = tuple[tuple[RowTiers, ...], ...]  # [L][G]
@@ -115,10 +116,9 @@ def search_tiers(profile: BudgetProfile, cfg: TierSearchConfig, progress: bool =
     for name, tiers in candidates.items():
         layout = RaggedLayout(cfg.page_size, head_dim, cfg.dtype_bytes, profile.groups,
                               tuple(tuple(t.total for t in layer) for layer in tiers), tiers, fmt)
-        mean = sum(kls[name]) / len(kls[name])
-        se = (math.fsum((x - mean) ** 2 for x in kls[name]) / (len(kls[name]) - 1) / len(kls[name])) ** 0.5 \
-            if len(kls[name]) > 1 else 0.0
-        rows.append({"name": name, "bytes": layout.retention, "kl": mean, "kl_se": se})
+        kl = mean_se(kls[name])
+        rows.append({"name": name, "bytes": layout.retention, "kl": kl.mean,
+                     "kl_se": kl.se if kl.n > 1 else 0.0})  # one sample: no spread, 0 in the file
     best = min(rows, key=lambda r: r["kl"])["name"]
     return with_tiers(profile, candidates[best], cfg, best, rows), rows
 

@@ -62,10 +62,13 @@ def test_offline_loss_bench_precision_rows(tmp_path: Path) -> None:
         "--model", str(model), "--rho", "0.5", "--profile-dir", str(tmp_path), "--samples", "1",
         "--min-tokens", "128", "--max-tokens", "128", "--page-size", "16", "--chunk-size", "32",
         "--obs-window", "8", "--precision", "int4", "--stock-fp8", "--only", "int4@0.5",
-        "int4-all@0.28125", "sglang-fp8", "--out", str(out),
+        "int4-all@0.375", "sglang-fp8", "--out", str(out),
     ])  # fmt: skip
+    # int4-all is sized for this model (head_dim 16) and page (16): a page of int4 costs 384 of
+    # a bf16 page's 1024 bytes, 6 of 16 slots.
     rows = {r["name"]: r for r in json.loads((out / "offline_loss.json").read_text())["configs"]}
-    assert list(rows) == ["full", "int4-all@0.28125", "int4@0.5", "sglang-fp8"]
+    assert list(rows) == ["full", "int4-all@0.375", "int4@0.5", "sglang-fp8"]
+    assert rows["int4-all@0.375"]["memory"] == pytest.approx(0.375)
     assert rows["sglang-fp8"]["memory"] == 0.5 and rows["int4@0.5"]["memory"] <= 0.5
     assert all(rows[n]["kl"]["mean"] > 0 for n in rows if n != "full")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.accuracy import config_bytes, mixed_formats, mixed_tiers, precision_configs
+from bench.accuracy_configs import config_bytes, mixed_formats, mixed_tiers, precision_configs
 from sgl_ragged.emulator.compressed import CompressedLoss, TierSelection
 from sgl_ragged.emulator.mixed import compose_mixed, mixed_tier_bytes
 from sgl_ragged.emulator.runner import CaptureRunner, LayerQKV
@@ -71,7 +71,7 @@ def test_mixed_configs_parse_and_count_bytes() -> None:
     for bad in ("int8", "int8+bf16", "int8+int4+int2", "int9+int4"):
         with pytest.raises(ValueError, match="expected <hi>"):
             mixed_formats(bad)
-    configs = precision_configs([0.5, 0.3, 1.0], ["int8+int4"], "snapkv")
+    configs = precision_configs([0.5, 0.3, 1.0], ["int8+int4"], "snapkv", 64)
     assert [(c.name, c.kind, c.profile, c.precision) for c in configs] == [
         ("int8+int4@0.3", "tiers-mixed", "uniform:0.3", "int8+int4"),
         ("int8+int4@0.5", "tiers-mixed", "uniform:0.5", "int8+int4")]
