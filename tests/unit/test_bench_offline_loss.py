@@ -15,13 +15,12 @@ from sgl_ragged.emulator.compressed import CompressedLoss, FlatTopSelection, tok
 from sgl_ragged.emulator.runner import CaptureRunner
 from sgl_ragged.emulator.samples import build_samples
 from sgl_ragged.scoring import make_scorer
-from sgl_ragged.testing.tiny_model import save_tiny_llama
 
 TINY = ChunkingConfig(page_size=16, chunk_size=32, obs_window=8)
 
 
-def test_offline_loss_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    model = save_tiny_llama(tmp_path / "model")
+def test_offline_loss_bench(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tiny_llama
     profiles = tmp_path / "profiles"
     calibrate(CalibrationConfig(
         model_path=str(model), output=str(profiles / "snapkv-rho{rho}.json"), rhos=(0.5,),
@@ -55,8 +54,8 @@ def test_offline_loss_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert torch.isfinite(torch.tensor(result["per_sample"]["static-snapkv@0.5"]["nll"])).all()
 
 
-def test_offline_loss_bench_precision_rows(tmp_path: Path) -> None:
-    model = save_tiny_llama(tmp_path / "model")
+def test_offline_loss_bench_precision_rows(tiny_llama: Path, tmp_path: Path) -> None:
+    model = tiny_llama
     out = tmp_path / "out"
     offline_loss.main([
         "--model", str(model), "--rho", "0.5", "--profile-dir", str(tmp_path), "--samples", "1",

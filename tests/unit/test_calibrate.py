@@ -32,14 +32,9 @@ from sgl_ragged.sources.statistics import (
     spearman,
 )
 from sgl_ragged.sources.writer import build_profile, output_paths
-from sgl_ragged.testing.tiny_model import save_tiny_llama
 
 TINY_CHUNKING = ChunkingConfig(page_size=16, chunk_size=64, obs_window=8)
 
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 # ----- Eq. 3 retention against brute force ------------------------------------------------

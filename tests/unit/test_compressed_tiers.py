@@ -18,13 +18,7 @@ from sgl_ragged.mem_pool.quant import dequantize, quantize
 from sgl_ragged.mem_pool.tiers import RowTiers
 from sgl_ragged.precision import LOW_PRECISIONS, LowPrecision
 from sgl_ragged.scoring import SINK_TOKENS, make_scorer
-from tests.unit.test_calibrate import save_tiny_llama
 from tests.unit.test_sources import TINY
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tiers"))
 
 
 def _requant(fmt: LowPrecision, k: torch.Tensor, v: torch.Tensor, h: int, pos: list[int]) -> None:

@@ -15,7 +15,6 @@ from sgl_ragged.emulator.runner import CaptureRunner, LayerQKV
 from sgl_ragged.mem_pool.tiers import RowTiers, compose
 from sgl_ragged.precision import LOW_PRECISIONS, LowPrecision
 from sgl_ragged.scoring import SINK_TOKENS, make_scorer
-from tests.unit.test_calibrate import save_tiny_llama
 from tests.unit.test_compressed_tiers import assert_per_query_softmax, brute_sealed
 from tests.unit.test_sources import TINY
 
@@ -98,10 +97,6 @@ def test_bench_accuracy_refuses_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ---- the emulator ----------------------------------------------------------------------------
 
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-mixed"))
 
 
 @pytest.mark.parametrize("pair", [("int8", "int4"), ("int4", "int2")])

@@ -31,14 +31,9 @@ from sgl_ragged.sources import BaKlaVaSource, KVComposeSource
 from sgl_ragged.sources.baklava import baklava_budgets, baklava_grid, head_importance
 from sgl_ragged.sources.kvcompose import composite_scores, layer_kept_counts
 from sgl_ragged.sources.margin import sample_retention
-from sgl_ragged.testing.tiny_model import save_tiny_llama
 
 TINY = ChunkingConfig(page_size=16, chunk_size=32, obs_window=8)
 
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-sources"))
 
 
 def _random_layer(gen: torch.Generator, tokens: int, h_q: int = 4, h_kv: int = 2, dim: int = 8) -> LayerQKV:
