@@ -1,7 +1,7 @@
 """The precision vocabulary: `--ragged-precision` names and the low-tier formats they pick.
 
-A leaf (DESIGN.md section 11): the server's config and layout, profiles, kernels and the offline
-emulator all name precisions; quantization itself lives in mem_pool/quant.py.
+A leaf (docs/architecture.md, "Row tiers"): the server's config and layout, profiles, kernels
+and the offline emulator all name precisions; quantization itself lives in mem_pool/quant.py.
 """
 
 from __future__ import annotations
