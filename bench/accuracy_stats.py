@@ -1,5 +1,6 @@
 """Arithmetic of the accuracy benchmark (bench/accuracy.py): KL divergence from top-K logprobs
-with one bucket for the remaining mass, standard errors, and paired comparisons. Pure functions,
+with one bucket for the remaining mass, binomial standard errors, and paired comparisons (the
+mean ± SE itself: sgl_ragged/stats.py). Pure functions,
 so unit tests check them against brute force."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
+
+from sgl_ragged.stats import MeanSE, mean_se
 
 
 def kl_topk(ref_logprobs: Sequence[float], cfg_logprobs: Sequence[float]) -> float:
@@ -25,24 +28,6 @@ def kl_topk(ref_logprobs: Sequence[float], cfg_logprobs: Sequence[float]) -> flo
     p_rest = max(0.0, 1.0 - sum(math.exp(p) for p in ref_logprobs))
     q_rest = max(1e-30, 1.0 - sum(math.exp(q) for q in cfg_logprobs))
     return head + (p_rest * math.log(p_rest / q_rest) if p_rest > 1e-12 else 0.0)
-
-
-class MeanSE(NamedTuple):
-    mean: float
-    se: float  # standard error of the mean
-    n: int
-
-
-def mean_se(values: Sequence[float]) -> MeanSE:
-    """Sample mean and its standard error sd / sqrt(n) (sd with n - 1); SE is NaN for n < 2."""
-    n = len(values)
-    if n == 0:
-        return MeanSE(math.nan, math.nan, 0)
-    mean = sum(values) / n
-    if n < 2:
-        return MeanSE(mean, math.nan, n)
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    return MeanSE(mean, math.sqrt(var / n), n)
 
 
 def binomial_se(successes: int, n: int) -> MeanSE:

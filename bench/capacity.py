@@ -85,8 +85,7 @@ def sealing_share(ratio: float, chunk: int = 1024, repeats: int = 5) -> dict[str
 
 def physical_limit(spec: str, model: str) -> float:
     """1 / retention of the profile's layout at page size 64 (what the bytes allow)."""
-    from sgl_ragged.profile import resolve_profile
-    from sgl_ragged.scheduler.server_args import model_shape
+    from sgl_ragged.profile import model_shape, resolve_profile
 
     shape = model_shape(model)
     layout = RaggedLayout.from_profile(resolve_profile(spec, shape), 64, shape.head_dim, 2)

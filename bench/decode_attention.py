@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_ragged.mem_pool.quant import FULL_PRECISION, PRECISION_CHOICES
+from sgl_ragged.precision import FULL_PRECISION, PRECISION_CHOICES
 
 LAYERS, HEADS, HEAD_DIM, GQA, PAGE, TAIL = 32, 8, 128, 4, 64, 37
 

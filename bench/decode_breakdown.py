@@ -44,13 +44,13 @@ def split_config(warps: int, block_n: int) -> Iterator[None]:
     """Build the decode kernels with `warps` for the split kernel and `block_n` for both."""
     from sgl_ragged.kernels import decode
 
-    saved = decode.SPLIT_WARPS, decode._config
+    saved = decode.SPLIT_WARPS, decode.block_config
     decode.SPLIT_WARPS = warps
-    decode._config = lambda q, gsize, d: {**saved[1](q, gsize, d), "BLOCK_N": block_n}
+    decode.block_config = lambda q, gsize, d: {**saved[1](q, gsize, d), "BLOCK_N": block_n}
     try:
         yield
     finally:
-        decode.SPLIT_WARPS, decode._config = saved
+        decode.SPLIT_WARPS, decode.block_config = saved
 
 
 def graph_seconds(step: Callable[[], object], repeats: int) -> float:

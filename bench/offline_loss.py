@@ -2,7 +2,7 @@
 
 Every configuration of bench.accuracy (full, uniform, the calibrated static profiles, the
 equal-memory ones -- static-mean, kvcompose, baklava -- and the dynamic Eq. 3 reference) is run
-on the same held-out samples through ``sgl_ragged.calibrate.compressed``: one forward per sample
+on the same held-out samples through ``sgl_ragged.emulator.compressed``: one forward per sample
 that emulates chunked prefill with the server's page compression (same scorer code, same group
 slots), no server. Per sample: the mean over the tokens after the first chunk of
 KL(full || config) and of the NLL; the table gives the mean over samples ± its standard error
@@ -15,7 +15,7 @@ multi-turn radix reuse are bench.accuracy's.
 ``--precision`` takes low precisions (int8 int4 int2 fp8: p@rho, the best tokens at bf16 over a
 p remainder, and p-all) and pairs ``hi+lo`` such as ``int8+int4``: ``int8+int4@rho`` spends rho
 of the bytes on the most tokens that fit in int4, the best of them upgraded to int8 while the
-bytes allow (mem_pool/tiers.py ``compose_mixed``; every tier's scales and zeros counted). Pairs
+bytes allow (emulator/mixed.py ``compose_mixed``; every tier's scales and zeros counted). Pairs
 are offline only: the server stores its high tier at the model dtype (bench.accuracy refuses them).
 
     python -m bench.offline_loss --rho 0.7 0.5 0.3 --scorer snapkv --samples 12 --out results/offline-loss
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.accuracy import (
+from bench.accuracy_configs import (
     FULL,
     MIXED_SEP,
     Config,
@@ -38,9 +38,10 @@ from bench.accuracy import (
     mixed_tiers,
     other_sources,
     plan_configs,
-    plot_kl,
 )
-from bench.accuracy_stats import mean_se, paired_diff
+from bench.accuracy_report import plot_kl
+from bench.accuracy_stats import paired_diff
+from sgl_ragged.stats import mean_se
 
 SEED = 7  # calibration draws seed 0, BaKlaVa's search seed 1: these samples are held out
 
@@ -49,7 +50,7 @@ def selection_for(config: Config, shape: Any, page_size: int) -> tuple[Any, floa
     """The compressed forward's selection for a configuration, and the KV bytes it keeps per
     token (fraction of a full bf16 cache: the server's layout of the budgets and precision;
     dynamic keeps rho of the entries)."""
-    from sgl_ragged.calibrate.compressed import (
+    from sgl_ragged.emulator.compressed import (
         FlatTopSelection,
         SlotSelection,
         StockFp8,
@@ -80,10 +81,10 @@ def selection_for(config: Config, shape: Any, page_size: int) -> tuple[Any, floa
 
 def evaluate(configs: list[Config], model: str, args: argparse.Namespace) -> dict[str, Any]:
     """Per configuration and sample: mean KL(full || config) and NLL over the scored tokens."""
-    from sgl_ragged.calibrate.compressed import CompressedLoss, token_kl
-    from sgl_ragged.calibrate.retention import ChunkingConfig
-    from sgl_ragged.calibrate.runner import CaptureRunner
-    from sgl_ragged.calibrate.samples import build_samples
+    from sgl_ragged.emulator.chunks import ChunkingConfig
+    from sgl_ragged.emulator.compressed import CompressedLoss, token_kl
+    from sgl_ragged.emulator.runner import CaptureRunner
+    from sgl_ragged.emulator.samples import build_samples
     from sgl_ragged.scoring import make_scorer
 
     runner = CaptureRunner(model)
@@ -177,7 +178,11 @@ def main(argv: list[str] | None = None) -> None:
 
     model = args.model or str(ensure_smollm2())
     profile_dir = args.profile_dir or Path("calib_profiles") / Path(model).name.lower()
-    configs, missing = plan_configs(args.rho, args.scorer, profile_dir, args.precision)
+    from sgl_ragged.profile import model_shape
+
+    head_dim = model_shape(model).head_dim
+    configs, missing = plan_configs(args.rho, args.scorer, profile_dir, head_dim, args.precision,
+                                    args.page_size)
     if args.stock_fp8:
         configs.append(Config("sglang-fp8", "stock-fp8", 0.5, args.scorer[0], "uniform:1.0"))
     if args.only:

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from sgl_ragged.mem_pool.layout import RaggedLayout
-from sgl_ragged.profile import ModelShape, resolve_profile
-from sgl_ragged.scheduler.server_args import model_shape
+from sgl_ragged.profile import ModelShape, model_shape, resolve_profile
 
 PAGE = 64
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -47,7 +46,7 @@ class Target:
             return cls("baseline", None)
         if kind == "ragged" and rest:
             if precision:
-                from sgl_ragged.mem_pool.quant import low_precision
+                from sgl_ragged.precision import low_precision
 
                 low_precision(precision)  # raises for an unknown one
             return cls(spec, rest, precision or "bf16")

@@ -11,7 +11,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from sgl_ragged.mem_pool.quant import FULL_PRECISION, PRECISION_CHOICES, low_precision
+from sgl_ragged.precision import FULL_PRECISION, PRECISION_CHOICES, low_precision
 from sgl_ragged.scoring import SCORERS
 
 SUPPORTED_ARCHITECTURES = (

@@ -7,10 +7,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from sgl_ragged.calibrate.retention import ChunkingConfig
-from sgl_ragged.calibrate.statistics import BUDGET_MODES
+from sgl_ragged.emulator.chunks import ChunkingConfig
 from sgl_ragged.scoring import SCORERS
 from sgl_ragged.sources import DEFAULT_SOURCE, SOURCES, make_source
+from sgl_ragged.sources.statistics import BUDGET_MODES
 
 DEFAULT_OUTPUT = "calib_profiles/{model}/{prefix}{{scorer}}-rho{{rho}}.json"
 

@@ -1,6 +1,6 @@
 """Row compositions searched on the compressed loss (DESIGN.md section 11), like BaKlaVa's
 (r, t) search: a few candidate ways of spending every group's byte budget, each run through the
-offline emulator (compressed.py) on held-out samples, the one closest to the full cache (mean
+offline emulator (emulator/compressed.py) on held-out samples, the one closest to the full cache (mean
 KL per scored token) written into the profile as its tiers (format version 2).
 
 Candidates: the default rule (tiers.compose: every token at the low precision when a page of it
@@ -18,10 +18,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sgl_ragged.mem_pool.quant import LowPrecision, low_precision
 from sgl_ragged.mem_pool.tiers import RowTiers, compose
+from sgl_ragged.precision import LowPrecision, low_precision
 from sgl_ragged.profile import BudgetProfile, ProfileTiers
 from sgl_ragged.scoring import SINK_TOKENS
+from sgl_ragged.stats import mean_se
 
 DEFAULT_SHARES = (0.0, 0.15, 0.3, 0.5, 1.0)
 Tiers = tuple[tuple[RowTiers, ...], ...]  # [L][G]
@@ -83,10 +84,10 @@ def search_tiers(profile: BudgetProfile, cfg: TierSearchConfig, progress: bool =
                  ) -> tuple[BudgetProfile, list[dict[str, Any]]]:
     """The profile with the best candidate's tiers, and every candidate's row of the search
     (name, bytes fraction, KL mean and standard error over samples)."""
-    from sgl_ragged.calibrate.compressed import CompressedLoss, TierSelection, head_tiers, token_kl
-    from sgl_ragged.calibrate.retention import ChunkingConfig
-    from sgl_ragged.calibrate.runner import CaptureRunner
-    from sgl_ragged.calibrate.samples import build_samples
+    from sgl_ragged.emulator.chunks import ChunkingConfig
+    from sgl_ragged.emulator.compressed import CompressedLoss, TierSelection, head_tiers, token_kl
+    from sgl_ragged.emulator.runner import CaptureRunner
+    from sgl_ragged.emulator.samples import build_samples
     from sgl_ragged.mem_pool.layout import RaggedLayout
     from sgl_ragged.scoring import make_scorer
 
@@ -115,10 +116,9 @@ def search_tiers(profile: BudgetProfile, cfg: TierSearchConfig, progress: bool =
     for name, tiers in candidates.items():
         layout = RaggedLayout(cfg.page_size, head_dim, cfg.dtype_bytes, profile.groups,
                               tuple(tuple(t.total for t in layer) for layer in tiers), tiers, fmt)
-        mean = sum(kls[name]) / len(kls[name])
-        se = (math.fsum((x - mean) ** 2 for x in kls[name]) / (len(kls[name]) - 1) / len(kls[name])) ** 0.5 \
-            if len(kls[name]) > 1 else 0.0
-        rows.append({"name": name, "bytes": layout.retention, "kl": mean, "kl_se": se})
+        kl = mean_se(kls[name])
+        rows.append({"name": name, "bytes": layout.retention, "kl": kl.mean,
+                     "kl_se": kl.se if kl.n > 1 else 0.0})  # one sample: no spread, 0 in the file
     best = min(rows, key=lambda r: r["kl"])["name"]
     return with_tiers(profile, candidates[best], cfg, best, rows), rows
 

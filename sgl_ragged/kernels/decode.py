@@ -22,8 +22,9 @@ import triton.language as tl
 from sgl_ragged.kernels.aot import LayerSplits
 from sgl_ragged.kernels.attend import attend_sealed, attend_tail
 from sgl_ragged.kernels.batch import KernelBatch
+from sgl_ragged.kernels.launch import block_config, rows_contiguous
 from sgl_ragged.kernels.occupancy import KernelResources
-from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
+from sgl_ragged.kernels.tables import LayerTables, tl_dtype
 
 SPLIT_WARPS = 4
 """Warps per program of the split kernel."""
@@ -135,7 +136,7 @@ def decode_attention(
     B = batch.batch_size
     if B == 0:
         return out, lse
-    cfg = _config(q, h_q // k_new.shape[1], d)
+    cfg = block_config(q, h_q // k_new.shape[1], d)
     # mid_o: [B, H_q, S_max, D], mid_l: [B, H_q, S_max] float32 partials per split.
     mid_o = torch.empty(B, h_q, splits.max_splits, d, dtype=torch.float32, device=q.device)
     mid_l = torch.empty(B, h_q, splits.max_splits, dtype=torch.float32, device=q.device)
@@ -172,7 +173,7 @@ def split_kernel_resources(tables: LayerTables, splits: LayerSplits, num_q_heads
                         num_staged=one, stage_table=one[None], max_q_len=1, max_sealed=0)
     mid_o = torch.empty(1, num_q_heads, splits.max_splits, head_dim, device=dev)
     mid_l = torch.empty(1, num_q_heads, splits.max_splits, device=dev)
-    cfg = _config(q, num_q_heads // tables.group_heads.numel(), head_dim)
+    cfg = block_config(q, num_q_heads // tables.group_heads.numel(), head_dim)
     args, options = _split_launch(q, tables, splits, batch, mid_o, mid_l, 1.0, cfg)
     kernel = _sealed_splits_kernel.warmup(*args, grid=(1, 1), **options)
     kernel._init_handles()  # loads the binary: fills n_regs
@@ -190,8 +191,8 @@ def tail_merge(
     the merge for any other sealed-part kernel (the FlashInfer baseline passes S = 1)."""
     h_q, d = q.shape[1:]
     h_kv = k_new.shape[1]
-    cfg = _config(q, h_q // h_kv, d)
-    k_new, v_new = _rows_contiguous(k_new), _rows_contiguous(v_new)
+    cfg = block_config(q, h_q // h_kv, d)
+    k_new, v_new = rows_contiguous(k_new), rows_contiguous(v_new)
     _tail_merge_kernel[(batch.batch_size, h_kv)](
         q, q.stride(0), q.stride(1), k_new, v_new, k_new.stride(0), stage_k, stage_v,
         stage_k.stride(0), stage_k.stride(1), stage_k.shape[1], batch.stage_table,
@@ -199,22 +200,3 @@ def tail_merge(
         split_counts, mid_o, mid_l, *mid_o.stride()[:3], *mid_l.stride()[:2],
         out, out.stride(0), out.stride(1), lse, lse.stride(0), scale, **cfg, num_warps=8,
     )
-
-
-def _config(q: torch.Tensor, gsize: int, d: int) -> dict[str, object]:
-    """Block sizes: tensor-core friendly on a GPU, tiny under the CPU interpreter (BLOCK_N 32:
-    with 64 the sm_90 build of the split kernel spills registers at D = 128). Dot products
-    run in q's dtype on a GPU and in float32 on the CPU (the interpreter's bfloat16 matmul is
-    not numeric); float32 dots are exact (no TF32)."""
-    dot = tl_dtype(q.dtype) if q.is_cuda else tl.float32
-    return {
-        "GSIZE": gsize, "D": d, "BLOCK_G": max(16, next_pow2(gsize)),
-        "BLOCK_N": 32 if q.is_cuda else 16, "BLOCK_D": max(16, next_pow2(d)),
-        "DOT": dot, "PRECISION": "ieee" if dot == tl.float32 else "tf32",
-    }
-
-
-def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
-    """The kernels assume head stride D and unit element stride; copy only if not."""
-    d = x.shape[-1]
-    return x if x.stride(-1) == 1 and x.stride(-2) == d else x.contiguous()

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from sgl_ragged.kernels.attend import attend_sealed, attend_tail
 from sgl_ragged.kernels.batch import KernelBatch
-from sgl_ragged.kernels.decode import _config, _rows_contiguous
+from sgl_ragged.kernels.launch import block_config, rows_contiguous
 from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
 
 
@@ -89,9 +89,9 @@ def extend_attention(
     lse = torch.empty(n, h_q, dtype=torch.float32, device=q.device) if lse is None else lse
     if batch.batch_size == 0 or batch.max_q_len == 0:
         return out, lse
-    cfg = {**_config(q, h_q // h_kv, d), "BLOCK_G": next_pow2(h_q // h_kv)}
+    cfg = {**block_config(q, h_q // h_kv, d), "BLOCK_G": next_pow2(h_q // h_kv)}
     block_m = max(1, (64 if q.is_cuda else 16) // cfg["BLOCK_G"])  # >= 16 rows for tl.dot
-    k_new, v_new = _rows_contiguous(k_new), _rows_contiguous(v_new)
+    k_new, v_new = rows_contiguous(k_new), rows_contiguous(v_new)
     grid = (triton.cdiv(batch.max_q_len, block_m), batch.batch_size, h_kv)
     _extend_kernel[grid](
         q, q.stride(0), q.stride(1), k_new, v_new, k_new.stride(0), stage_k, stage_v,

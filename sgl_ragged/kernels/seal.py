@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_ragged.kernels.decode import _rows_contiguous
+from sgl_ragged.kernels.launch import rows_contiguous
 from sgl_ragged.kernels.quant import store_low
 from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
 
@@ -90,7 +90,7 @@ def seal_pages(
     if n == 0:
         return
     _, P, h_kv, d = src_k.shape
-    src_k, src_v = _rows_contiguous(src_k), _rows_contiguous(src_v)
+    src_k, src_v = rows_contiguous(src_k), rows_contiguous(src_v)
     scores = scores.float().contiguous()
     sinks = sinks.to(torch.int8).contiguous()
     _seal_kernel[(n, h_kv)](

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
-from sgl_ragged.mem_pool.quant import LowPrecision
 from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.precision import LowPrecision
 
 TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sgl_ragged.mem_pool.quant import FULL_PRECISION, LowPrecision, low_precision
 from sgl_ragged.mem_pool.staging_stats import StagingStats
 from sgl_ragged.mem_pool.tiers import RowTiers, compose, tier_bytes
+from sgl_ragged.precision import FULL_PRECISION, LowPrecision, low_precision
 from sgl_ragged.profile import BudgetProfile
 from sgl_ragged.scoring import SINK_TOKENS
 

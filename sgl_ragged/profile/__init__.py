@@ -9,7 +9,7 @@ parts, with source.py: the typed ``source`` record) and validation.py (load-time
 from __future__ import annotations
 
 from sgl_ragged.profile.budget_profile import CALIBRATE_HINT, BudgetProfile
-from sgl_ragged.profile.model_shape import ModelShape
+from sgl_ragged.profile.model_shape import ModelShape, model_shape
 from sgl_ragged.profile.samples import STATS_SCHEMA, SampleRetention
 from sgl_ragged.profile.source import ModelFreeKind, SourceRecord
 from sgl_ragged.profile.spec import (
@@ -47,6 +47,7 @@ __all__ = [
     "dynamic_profile",
     "model_free_kind",
     "model_free_profile",
+    "model_shape",
     "parse_dynamic_spec",
     "parse_uniform_spec",
     "resolve_profile",

@@ -1,4 +1,4 @@
-"""The model facts a budget profile depends on (its fingerprint)."""
+"""The model facts a budget profile depends on (its fingerprint), read from a local checkpoint."""
 
 from __future__ import annotations
 
@@ -52,3 +52,18 @@ class ModelShape:
         if sorted(data) != sorted(names):
             raise ProfileError(f"'model' must have exactly the keys {names}, got {sorted(data)}")
         return cls(**{name: data[name] for name in names})
+
+
+def model_shape(model_path: str, trust_remote_code: bool = False) -> ModelShape:
+    """Architecture and KV geometry of a local HF checkpoint (its config.json)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    cfg = getattr(cfg, "text_config", cfg)
+    heads = cfg.num_attention_heads
+    return ModelShape(
+        architecture=(cfg.architectures or ["unknown"])[0],
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+    )

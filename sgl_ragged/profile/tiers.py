@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sgl_ragged.precision import LOW_PRECISIONS
 from sgl_ragged.profile.validation import ProfileError, as_lists, check_shape, float_matrix
 
 
@@ -22,8 +23,6 @@ class ProfileTiers:
     lo: tuple[tuple[float, ...], ...]  # [L][H] in [0, 1], hi + lo <= 1
 
     def check(self, num_layers: int, groups: Sequence[Sequence[Sequence[int]]]) -> ProfileTiers:
-        from sgl_ragged.mem_pool.quant import LOW_PRECISIONS
-
         if self.precision not in LOW_PRECISIONS:
             raise ProfileError(f"tiers.precision {self.precision!r} is not one of "
                                f"{sorted(LOW_PRECISIONS)}")

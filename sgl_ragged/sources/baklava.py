@@ -5,7 +5,7 @@ attention outputs o_i = softmax(q_i K^T) V (averaged over the query heads of a K
 layer, heads below the importance threshold t lose the fraction r of the uniform budget rho,
 and the k = min(n, H - n) most important heads share what the n reduced heads gave up. (r, t)
 come from a search over the compressed loss of held-out samples (Algorithm 3,
-calibrate/compressed.py). The budgets spend rho on average: no margin, no per-sample retention.
+emulator/compressed.py). The budgets spend rho on average: no margin, no per-sample retention.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from sgl_ragged.scoring.snapkv import window_attention_probs
 from sgl_ragged.sources.base import BudgetSource, CalibrationRun, ProfileKey, scorer_params_text
 
 if TYPE_CHECKING:
-    from sgl_ragged.calibrate.pipeline import CalibrationConfig
-    from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
+    from sgl_ragged.emulator.runner import CaptureRunner, LayerQKV
     from sgl_ragged.profile import BudgetProfile, ModelShape
+    from sgl_ragged.sources.config import CalibrationConfig
 
 DIGITS = 6  # decimals kept for B and the importance
 SearchRows = dict[ProfileKey, list[dict[str, Any]]]  # (scorer, rho) -> one row per (r, t)
@@ -208,8 +208,8 @@ def search(cfg: CalibrationConfig, runner: CaptureRunner, importance: np.ndarray
     """Algorithm 3 over the (r, t) grid for every (scorer, rho): the mean next-token NLL of the
     held-out samples under each candidate's budgets (identical budgets evaluated once). Returns
     the rows per (scorer, rho) and the full cache's NLL."""
-    from sgl_ragged.calibrate.compressed import CompressedLoss, SlotSelection, head_slots
-    from sgl_ragged.calibrate.samples import build_samples
+    from sgl_ragged.emulator.compressed import CompressedLoss, SlotSelection, head_slots
+    from sgl_ragged.emulator.samples import build_samples
     from sgl_ragged.scoring import make_scorer
 
     opts = BaKlaVaSource().options(cfg)
@@ -246,8 +246,8 @@ def build_profile(
     """A BaKlaVa profile: Algorithm 2's budgets at the searched (r, t) ``best``, from the mean
     head ``importance`` [L, H] of the samples ``per_sample`` [S, L, H]. The stats keep the
     importance, its rank stability across samples and the whole search."""
-    from sgl_ragged.calibrate import statistics
     from sgl_ragged.profile import BudgetProfile
+    from sgl_ragged.sources import statistics
 
     r, t = best["reduction"], best["threshold"]
     budgets = np.round(baklava_budgets(importance, source.rho, r, t), DIGITS)

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from sgl_ragged.profile.source import SourceRecord
 
 if TYPE_CHECKING:
-    from sgl_ragged.calibrate.pipeline import CalibrationConfig
-    from sgl_ragged.calibrate.runner import CaptureRunner
-    from sgl_ragged.calibrate.samples import Sample
+    from sgl_ragged.emulator.runner import CaptureRunner
+    from sgl_ragged.emulator.samples import Sample
     from sgl_ragged.profile import BudgetProfile
     from sgl_ragged.scoring import Scorer
+    from sgl_ragged.sources.config import CalibrationConfig
 
 T = TypeVar("T")
 ProfileKey = tuple[str, float]  # (scorer name, rho): one profile each
@@ -121,7 +121,7 @@ class BudgetSource(ABC):
     def record(self, cfg: CalibrationConfig, scorer: Scorer, rho: float, tasks: Sequence[str],
                tokens: Sequence[int]) -> SourceRecord:  # fmt: skip
         """The ``source`` record of the profile for ``scorer`` and ``rho``."""
-        from sgl_ragged.calibrate.corpus import CORPUS_NAME, TASK_NAMES
+        from sgl_ragged.emulator.corpus import CORPUS_NAME, TASK_NAMES
 
         params = {k: v for k, v in vars(scorer).items() if isinstance(v, int | float | str | bool)}
         return SourceRecord(self.record_kind, {

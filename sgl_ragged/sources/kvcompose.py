@@ -27,7 +27,7 @@ class KVComposeSource(MarginSource):
 
     def default_heads_per_group(self, model_path: str) -> int:
         """All KV heads of a layer in one group: its heads' budgets are equal."""
-        from sgl_ragged.scheduler.server_args import model_shape
+        from sgl_ragged.profile import model_shape
 
         return model_shape(model_path).num_kv_heads
 

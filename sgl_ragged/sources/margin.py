@@ -2,7 +2,7 @@
 
 They differ only in how one prefill chunk's scored tokens are selected (``chunk_kept``); the
 calibration runs every sample once, records each head's retention under that selection
-(calibrate/retention.py) and writes the margin budgets (calibrate/writer.py). Their profiles
+(``sample_retention``) and writes the margin budgets (writer.py). Their profiles
 store the per-sample retention, so ``sgl-ragged profile derive`` can rebuild them with another
 margin, budget mode or group size.
 """
@@ -15,11 +15,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sgl_ragged.emulator.chunks import ChunkingConfig, chunk_page_stats, chunk_sinks
 from sgl_ragged.profile.source import SourceRecord
 from sgl_ragged.sources.base import BudgetSource, CalibrationRun, ProfileKey, scorer_params_text
 
 if TYPE_CHECKING:
+    from sgl_ragged.emulator.runner import LayerQKV
     from sgl_ragged.profile import BudgetProfile
+    from sgl_ragged.scoring import Scorer
 
 
 class MarginSource(BudgetSource):
@@ -37,9 +40,8 @@ class MarginSource(BudgetSource):
         """
 
     def calibrate(self, run: CalibrationRun) -> dict[ProfileKey, BudgetProfile]:
-        from sgl_ragged.calibrate import writer
-        from sgl_ragged.calibrate.retention import sample_retention
         from sgl_ragged.scoring import make_scorer
+        from sgl_ragged.sources import writer
 
         cfg, runner = run.cfg, run.runner
         scorers = [make_scorer(name) for name in cfg.scorers]
@@ -72,3 +74,28 @@ class MarginSource(BudgetSource):
     def plot_title(self, record: SourceRecord) -> str:
         return (f"{record.get('scorer')} at rho {record.get('rho')}, alpha {record.get('alpha')}, "
                 f"{record.get('samples')} samples")  # fmt: skip
+
+
+def sample_retention(
+    layers: Sequence[LayerQKV], scorers: Sequence[Scorer], rhos: Sequence[float],
+    cfg: ChunkingConfig, scale: float, selector: MarginSource,
+) -> torch.Tensor:  # fmt: skip
+    """Per-head retention of one sample: [S_c, R, L, H_kv] float64 kept / offered.
+
+    S_c = len(scorers), R = len(rhos), L = len(layers); one model run serves them all.
+    ``selector`` selects each chunk's tokens through ``chunk_kept``: TANGRAM,
+    Eq. 3 per layer (heads of a layer compete); KVCompose, the layers compete through their
+    composite tokens and every head of a layer keeps the layer's count.
+    """
+    if not getattr(selector, "margin", False):
+        raise ValueError(f"per-sample retention exists for the margin sources (Eq. 5 budgets), "
+                         f"not {getattr(selector, 'name', selector)!r}")
+    num_tokens, h_kv = layers[0].k.shape[:2]
+    kept = torch.zeros(len(scorers), len(rhos), len(layers), h_kv, dtype=torch.int64)
+    for start, end in cfg.chunks(num_tokens):
+        sinks = chunk_sinks(start, (end - start) // cfg.page_size, cfg.page_size)  # [N, P]
+        stats = [chunk_page_stats(layer, start, end, cfg, scale) for layer in layers]
+        for si, scorer in enumerate(scorers):
+            scores = [scorer.page_scores(st).cpu() for st in stats]  # [L] of [N, H_kv, P]
+            kept[si] += selector.chunk_kept(scores, sinks, rhos)
+    return kept.double() / num_tokens

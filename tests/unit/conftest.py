@@ -1,12 +1,15 @@
-"""Fixtures of the kernel tests (tests/unit/test_kernels_*.py)."""
+"""Shared fixtures of the unit tests: the kernel tests' device (tests/unit/test_kernels_*.py),
+a seeded generator and a tiny random-weight Llama checkpoint."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from sgl_ragged.testing.tiny_model import save_tiny_llama
 from tests.conftest import INTERPRET
 
 
@@ -24,3 +27,10 @@ def kernel_device(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama (2 layers, 2 KV heads, head_dim 16, byte-level tokenizer),
+    saved once per session; tests read it and never write into it."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

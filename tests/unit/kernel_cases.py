@@ -7,6 +7,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,6 +46,17 @@ class Spec:
     seal: int = 0  # complete tail pages this forward seals (the rest stays staged)
 
 
+def make_storage(profile: BudgetProfile, page_size: int, head_dim: int, num_pages: int,
+                 num_staging_pages: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 precision: str = "bf16", **kwargs: Any) -> RaggedStorage:
+    """A zeroed storage for ``profile`` (SnapKV scorer); ``kwargs`` go to RaggedStorage
+    (``scale``, ``dynamic_rho``). Every test that needs a storage builds it here."""
+    layout = RaggedLayout.from_profile(profile, page_size, head_dim, torch.finfo(dtype).bits // 8,
+                                       precision=precision)
+    return RaggedStorage(layout, num_pages, num_staging_pages, dtype, device, SnapKVScorer(),
+                         **kwargs)
+
+
 def random_storage(rng: random.Random, device: str, layers: int = 1, heads_per_group: int = 2,
                    num_pages: int = 48, num_stages: int = 24,
                    dtype: torch.dtype = torch.float32, shape: Shape = SMALL,
@@ -56,9 +68,8 @@ def random_storage(rng: random.Random, device: str, layers: int = 1, heads_per_g
     groups = [tuple(tuple(range(s, s + heads_per_group)) for s in range(0, H, heads_per_group))
               for _ in range(layers)]
     profile = BudgetProfile(model=None, budgets=budgets, groups=groups, source={"kind": "uniform"})
-    layout = RaggedLayout.from_profile(profile, shape.page_size, shape.head_dim,
-                                       torch.finfo(dtype).bits // 8, precision=precision)
-    storage = RaggedStorage(layout, num_pages, num_stages, dtype, device, SnapKVScorer())
+    storage = make_storage(profile, shape.page_size, shape.head_dim, num_pages, num_stages,
+                           dtype, device, precision)
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     for t in [*(x for rows in (storage.rows_k, storage.rows_v) for layer in rows for x in layer),
               *storage.stage_k, *storage.stage_v]:

@@ -1,4 +1,4 @@
-"""Arithmetic of the accuracy benchmark (bench/accuracy_stats.py, bench/accuracy.py): KL with a
+"""Arithmetic of the accuracy benchmark (bench/accuracy_stats.py, accuracy_configs.py, accuracy_scoring.py): KL with a
 rest bucket against brute force, standard errors, paired differences and their flags."""
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.accuracy import comparisons, plan_configs
-from bench.accuracy_stats import Diff, binomial_se, kl_topk, mean_se, paired_diff
+from bench.accuracy_configs import plan_configs, precision_configs
+from bench.accuracy_scoring import comparisons
+from bench.accuracy_stats import Diff, binomial_se, kl_topk, paired_diff
+from sgl_ragged.stats import mean_se
 
 P = np.array([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
 Q = np.array([0.30, 0.30, 0.10, 0.05, 0.20, 0.05])
@@ -74,7 +76,7 @@ def test_paired_diff_and_flags():
 
 def test_plan_configs_lists_missing_profiles(tmp_path: Path):
     (tmp_path / "snapkv-rho0.5.json").write_text("{}")
-    configs, missing = plan_configs([0.5, 0.3], ["snapkv"], tmp_path)
+    configs, missing = plan_configs([0.5, 0.3], ["snapkv"], tmp_path, 64)
     assert [c.name for c in configs] == ["full", "uniform@0.3", "dynamic-snapkv@0.3",
                                          "uniform@0.5", "static-snapkv@0.5", "dynamic-snapkv@0.5"]
     assert missing == [str(tmp_path / "snapkv-rho0.3.json")]
@@ -83,11 +85,11 @@ def test_plan_configs_lists_missing_profiles(tmp_path: Path):
 
 
 def test_precision_configs_spend_rho_and_the_whole_page_budget(tmp_path: Path):
-    from bench.accuracy import config_bytes
+    from bench.accuracy_configs import config_bytes
     from sgl_ragged.mem_pool.layout import RaggedLayout
     from sgl_ragged.profile import ModelShape, uniform_profile
 
-    configs, _ = plan_configs([0.5, 0.3], ["snapkv"], tmp_path, ["int4", "int8"])
+    configs, _ = plan_configs([0.5, 0.3], ["snapkv"], tmp_path, 64, ["int4", "int8"])
     names = [c.name for c in configs]
     assert names[-6:] == ["int4-all@0.28125", "int4@0.3", "int4@0.5",
                           "int8-all@0.53125", "int8@0.3", "int8@0.5"]
@@ -101,9 +103,22 @@ def test_precision_configs_spend_rho_and_the_whole_page_budget(tmp_path: Path):
             assert {(t.hi, t.lo) for layer in layout.tiers for t in layer} == {(0, 64)}
 
 
+
+def test_precision_configs_size_the_whole_page_for_the_models_head_dim():
+    """int4-all's budget buys a whole page of int4 with its per-channel key parameters, which
+    weigh more at a small head_dim: 19 of 64 slots at D = 32, 18 at D = 64."""
+    from sgl_ragged.precision import LOW_PRECISIONS
+
+    for d, slots in ((32, 19), (64, 18)):
+        config = precision_configs([0.5], ["int4"], "snapkv", d)[0]
+        assert config.name == f"int4-all@{slots / 64}" and config.kind == "tiers-all"
+        bf16_page = 2 * 64 * d * 2
+        assert (slots - 1) * bf16_page / 64 < LOW_PRECISIONS["int4"].tier_bytes(64, 1, d) <= slots * bf16_page / 64
+
+
 def test_comparisons_pair_static_with_dynamic_and_uniform(tmp_path: Path):
     (tmp_path / "snapkv-rho0.5.json").write_text("{}")
-    configs, _ = plan_configs([0.5], ["snapkv"], tmp_path)
+    configs, _ = plan_configs([0.5], ["snapkv"], tmp_path, 64)
 
     def recs(exact: list[bool], kl: list[float]) -> list[dict]:
         return [{"session": i, "turn": 0, "exact": e, "kl": k, "top1": [e, True]}
@@ -125,7 +140,7 @@ def test_comparisons_pair_static_with_dynamic_and_uniform(tmp_path: Path):
 def test_mean_budget_profiles_join_as_equal_memory_configs(tmp_path: Path):
     for name in ("snapkv-rho0.5.json", "snapkv-mean-rho0.5.json"):
         (tmp_path / name).write_text("{}")
-    configs, missing = plan_configs([0.5], ["snapkv"], tmp_path)
+    configs, missing = plan_configs([0.5], ["snapkv"], tmp_path, 64)
     assert [c.name for c in configs] == ["full", "uniform@0.5", "static-snapkv@0.5",
                                          "static-mean-snapkv@0.5", "dynamic-snapkv@0.5"]
     assert not missing and configs[3].profile == str(tmp_path / "snapkv-mean-rho0.5.json")
@@ -143,7 +158,7 @@ def test_other_budget_sources_join_as_equal_memory_configs(tmp_path: Path):
     for name in ("snapkv-mean-rho0.5.json", "kvcompose-snapkv-mean-rho0.5.json",
                  "kvcompose-snapkv-rho0.5.json", "baklava-snapkv-rho0.5.json"):
         (tmp_path / name).write_text("{}")
-    configs, _ = plan_configs([0.5], ["snapkv"], tmp_path)
+    configs, _ = plan_configs([0.5], ["snapkv"], tmp_path, 64)
     assert [c.name for c in configs] == ["full", "uniform@0.5", "static-mean-snapkv@0.5",
                                          "kvcompose-snapkv@0.5", "baklava-snapkv@0.5",
                                          "dynamic-snapkv@0.5"]

@@ -9,19 +9,18 @@ import pytest
 import torch
 
 from bench import offline_loss
-from sgl_ragged.calibrate.compressed import CompressedLoss, FlatTopSelection, token_kl
 from sgl_ragged.calibrate.pipeline import CalibrationConfig, calibrate
-from sgl_ragged.calibrate.retention import ChunkingConfig
-from sgl_ragged.calibrate.runner import CaptureRunner
-from sgl_ragged.calibrate.samples import build_samples
+from sgl_ragged.emulator.chunks import ChunkingConfig
+from sgl_ragged.emulator.compressed import CompressedLoss, FlatTopSelection, token_kl
+from sgl_ragged.emulator.runner import CaptureRunner
+from sgl_ragged.emulator.samples import build_samples
 from sgl_ragged.scoring import make_scorer
-from sgl_ragged.testing.tiny_model import save_tiny_llama
 
 TINY = ChunkingConfig(page_size=16, chunk_size=32, obs_window=8)
 
 
-def test_offline_loss_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    model = save_tiny_llama(tmp_path / "model")
+def test_offline_loss_bench(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tiny_llama
     profiles = tmp_path / "profiles"
     calibrate(CalibrationConfig(
         model_path=str(model), output=str(profiles / "snapkv-rho{rho}.json"), rhos=(0.5,),
@@ -55,17 +54,20 @@ def test_offline_loss_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert torch.isfinite(torch.tensor(result["per_sample"]["static-snapkv@0.5"]["nll"])).all()
 
 
-def test_offline_loss_bench_precision_rows(tmp_path: Path) -> None:
-    model = save_tiny_llama(tmp_path / "model")
+def test_offline_loss_bench_precision_rows(tiny_llama: Path, tmp_path: Path) -> None:
+    model = tiny_llama
     out = tmp_path / "out"
     offline_loss.main([
         "--model", str(model), "--rho", "0.5", "--profile-dir", str(tmp_path), "--samples", "1",
         "--min-tokens", "128", "--max-tokens", "128", "--page-size", "16", "--chunk-size", "32",
         "--obs-window", "8", "--precision", "int4", "--stock-fp8", "--only", "int4@0.5",
-        "int4-all@0.28125", "sglang-fp8", "--out", str(out),
+        "int4-all@0.375", "sglang-fp8", "--out", str(out),
     ])  # fmt: skip
+    # int4-all is sized for this model (head_dim 16) and page (16): a page of int4 costs 384 of
+    # a bf16 page's 1024 bytes, 6 of 16 slots.
     rows = {r["name"]: r for r in json.loads((out / "offline_loss.json").read_text())["configs"]}
-    assert list(rows) == ["full", "int4-all@0.28125", "int4@0.5", "sglang-fp8"]
+    assert list(rows) == ["full", "int4-all@0.375", "int4@0.5", "sglang-fp8"]
+    assert rows["int4-all@0.375"]["memory"] == pytest.approx(0.375)
     assert rows["sglang-fp8"]["memory"] == 0.5 and rows["int4@0.5"]["memory"] <= 0.5
     assert all(rows[n]["kl"]["mean"] > 0 for n in rows if n != "full")
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from sgl_ragged.calibrate.pipeline import CalibrationConfig
 from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileError, resolve_profile
 from sgl_ragged.scoring import make_scorer
 from sgl_ragged.sources import (
@@ -24,6 +23,7 @@ from sgl_ragged.sources import (
     margin_sources,
     source_of,
 )
+from sgl_ragged.sources.config import CalibrationConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = ModelShape("LlamaForCausalLM", num_layers=2, num_kv_heads=2, head_dim=8)

@@ -15,10 +15,14 @@ from hypothesis import strategies as st
 
 from sgl_ragged.budgets import split_map
 from sgl_ragged.calibrate.pipeline import CalibrationConfig, calibrate
-from sgl_ragged.calibrate.retention import ChunkingConfig, sample_retention
-from sgl_ragged.calibrate.runner import LayerQKV
-from sgl_ragged.calibrate.samples import build_samples
-from sgl_ragged.calibrate.statistics import (
+from sgl_ragged.emulator.chunks import ChunkingConfig
+from sgl_ragged.emulator.runner import LayerQKV
+from sgl_ragged.emulator.samples import build_samples
+from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileError, model_shape, resolve_profile
+from sgl_ragged.scoring import SINK_TOKENS, SnapKVScorer
+from sgl_ragged.sources import TangramSource
+from sgl_ragged.sources.margin import sample_retention
+from sgl_ragged.sources.statistics import (
     BUDGET_FLOOR,
     average_ranks,
     coverage,
@@ -27,19 +31,10 @@ from sgl_ragged.calibrate.statistics import (
     reserved_budgets,
     spearman,
 )
-from sgl_ragged.calibrate.writer import build_profile, output_paths
-from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileError, resolve_profile
-from sgl_ragged.scheduler.server_args import model_shape
-from sgl_ragged.scoring import SINK_TOKENS, SnapKVScorer
-from sgl_ragged.sources import TangramSource
-from sgl_ragged.testing.tiny_model import save_tiny_llama
+from sgl_ragged.sources.writer import build_profile, output_paths
 
 TINY_CHUNKING = ChunkingConfig(page_size=16, chunk_size=64, obs_window=8)
 
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 # ----- Eq. 3 retention against brute force ------------------------------------------------

@@ -1,4 +1,4 @@
-"""The offline emulator's row tiers (calibrate/compressed.py, DESIGN.md section 11) against a
+"""The offline emulator's row tiers (emulator/compressed.py, DESIGN.md section 11) against a
 brute force: every query of a chunk attends to its own chunk at full precision and to earlier
 chunks' kept tokens as the server's rows hold them (hi tokens exact, lo tokens quantized per
 page and head, dropped tokens hidden); SGLang's stock FP8 cache casts them instead."""
@@ -10,20 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgl_ragged.calibrate.compressed import CompressedLoss, StockFp8, TierSelection
-from sgl_ragged.calibrate.retention import chunk_page_stats
-from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
-from sgl_ragged.calibrate.samples import build_samples
-from sgl_ragged.mem_pool.quant import LOW_PRECISIONS, LowPrecision, dequantize, quantize
+from sgl_ragged.emulator.chunks import chunk_page_stats
+from sgl_ragged.emulator.compressed import CompressedLoss, StockFp8, TierSelection
+from sgl_ragged.emulator.runner import CaptureRunner, LayerQKV
+from sgl_ragged.emulator.samples import build_samples
+from sgl_ragged.mem_pool.quant import dequantize, quantize
 from sgl_ragged.mem_pool.tiers import RowTiers
+from sgl_ragged.precision import LOW_PRECISIONS, LowPrecision
 from sgl_ragged.scoring import SINK_TOKENS, make_scorer
-from tests.unit.test_calibrate import save_tiny_llama
 from tests.unit.test_sources import TINY
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tiers"))
 
 
 def _requant(fmt: LowPrecision, k: torch.Tensor, v: torch.Tensor, h: int, pos: list[int]) -> None:

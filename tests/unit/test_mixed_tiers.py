@@ -1,4 +1,4 @@
-"""Row tiers with a quantized high tier (tiers.compose_mixed, TierSelection.hi_fmt, the
+"""Row tiers with a quantized high tier (mixed.compose_mixed, TierSelection.hi_fmt, the
 "hi+lo@rho" configurations of bench.offline_loss) against brute forces."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.accuracy import config_bytes, mixed_formats, mixed_tiers, precision_configs
-from sgl_ragged.calibrate.compressed import CompressedLoss, TierSelection
-from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
-from sgl_ragged.mem_pool.quant import LOW_PRECISIONS, LowPrecision
-from sgl_ragged.mem_pool.tiers import RowTiers, compose, compose_mixed, mixed_tier_bytes
+from bench.accuracy_configs import config_bytes, mixed_formats, mixed_tiers, precision_configs
+from sgl_ragged.emulator.compressed import CompressedLoss, TierSelection
+from sgl_ragged.emulator.mixed import compose_mixed, mixed_tier_bytes
+from sgl_ragged.emulator.runner import CaptureRunner, LayerQKV
+from sgl_ragged.mem_pool.tiers import RowTiers, compose
+from sgl_ragged.precision import LOW_PRECISIONS, LowPrecision
 from sgl_ragged.scoring import SINK_TOKENS, make_scorer
-from tests.unit.test_calibrate import save_tiny_llama
 from tests.unit.test_compressed_tiers import assert_per_query_softmax, brute_sealed
 from tests.unit.test_sources import TINY
 
@@ -70,7 +70,7 @@ def test_mixed_configs_parse_and_count_bytes() -> None:
     for bad in ("int8", "int8+bf16", "int8+int4+int2", "int9+int4"):
         with pytest.raises(ValueError, match="expected <hi>"):
             mixed_formats(bad)
-    configs = precision_configs([0.5, 0.3, 1.0], ["int8+int4"], "snapkv")
+    configs = precision_configs([0.5, 0.3, 1.0], ["int8+int4"], "snapkv", 64)
     assert [(c.name, c.kind, c.profile, c.precision) for c in configs] == [
         ("int8+int4@0.3", "tiers-mixed", "uniform:0.3", "int8+int4"),
         ("int8+int4@0.5", "tiers-mixed", "uniform:0.5", "int8+int4")]
@@ -97,10 +97,6 @@ def test_bench_accuracy_refuses_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ---- the emulator ----------------------------------------------------------------------------
 
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-mixed"))
 
 
 @pytest.mark.parametrize("pair", [("int8", "int4"), ("int4", "int2")])

@@ -11,21 +11,19 @@ from types import SimpleNamespace
 import torch
 
 from sgl_ragged.attention_backend.planner import plan_batch, take_staging
-from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.sealer import SealBatch
 from sgl_ragged.mem_pool.staging_stats import StagingStats
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.profile import uniform_profile
 from sgl_ragged.scheduler.chunks import PrefillChunks
 from sgl_ragged.scheduler.hooks import attention_scale
-from sgl_ragged.scoring import SnapKVScorer
+from tests.unit.kernel_cases import make_storage
 
 P, D = 8, 4
 
 
 def _storage(**kwargs) -> RaggedStorage:
-    layout = RaggedLayout.from_profile(uniform_profile(0.5, 2, 2, 1), P, D, 4)
-    return RaggedStorage(layout, 16, 6, torch.float32, "cpu", SnapKVScorer(), **kwargs)
+    return make_storage(uniform_profile(0.5, 2, 2, 1), P, D, 16, 6, **kwargs)
 
 
 def _req_to_token(rows: int) -> torch.Tensor:

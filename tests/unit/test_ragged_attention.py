@@ -17,10 +17,9 @@ import torch
 
 from sgl_ragged.attention_backend.planner import plan_forward, take_staging
 from sgl_ragged.attention_backend.torch_ref import request_forward
-from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.profile import BudgetProfile
-from sgl_ragged.scoring import SnapKVScorer
+from tests.unit.kernel_cases import make_storage
 
 P, D, H_KV, GQA, LAYERS = 8, 16, 4, 2, 2
 
@@ -46,9 +45,7 @@ class _Batch:
 def _storage(budgets: list[list[float]], groups, window: int = 1,
              dynamic_rho: float | None = None) -> RaggedStorage:
     profile = BudgetProfile(model=None, budgets=budgets, groups=groups, source={"kind": "uniform"})
-    layout = RaggedLayout.from_profile(profile, P, D, 4)
-    return RaggedStorage(layout, num_pages=64, num_staging_pages=8, dtype=torch.float32,
-                         device="cpu", scorer=SnapKVScorer(), dynamic_rho=dynamic_rho)
+    return make_storage(profile, P, D, num_pages=64, num_staging_pages=8, dynamic_rho=dynamic_rho)
 
 
 class _Request:

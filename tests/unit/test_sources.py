@@ -11,7 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_ragged.calibrate.compressed import (
+from sgl_ragged.calibrate.pipeline import CalibrationConfig, calibrate
+from sgl_ragged.cli.summary import describe
+from sgl_ragged.emulator.chunks import ChunkingConfig, chunk_page_stats
+from sgl_ragged.emulator.compressed import (
     CompressedLoss,
     FlatTopSelection,
     SlotSelection,
@@ -20,25 +23,17 @@ from sgl_ragged.calibrate.compressed import (
     sealed_keep,
     token_kl,
 )
-from sgl_ragged.calibrate.pipeline import CalibrationConfig, calibrate
-from sgl_ragged.calibrate.retention import ChunkingConfig, chunk_page_stats, sample_retention
-from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
-from sgl_ragged.calibrate.samples import build_samples
-from sgl_ragged.calibrate.summary import describe
-from sgl_ragged.profile import BudgetProfile, resolve_profile
-from sgl_ragged.scheduler.server_args import model_shape
+from sgl_ragged.emulator.runner import CaptureRunner, LayerQKV
+from sgl_ragged.emulator.samples import build_samples
+from sgl_ragged.profile import BudgetProfile, model_shape, resolve_profile
 from sgl_ragged.scoring import SINK_TOKENS, make_scorer
 from sgl_ragged.sources import BaKlaVaSource, KVComposeSource
 from sgl_ragged.sources.baklava import baklava_budgets, baklava_grid, head_importance
 from sgl_ragged.sources.kvcompose import composite_scores, layer_kept_counts
-from sgl_ragged.testing.tiny_model import save_tiny_llama
+from sgl_ragged.sources.margin import sample_retention
 
 TINY = ChunkingConfig(page_size=16, chunk_size=32, obs_window=8)
 
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-sources"))
 
 
 def _random_layer(gen: torch.Generator, tokens: int, h_q: int = 4, h_kv: int = 2, dim: int = 8) -> LayerQKV:

@@ -9,17 +9,15 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.storage import RaggedStorage, StagingExhaustedError
 from sgl_ragged.profile import uniform_profile
-from sgl_ragged.scoring import SnapKVScorer
+from tests.unit.kernel_cases import make_storage
 
 PAGES, STAGING, P = 12, 4, 8
 
 
 def _storage() -> RaggedStorage:
-    layout = RaggedLayout.from_profile(uniform_profile(0.5, 2, 2, 1), P, 4, 4)
-    return RaggedStorage(layout, PAGES, STAGING, torch.float32, "cpu", SnapKVScorer())
+    return make_storage(uniform_profile(0.5, 2, 2, 1), P, 4, PAGES, STAGING)
 
 
 class StorageMachine(RuleBasedStateMachine):

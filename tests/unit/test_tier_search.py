@@ -12,11 +12,9 @@ import pytest
 from sgl_ragged.calibrate.tier_search import candidate_tiers, shared_composition
 from sgl_ragged.cli import main
 from sgl_ragged.mem_pool.layout import RaggedLayout
-from sgl_ragged.mem_pool.quant import LOW_PRECISIONS
 from sgl_ragged.mem_pool.tiers import RowTiers, compose, tier_bytes
-from sgl_ragged.profile import BudgetProfile, uniform_profile
-from sgl_ragged.scheduler.server_args import model_shape
-from tests.unit.test_calibrate import save_tiny_llama
+from sgl_ragged.precision import LOW_PRECISIONS
+from sgl_ragged.profile import BudgetProfile, model_shape, uniform_profile
 
 
 @pytest.mark.parametrize("name", sorted(LOW_PRECISIONS))
@@ -42,8 +40,8 @@ def test_candidates_hold_the_rule_and_each_share():
     assert cands["share=0"][0][0] == RowTiers(0, 64)
 
 
-def test_tier_search_cli_writes_a_profile_the_layout_uses(tmp_path: Path, capsys):
-    model = save_tiny_llama(tmp_path / "model")
+def test_tier_search_cli_writes_a_profile_the_layout_uses(tiny_llama: Path, tmp_path: Path, capsys):
+    model = tiny_llama
     out = tmp_path / "tiered.json"
     assert main(["profile", "tiers", "uniform:0.5", "--model", str(model), "--precision", "int4",
                  "-o", str(out), "--samples", "2", "--shares", "0", "1", "--page-size", "16",

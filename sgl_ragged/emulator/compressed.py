@@ -25,10 +25,11 @@ from typing import Any, Protocol
 import torch
 
 from sgl_ragged import budgets as budget_math
-from sgl_ragged.calibrate.retention import ChunkingConfig, chunk_page_stats, chunk_sinks
-from sgl_ragged.calibrate.runner import CaptureRunner, LayerQKV
-from sgl_ragged.mem_pool.quant import LowPrecision, dequantize, quantize
+from sgl_ragged.emulator.chunks import ChunkingConfig, chunk_page_stats, chunk_sinks
+from sgl_ragged.emulator.runner import CaptureRunner, LayerQKV
+from sgl_ragged.mem_pool.quant import dequantize, quantize
 from sgl_ragged.mem_pool.tiers import RowTiers
+from sgl_ragged.precision import LowPrecision
 from sgl_ragged.scoring import SINK_TOKENS, Scorer
 from sgl_ragged.scoring.select import select_flat_top_pages, select_tiers, select_top_k
 
@@ -78,7 +79,7 @@ class FlatTopSelection:
 class TierSelection:
     """Static row tiers: head h of layer l keeps, of every page, its ``tiers[l][h].hi`` best
     tokens exactly and the next ``.lo`` quantized in ``fmt`` (as the server's rows). With
-    ``hi_fmt`` the hi tokens are quantized too, in that format (tiers.compose_mixed: e.g. int8
+    ``hi_fmt`` the hi tokens are quantized too, in that format (mixed.compose_mixed: e.g. int8
     over int4; offline only, the server stores its hi tier at the model dtype)."""
 
     tiers: Sequence[Sequence[RowTiers]]  # [L][H] (head_tiers)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sgl_ragged.calibrate.corpus import TASKS, Task
+from sgl_ragged.emulator.corpus import TASKS, Task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from sgl_ragged.scheduler.server_args import model_shape
+from sgl_ragged.profile import model_shape
 
 _RUNNER_IDS = itertools.count()
 

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from sgl_ragged import budgets as budget_math
-from sgl_ragged.calibrate import statistics
 from sgl_ragged.profile import STATS_SCHEMA, BudgetProfile, ModelShape
 from sgl_ragged.profile.source import SourceRecord
+from sgl_ragged.sources import statistics
 
 DIGITS = 6  # decimals kept for B, mu, sigma
 SAMPLE_DIGITS = 4  # decimals kept for per-sample retention

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sgl_ragged.calibrate.summary import PAGE_SIZE, reclaimed_by_group_size
+from sgl_ragged.cli.summary import PAGE_SIZE, reclaimed_by_group_size
 from sgl_ragged.profile import BudgetProfile
 from sgl_ragged.sources import source_of
 

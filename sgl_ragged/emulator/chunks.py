@@ -1,30 +1,24 @@
-"""Per-head retention under dynamic non-uniform selection (TANGRAM Eq. 3), chunk by chunk.
+"""Serving's prefill chunks, offline: how a prompt is split and what each chunk's pages are
+scored from.
 
 A sample is split into prefill chunks as serving splits it. Each chunk's pages are scored exactly
 as serving scores pages it seals in prefill: the attention of the chunk's last ``obs_window``
 queries, max-reduced over the query heads of each KV head and summed, with per-token observation
 counts and the window-query statistics, go into ``PageStats``; the scorer turns them into
-``[N, H_kv, P]`` scores. Then the budget source's selection decides what each head keeps
-(TANGRAM: per layer and chunk, the global top-ceil(rho * H * n) over all heads' tokens, sinks
-forced in; KVCompose: the layers' composite tokens, sources/kvcompose.py). A head's
-retention for the sample is its kept tokens over the tokens offered to it, summed over chunks.
+``[N, H_kv, P]`` scores (the margin sources' retention, sources/margin.py, and the compressed
+loss, compressed.py, select from them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from sgl_ragged.calibrate.runner import LayerQKV
-from sgl_ragged.scoring import SINK_TOKENS, PageStats, Scorer, page_query_stats
+from sgl_ragged.emulator.runner import LayerQKV
+from sgl_ragged.scoring import SINK_TOKENS, PageStats, page_query_stats
 from sgl_ragged.scoring.select import sink_mask
 from sgl_ragged.scoring.snapkv import gqa_reduce, window_attention_probs
-
-if TYPE_CHECKING:
-    from sgl_ragged.sources.margin import MarginSource
 
 
 @dataclass(frozen=True)
@@ -96,28 +90,3 @@ def chunk_page_stats(
 def chunk_sinks(start: int, pages: int, page_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[N, P] bool sink tokens of the ``pages`` consecutive pages starting at position ``start``."""
     return sink_mask(start + page_size * torch.arange(pages, device=device), page_size)
-
-
-def sample_retention(
-    layers: Sequence[LayerQKV], scorers: Sequence[Scorer], rhos: Sequence[float],
-    cfg: ChunkingConfig, scale: float, selector: MarginSource,
-) -> torch.Tensor:  # fmt: skip
-    """Per-head retention of one sample: [S_c, R, L, H_kv] float64 kept / offered.
-
-    S_c = len(scorers), R = len(rhos), L = len(layers); one model run serves them all.
-    ``selector`` (a MarginSource) selects each chunk's tokens through ``chunk_kept``: TANGRAM,
-    Eq. 3 per layer (heads of a layer compete); KVCompose, the layers compete through their
-    composite tokens and every head of a layer keeps the layer's count.
-    """
-    if not getattr(selector, "margin", False):
-        raise ValueError(f"per-sample retention exists for the margin sources (Eq. 5 budgets), "
-                         f"not {getattr(selector, 'name', selector)!r}")
-    num_tokens, h_kv = layers[0].k.shape[:2]
-    kept = torch.zeros(len(scorers), len(rhos), len(layers), h_kv, dtype=torch.int64)
-    for start, end in cfg.chunks(num_tokens):
-        sinks = chunk_sinks(start, (end - start) // cfg.page_size, cfg.page_size)  # [N, P]
-        stats = [chunk_page_stats(layer, start, end, cfg, scale) for layer in layers]
-        for si, scorer in enumerate(scorers):
-            scores = [scorer.page_scores(st).cpu() for st in stats]  # [L] of [N, H_kv, P]
-            kept[si] += selector.chunk_kept(scores, sinks, rhos)
-    return kept.double() / num_tokens

@@ -14,7 +14,6 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from sgl_ragged.calibrate.statistics import BUDGET_MODES
 from sgl_ragged.profile import (
     BudgetProfile,
     ProfileError,
@@ -22,6 +21,7 @@ from sgl_ragged.profile import (
     model_free_profile,
     resolve_profile,
 )
+from sgl_ragged.sources.statistics import BUDGET_MODES
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,11 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _tiers(args)
         profile = load_profile(args.profile, args.model)
         if args.action == "show":
-            from sgl_ragged.calibrate.summary import describe
+            from sgl_ragged.cli.summary import describe
 
             print(describe(profile, args.profile, args.page_size))
         else:
-            from sgl_ragged.calibrate.plots import plot_profile
+            from sgl_ragged.cli.plots import plot_profile
 
             out = args.output or _default_png(args.profile)
             print(plot_profile(profile, out, args.layers, page_size=args.page_size))
@@ -98,8 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _derive(args: argparse.Namespace) -> int:
     from sgl_ragged.budgets import check_heads_per_group
-    from sgl_ragged.calibrate.writer import rebuild_profile, save
     from sgl_ragged.sources import derivable
+    from sgl_ragged.sources.writer import rebuild_profile, save
 
     profile = BudgetProfile.load(args.profile)
     derivable(profile.source, Path(args.profile).name)
@@ -143,7 +143,7 @@ def load_profile(spec: str, model: str | None) -> BudgetProfile:
     model = model or _default_model()
     if model is None:  # a spec without a model: one layer, one head (shape-free numbers)
         return model_free_profile(spec, 1, 1)
-    from sgl_ragged.scheduler.server_args import model_shape
+    from sgl_ragged.profile import model_shape
 
     return resolve_profile(spec, model_shape(model))
 

@@ -1,0 +1,162 @@
+"""The configurations bench.accuracy and bench.offline_loss compare: their grammar (names such as
+"static-snapkv@0.3", "int4@0.5", "int8+int4@0.3"), which exist for a profile directory, and the KV
+bytes each keeps per token."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FULL = "full"
+PAGE_SIZE = 64  # --page-size of the benchmarks' servers (bench.offline_loss: its --page-size)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One server configuration: `kind` in full/uniform/static/static-mean/kvcompose/baklava/
+    dynamic."""
+
+    name: str
+    kind: str
+    rho: float
+    scorer: str
+    profile: str  # --ragged-profile
+    precision: str = "bf16"  # --ragged-precision
+
+    @property
+    def is_dynamic(self) -> bool:
+        """Whether this is the dynamic reference mode (--ragged-profile dynamic:<rho>)."""
+        from sgl_ragged.profile import ModelFreeKind, model_free_kind
+
+        return model_free_kind(self.profile) is ModelFreeKind.DYNAMIC
+
+    def server_args(self) -> list[str]:
+        return ["--attention-backend", "ragged", "--ragged-profile", self.profile,
+                "--ragged-scorer", self.scorer, "--ragged-precision", self.precision]
+
+
+def precision_configs(rhos: list[float], precisions: list[str], scorer: str, head_dim: int,
+                      page_size: int = PAGE_SIZE) -> list[Config]:
+    """Row tiers (DESIGN.md section 11) at uniform byte budgets: per low precision p, "p@rho"
+    spends rho of the bytes by the default composition (tiers.compose: every token at p, the
+    best upgraded, or the best at p and the rest dropped), and "p-all@r" keeps every token at p
+    and nothing else (r: the budget that buys exactly that, in bf16 bytes). A pair "h+l" (e.g.
+    int8+int4, `MIXED_SEP`) gives "h+l@rho": both tiers quantized (mixed.compose_mixed; offline
+    only, bench.offline_loss)."""
+    from sgl_ragged.precision import low_precision
+
+    configs = []
+    for p in precisions:
+        if MIXED_SEP in p:
+            mixed_formats(p)  # checks the pair
+            configs += [Config(f"{p}@{rho}", "tiers-mixed", rho, scorer, f"uniform:{rho}", p)
+                        for rho in sorted(rhos) if rho < 1.0]
+            continue
+        fmt = low_precision(p)
+        # A full page of p against a full page at bf16, in whole slots of budget.
+        whole = fmt.tier_bytes(page_size, 1, head_dim) / (2 * page_size * head_dim * 2)
+        r = round(-(-whole * page_size // 1) / page_size, 6)
+        configs.append(Config(f"{p}-all@{r}", "tiers-all", r, scorer, f"uniform:{r}", p))
+        configs += [Config(f"{p}@{rho}", "tiers", rho, scorer, f"uniform:{rho}", p)
+                    for rho in sorted(rhos) if rho < 1.0]
+    return configs
+
+
+MIXED_SEP = "+"  # "int8+int4": the high tier's format + the low tier's
+
+
+def mixed_formats(precision: str) -> tuple[Any, Any]:
+    """The (hi, lo) LowPrecision formats of a pair "hi+lo" such as "int8+int4"."""
+    from sgl_ragged.precision import LOW_PRECISIONS, low_precision
+
+    parts = precision.split(MIXED_SEP)
+    if len(parts) != 2 or not all(x in LOW_PRECISIONS for x in parts):
+        raise ValueError(f"precision pair {precision!r}: expected <hi>{MIXED_SEP}<lo> with both in "
+                         f"{list(LOW_PRECISIONS)}, e.g. int8{MIXED_SEP}int4")
+    hi, lo = (low_precision(x) for x in parts)
+    return hi, lo
+
+
+def mixed_tiers(config: Config, shape: Any, page_size: int = PAGE_SIZE) -> tuple[list[list[Any]], float]:
+    """A "h+l@rho" configuration's row tiers [L][G] (mixed.compose_mixed per group of its
+    profile) and its KV bytes per token as a fraction of a full bf16 cache."""
+    from sgl_ragged.emulator.mixed import compose_mixed, mixed_tier_bytes
+    from sgl_ragged.profile import resolve_profile
+    from sgl_ragged.scoring import SINK_TOKENS
+
+    hi_fmt, lo_fmt = mixed_formats(config.precision)
+    profile = resolve_profile(config.profile, shape)
+    budget_slots = profile.slots_per_group(page_size, min_slots=SINK_TOKENS)  # [L][G]
+    tiers = [[compose_mixed(k, page_size, shape.head_dim, 2, hi_fmt, lo_fmt, SINK_TOKENS)
+              for k in layer] for layer in budget_slots]
+    kept = sum(mixed_tier_bytes(t, hi_fmt, lo_fmt, len(heads), shape.head_dim)
+               for layer_groups, layer_tiers in zip(profile.groups, tiers, strict=True)
+               for heads, t in zip(layer_groups, layer_tiers, strict=True))
+    heads = sum(len(g) for g in profile.groups[0])
+    full = 2 * len(profile.groups) * heads * page_size * shape.head_dim * 2
+    return tiers, kept / full
+
+
+def config_bytes(config: Config, shape: Any, page_size: int = PAGE_SIZE) -> float:
+    """KV bytes per logical token of a configuration, as a fraction of a full bf16 cache (the
+    dynamic reference counts the entries it keeps, rho; its pages stay full-size)."""
+    from sgl_ragged.mem_pool.layout import RaggedLayout
+    from sgl_ragged.profile import resolve_profile
+
+    if config.is_dynamic:
+        return config.rho
+    if config.kind == "stock-fp8":
+        return 0.5
+    if MIXED_SEP in config.precision:
+        return mixed_tiers(config, shape, page_size)[1]
+    profile = resolve_profile(config.profile, shape)
+    return RaggedLayout.from_profile(profile, page_size, shape.head_dim, 2, config.precision).retention
+
+
+def other_sources() -> list[str]:
+    """The budget sources besides TANGRAM's (whose profiles are the static configurations);
+    a configuration of one has the source's name as its kind."""
+    from sgl_ragged.sources import DEFAULT_SOURCE, SOURCES
+
+    return [name for name in SOURCES if name != DEFAULT_SOURCE]
+
+
+def equal_memory_file(source: str, scorer: str, rho: float) -> str:
+    """The file name of a source's equal-memory profile: <prefix><scorer>-[mean-]rho<rho>.json,
+    in budget mode mean (mean budget = rho) where the source has a margin
+    (kvcompose-<s>-mean-rho<r>.json, baklava-<s>-rho<r>.json)."""
+    from sgl_ragged.sources import make_source
+
+    budget_source = make_source(source)
+    mean = "mean-" if budget_source.margin else ""
+    return f"{budget_source.output_prefix}{scorer}-{mean}rho{rho}.json"
+
+
+def plan_configs(rhos: list[float], scorers: list[str], profile_dir: Path, head_dim: int,
+                 precisions: Sequence[str] = (), page_size: int = PAGE_SIZE) -> tuple[list[Config], list[str]]:
+    """full, then per rho (smallest first): uniform, and per scorer static (margin budgets),
+    static-mean (mean budget = rho, where that profile exists), the other equal-memory budget
+    sources where their profiles exist (kvcompose: kvcompose-<s>-mean-rho<r>.json, baklava:
+    baklava-<s>-rho<r>.json) and dynamic; then the row tiers of ``precisions`` (sized for the
+    model's ``head_dim``, model_shape(model).head_dim). Returns the configurations and the margin profile
+    files that do not exist (skipped)."""
+    configs, missing = [Config(FULL, FULL, 1.0, scorers[0], "uniform:1.0")], []
+    for rho in sorted(r for r in rhos if r < 1.0):
+        configs.append(Config(f"uniform@{rho}", "uniform", rho, scorers[0], f"uniform:{rho}"))
+        for s in scorers:
+            path = profile_dir / f"{s}-rho{rho}.json"
+            if path.is_file():
+                configs.append(Config(f"static-{s}@{rho}", "static", rho, s, str(path)))
+            else:
+                missing.append(str(path))
+            mean_path = profile_dir / f"{s}-mean-rho{rho}.json"
+            if mean_path.is_file():
+                configs.append(Config(f"static-mean-{s}@{rho}", "static-mean", rho, s, str(mean_path)))
+            for source in other_sources():
+                file = equal_memory_file(source, s, rho)
+                if (profile_dir / file).is_file():
+                    configs.append(Config(f"{source}-{s}@{rho}", source, rho, s, str(profile_dir / file)))
+            configs.append(Config(f"dynamic-{s}@{rho}", "dynamic", rho, s, f"dynamic:{rho}"))
+    return configs + precision_configs(rhos, list(precisions), scorers[0], head_dim, page_size), missing

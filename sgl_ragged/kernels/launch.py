@@ -1,0 +1,27 @@
+"""What every kernel launcher shares: block sizes and the row layout the kernels assume."""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from sgl_ragged.kernels.tables import next_pow2, tl_dtype
+
+
+def block_config(q: torch.Tensor, gsize: int, d: int) -> dict[str, object]:
+    """Block sizes: tensor-core friendly on a GPU, tiny under the CPU interpreter (BLOCK_N 32:
+    with 64 the sm_90 build of the split kernel spills registers at D = 128). Dot products
+    run in q's dtype on a GPU and in float32 on the CPU (the interpreter's bfloat16 matmul is
+    not numeric); float32 dots are exact (no TF32)."""
+    dot = tl_dtype(q.dtype) if q.is_cuda else tl.float32
+    return {
+        "GSIZE": gsize, "D": d, "BLOCK_G": max(16, next_pow2(gsize)),
+        "BLOCK_N": 32 if q.is_cuda else 16, "BLOCK_D": max(16, next_pow2(d)),
+        "DOT": dot, "PRECISION": "ieee" if dot == tl.float32 else "tf32",
+    }
+
+
+def rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The kernels assume head stride D and unit element stride; copy only if not."""
+    d = x.shape[-1]
+    return x if x.stride(-1) == 1 and x.stride(-2) == d else x.contiguous()
