@@ -260,3 +260,24 @@ def test_bytes_fractions_and_unknown_names() -> None:
         stock_format("fp4")
     with pytest.raises(ValueError, match="not a multiple of the 32-element"):
         mxfp8_quantize(torch.zeros(1, 1, 48))
+
+
+# ---- the offline emulator's selection ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(STOCK_FORMATS))
+def test_stock_cache_keeps_every_token_and_reads_it_back_as_sglang(name: str) -> None:
+    from sgl_ragged.emulator.compressed import StockCache, StockFp8
+
+    k = _inputs(1).view(2, 3, HEADS, HEAD_DIM)  # [N pages, P, H, D]
+    v = _inputs(2).view(2, 3, HEADS, HEAD_DIM)
+    scores, sinks = torch.rand(2, HEADS, 3), torch.zeros(2, 3, dtype=torch.bool)
+    cache = StockCache(name)
+    assert cache.keep(0, scores, sinks).all()
+    got_k, got_v = cache.sealed_kv(0, scores, sinks, k, v)
+    fmt = stock_format(name)
+    assert torch.equal(got_k, fmt.roundtrip(_inputs(1)).view_as(k))
+    assert torch.equal(got_v, fmt.roundtrip(_inputs(2)).view_as(v))
+    assert StockFp8() == StockCache("fp8_e4m3")
+    with pytest.raises(ValueError, match="unknown SGLang KV cache dtype"):
+        StockCache("fp4")
