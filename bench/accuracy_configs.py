@@ -65,6 +65,18 @@ def precision_configs(rhos: list[float], precisions: list[str], scorer: str, hea
 
 
 MIXED_SEP = "+"  # "int8+int4": the high tier's format + the low tier's
+STOCK = "stock"  # kind of SGLang's own quantized KV caches; their Config.precision is the dtype
+STOCK_PREFIX = "sglang-"  # "sglang-<--kv-cache-dtype>", e.g. sglang-nvfp4
+
+
+def stock_configs(dtypes: Sequence[str], scorer: str) -> list[Config]:
+    """SGLang's own quantized KV caches, "sglang-<dtype>" per ``--kv-cache-dtype`` value
+    (fp8_e4m3 mxfp8 fp4_mx_block16 nvfp4; emulator/sglang_caches.py): every token kept at the
+    format's own bytes, which are the configuration's rho. Offline only (bench.offline_loss)."""
+    from sgl_ragged.emulator.sglang_caches import stock_format
+
+    return [Config(f"{STOCK_PREFIX}{d}", STOCK, stock_format(d).bytes_fraction(64), scorer,
+                   "uniform:1.0", d) for d in dtypes]  # fmt: skip
 
 
 def mixed_formats(precision: str) -> tuple[Any, Any]:
@@ -107,8 +119,10 @@ def config_bytes(config: Config, shape: Any, page_size: int = PAGE_SIZE) -> floa
 
     if config.is_dynamic:
         return config.rho
-    if config.kind == "stock-fp8":
-        return 0.5
+    if config.kind == STOCK:
+        from sgl_ragged.emulator.sglang_caches import stock_format
+
+        return stock_format(config.precision).bytes_fraction(shape.head_dim)
     if MIXED_SEP in config.precision:
         return mixed_tiers(config, shape, page_size)[1]
     profile = resolve_profile(config.profile, shape)

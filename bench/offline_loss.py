@@ -18,6 +18,12 @@ of the bytes on the most tokens that fit in int4, the best of them upgraded to i
 bytes allow (emulator/mixed.py ``compose_mixed``; every tier's scales and zeros counted). Pairs
 are offline only: the server stores its high tier at the model dtype (bench.accuracy refuses them).
 
+``--stock fp8_e4m3 mxfp8 fp4_mx_block16 nvfp4`` adds SGLang's own quantized KV caches,
+``sglang-<dtype>``, emulated as SGLang 0.5.23 stores them (emulator/sglang_caches.py) at their
+own bytes (scales included); every other configuration is also compared, paired, with each of
+them that costs at least its bytes. ``--stock-fp8`` adds ``sglang-fp8``, the earlier name of
+``sglang-fp8_e4m3``.
+
     python -m bench.offline_loss --rho 0.7 0.5 0.3 --scorer snapkv --samples 12 --out results/offline-loss
 """
 
@@ -33,11 +39,14 @@ from typing import Any
 from bench.accuracy_configs import (
     FULL,
     MIXED_SEP,
+    STOCK,
     Config,
+    config_bytes,
     mixed_formats,
     mixed_tiers,
     other_sources,
     plan_configs,
+    stock_configs,
 )
 from bench.accuracy_report import plot_kl
 from bench.accuracy_stats import paired_diff
@@ -53,7 +62,7 @@ def selection_for(config: Config, shape: Any, page_size: int) -> tuple[Any, floa
     from sgl_ragged.emulator.compressed import (
         FlatTopSelection,
         SlotSelection,
-        StockFp8,
+        StockCache,
         TierSelection,
         head_slots,
         head_tiers,
@@ -65,8 +74,8 @@ def selection_for(config: Config, shape: Any, page_size: int) -> tuple[Any, floa
         return None, 1.0
     if config.is_dynamic:
         return FlatTopSelection(config.rho), config.rho
-    if config.kind == "stock-fp8":
-        return StockFp8(), 0.5
+    if config.kind == STOCK:
+        return StockCache(config.precision), config_bytes(config, shape, page_size)
     if MIXED_SEP in config.precision:
         tiers, retention = mixed_tiers(config, shape, page_size)
         hi_fmt, lo_fmt = mixed_formats(config.precision)
@@ -121,14 +130,24 @@ def summarize(configs: list[Config], raw: dict[str, Any]) -> tuple[list[dict[str
     names = {c.name for c in configs}
     diffs = []
     for c in configs:
-        others = [] if c.kind in (FULL, "tiers-all", "stock-fp8") else [f"uniform@{c.rho}"]
+        others = [] if c.kind in (FULL, "tiers-all", STOCK) else [f"uniform@{c.rho}"]
         if c.kind in other_sources():
             others.append(f"static-mean-{c.scorer}@{c.rho}")
+        others += _stock_rivals(c, configs, raw)
         for other in (o for o in others if o in names and o != c.name):  # not uniform@rho itself
             d = paired_diff(raw[c.name]["kl"], raw[other]["kl"])
             diffs.append({"a": c.name, "b": other, "rho": c.rho, "kl_mean": d.mean, "kl_se": d.se,
                           "kl_z": d.z})
     return rows, diffs
+
+
+def _stock_rivals(c: Config, configs: list[Config], raw: dict[str, Any]) -> list[str]:
+    """The SGLang caches a configuration is compared with: those that cost at least its bytes
+    (within half a percent of a bf16 cache)."""
+    if c.kind in (FULL, STOCK):
+        return []
+    mine = raw[c.name]["memory"]
+    return [s.name for s in configs if s.kind == STOCK and mine <= raw[s.name]["memory"] + 0.005]
 
 
 def markdown(rows: list[dict[str, Any]], diffs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
@@ -158,8 +177,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", nargs="*", default=[],
                    help="also row tiers at these low precisions (int8 int4 int2 fp8), as bench.accuracy; "
                         "a pair hi+lo (e.g. int8+int4) quantizes the high tier too: hi+lo@rho per rho")
+    p.add_argument("--stock", nargs="*", default=[], metavar="DTYPE",
+                   help="also SGLang's own quantized KV caches at their own bytes: sglang-<DTYPE> per "
+                        "--kv-cache-dtype value (fp8_e4m3 mxfp8 fp4_mx_block16 nvfp4)")
     p.add_argument("--stock-fp8", action="store_true",
-                   help="also SGLang's own FP8 KV cache (every token cast to float8_e4m3fn, scale 1)")
+                   help="also sglang-fp8: the earlier name of SGLang's fp8_e4m3 cache (float8_e4m3fn, scale 1)")
     p.add_argument("--samples", type=int, default=12)
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--min-tokens", type=int, default=1024)
@@ -183,8 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     head_dim = model_shape(model).head_dim
     configs, missing = plan_configs(args.rho, args.scorer, profile_dir, head_dim, args.precision,
                                     args.page_size)
+    configs += stock_configs(args.stock, args.scorer[0])
     if args.stock_fp8:
-        configs.append(Config("sglang-fp8", "stock-fp8", 0.5, args.scorer[0], "uniform:1.0"))
+        configs.append(Config("sglang-fp8", STOCK, 0.5, args.scorer[0], "uniform:1.0", "fp8_e4m3"))
     if args.only:
         configs = [c for c in configs if c.name in set(args.only) or c.kind == FULL]
     for path in missing:

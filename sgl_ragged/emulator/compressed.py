@@ -12,8 +12,9 @@ them against the sealed rows), and decode is not modelled.
 Row tiers (DESIGN.md section 11, ``TierSelection``): sealed tokens of the low tier are seen
 quantized and dequantized exactly as the server stores them (mem_pool/quant.py, per page and
 head), while a chunk's own tokens stay full precision, as in the server's staging pages.
-``StockFp8`` emulates SGLang's own FP8 KV cache (every cached token cast to float8_e4m3fn with
-scale 1), the alternative a GPU user has.
+``StockCache`` emulates SGLang's own quantized KV caches (``--kv-cache-dtype`` fp8_e4m3, mxfp8,
+fp4_mx_block16, nvfp4: sglang_caches.py; ``StockFp8`` is its fp8_e4m3), the alternatives a GPU
+user has.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from sgl_ragged import budgets as budget_math
 from sgl_ragged.emulator.chunks import ChunkingConfig, chunk_page_stats, chunk_sinks
 from sgl_ragged.emulator.runner import CaptureRunner, LayerQKV
+from sgl_ragged.emulator.sglang_caches import stock_format
 from sgl_ragged.mem_pool.quant import dequantize, quantize
 from sgl_ragged.mem_pool.tiers import RowTiers
 from sgl_ragged.precision import LowPrecision
@@ -121,16 +123,28 @@ def _requantize(fmt: LowPrecision, idx: torch.Tensor, heads: list[int], k: torch
 
 
 @dataclass(frozen=True)
-class StockFp8:
-    """SGLang's FP8 KV cache (--kv-cache-dtype fp8_e4m3 without scales): every cached token
-    kept, cast to float8_e4m3fn and back with scale 1."""
+class StockCache:
+    """SGLang's own quantized KV cache (``--kv-cache-dtype <dtype>``: fp8_e4m3, mxfp8,
+    fp4_mx_block16, nvfp4; sglang_caches.py): every cached token kept, read back as SGLang
+    0.5.23 stores it (fp8_e4m3: cast to float8_e4m3fn, scale 1, as our checkpoint has no KV
+    scales)."""
+
+    dtype: str = "fp8_e4m3"
+
+    def __post_init__(self) -> None:
+        stock_format(self.dtype)  # checks the name
 
     def keep(self, layer_idx: int, scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(scores, dtype=torch.bool)
 
     def sealed_kv(self, layer_idx: int, scores: torch.Tensor, sinks: torch.Tensor,
                   k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (k.to(torch.float8_e4m3fn).to(k.dtype), v.to(torch.float8_e4m3fn).to(v.dtype))
+        """k, v [N, P, H, D] of a chunk's pages -> the values SGLang's cache reads back."""
+        fmt = stock_format(self.dtype)
+        return (fmt.roundtrip(k.flatten(0, 1)).view_as(k), fmt.roundtrip(v.flatten(0, 1)).view_as(v))
+
+
+StockFp8 = StockCache  # the earlier name: StockFp8() is SGLang's fp8_e4m3 cache
 
 
 def head_tiers(layout_tiers: Any, groups: Any) -> list[list[RowTiers]]:

@@ -60,14 +60,22 @@ def test_offline_loss_bench_precision_rows(tiny_llama: Path, tmp_path: Path) -> 
     offline_loss.main([
         "--model", str(model), "--rho", "0.5", "--profile-dir", str(tmp_path), "--samples", "1",
         "--min-tokens", "128", "--max-tokens", "128", "--page-size", "16", "--chunk-size", "32",
-        "--obs-window", "8", "--precision", "int4", "--stock-fp8", "--only", "int4@0.5",
-        "int4-all@0.375", "sglang-fp8", "--out", str(out),
+        "--obs-window", "8", "--precision", "int4", "--stock-fp8", "--stock", "fp4_mx_block16",
+        "nvfp4", "--only", "int4@0.5", "int4-all@0.375", "sglang-fp8", "sglang-fp4_mx_block16",
+        "sglang-nvfp4", "--out", str(out),
     ])  # fmt: skip
     # int4-all is sized for this model (head_dim 16) and page (16): a page of int4 costs 384 of
     # a bf16 page's 1024 bytes, 6 of 16 slots.
-    rows = {r["name"]: r for r in json.loads((out / "offline_loss.json").read_text())["configs"]}
-    assert list(rows) == ["full", "int4-all@0.375", "int4@0.5", "sglang-fp8"]
+    result = json.loads((out / "offline_loss.json").read_text())
+    rows = {r["name"]: r for r in result["configs"]}
+    assert list(rows) == ["full", "int4-all@0.375", "int4@0.5", "sglang-fp4_mx_block16",
+                          "sglang-nvfp4", "sglang-fp8"]  # fmt: skip
     assert rows["int4-all@0.375"]["memory"] == pytest.approx(0.375)
     assert rows["sglang-fp8"]["memory"] == 0.5 and rows["int4@0.5"]["memory"] <= 0.5
+    assert rows["sglang-fp4_mx_block16"]["memory"] == rows["sglang-nvfp4"]["memory"] == 0.28125
     assert all(rows[n]["kl"]["mean"] > 0 for n in rows if n != "full")
+    # each configuration against every SGLang cache that costs at least its bytes (the FP4
+    # caches' 0.281 is less than int4-all's 0.375 at head_dim 16)
+    pairs = {(d["a"], d["b"]) for d in result["comparisons"]}
+    assert pairs == {("int4-all@0.375", "sglang-fp8"), ("int4@0.5", "sglang-fp8")}
 
