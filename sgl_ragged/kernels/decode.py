@@ -4,9 +4,9 @@ One decode step, one layer, the whole batch, two launches:
 
 1. `_sealed_splits_kernel`, grid (W, B): work item w = (group g, split s) from the static
    split map (aot.py); the program covers the s-th of S[l,g] equal shares of request b's
-   sealed tokens of group g (token t = slot t % k_g of page sealed_table[b, t // k_g]; slots
-   past hi[l][g] are dequantized from the low tier), for each of the group's H_p heads, and
-   writes partial outputs and log-sum-exps.
+   sealed pages (whole pages) of group g -- their high slots, then each page's low tier on
+   its codes (attend.attend_sealed) -- for each of the group's H_p heads, and writes partial
+   outputs and log-sum-exps.
 2. `_tail_merge_kernel`, grid (B, H): attention of KV head h's query heads over the request's
    tail (staged tokens + the new token), merged with the group's S[l,g] partials by LSE.
 
@@ -38,18 +38,20 @@ def _sealed_splits_kernel(
     H_P: tl.constexpr, GSIZE: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
 ):
     w = tl.program_id(0)
     b = tl.program_id(1)
     g = tl.load(work_group + w)
     s = tl.load(work_split + w)
-    k_g = tl.load(slots + g)
     hi_g = tl.load(hi_slots + g)
-    # This split's share [start, end) of the group's sealed tokens.
-    n_tok = tl.load(num_sealed + b) * k_g
-    chunk = tl.cdiv(n_tok, tl.load(split_counts + g))
-    start = s * chunk
-    end = tl.minimum(start + chunk, n_tok)
+    lo_g = tl.load(slots + g) - hi_g
+    # This split's share [p0, p1) of the request's sealed pages (whole pages: a page's low
+    # tier shares its key parameters).
+    n_pages = tl.load(num_sealed + b)
+    chunk = tl.cdiv(n_pages, tl.load(split_counts + g))
+    p0 = s * chunk
+    p1 = tl.maximum(tl.minimum(p0 + chunk, n_pages), p0)
     k_base = tl.load(rows_k_ptr + g).to(tl.pointer_type(DTYPE))
     v_base = tl.load(rows_v_ptr + g).to(tl.pointer_type(DTYPE))
     offs_g = tl.arange(0, BLOCK_G)
@@ -64,8 +66,9 @@ def _sealed_splits_kernel(
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         m_i, l_i, acc = attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_ptr + g * 6,
-                                      sealed_table + b * s_tb, k_g, hi_g, j, start, end, scale,
-                                      H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS, LOW_FLOAT)
+                                      sealed_table + b * s_tb, hi_g, lo_g, j, p0, p1, scale,
+                                      H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS, LOW_FLOAT,
+                                      NATIVE_FP8)
         # Empty share (short request): lse = -inf, output 0.
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -158,7 +161,7 @@ def _split_launch(q: torch.Tensor, tables: LayerTables, splits: LayerSplits, bat
             *mid_l.stride()[:2], scale)
     options = {"H_P": tables.heads_per_group, "DTYPE": tl_dtype(tables.rows_dtype), **cfg,
                "LOW_BITS": tables.low_bits, "LOW_FLOAT": tables.low_float,
-               "num_warps": SPLIT_WARPS}
+               "NATIVE_FP8": q.is_cuda, "num_warps": SPLIT_WARPS}
     return args, options
 
 
