@@ -22,7 +22,7 @@ import triton.language as tl
 from sgl_ragged.kernels.aot import LayerSplits
 from sgl_ragged.kernels.attend import attend_sealed, attend_tail
 from sgl_ragged.kernels.batch import KernelBatch
-from sgl_ragged.kernels.launch import block_config, rows_contiguous
+from sgl_ragged.kernels.launch import block_config, compiled_for_gpu, rows_contiguous
 from sgl_ragged.kernels.occupancy import KernelResources
 from sgl_ragged.kernels.tables import LayerTables, tl_dtype
 
@@ -161,7 +161,7 @@ def _split_launch(q: torch.Tensor, tables: LayerTables, splits: LayerSplits, bat
             *mid_l.stride()[:2], scale)
     options = {"H_P": tables.heads_per_group, "DTYPE": tl_dtype(tables.rows_dtype), **cfg,
                "LOW_BITS": tables.low_bits, "LOW_FLOAT": tables.low_float,
-               "NATIVE_FP8": q.is_cuda, "num_warps": SPLIT_WARPS}
+               "NATIVE_FP8": compiled_for_gpu(q), "num_warps": SPLIT_WARPS}
     return args, options
 
 

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from sgl_ragged.kernels.attend import attend_sealed, attend_tail
 from sgl_ragged.kernels.batch import KernelBatch
-from sgl_ragged.kernels.launch import block_config, rows_contiguous
+from sgl_ragged.kernels.launch import block_config, compiled_for_gpu, rows_contiguous
 from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
 
 
@@ -91,7 +91,7 @@ def extend_attention(
     if batch.batch_size == 0 or batch.max_q_len == 0:
         return out, lse
     cfg = {**block_config(q, h_q // h_kv, d), "BLOCK_G": next_pow2(h_q // h_kv)}
-    block_m = max(1, (64 if q.is_cuda else 16) // cfg["BLOCK_G"])  # >= 16 rows for tl.dot
+    block_m = max(1, (64 if compiled_for_gpu(q) else 16) // cfg["BLOCK_G"])  # >= 16 rows for tl.dot
     k_new, v_new = rows_contiguous(k_new), rows_contiguous(v_new)
     grid = (triton.cdiv(batch.max_q_len, block_m), batch.batch_size, h_kv)
     _extend_kernel[grid](
@@ -102,6 +102,6 @@ def extend_attention(
         batch.stage_table, batch.stage_table.stride(0), batch.num_staged, batch.q_start,
         batch.q_len, out, out.stride(0), out.stride(1), lse, lse.stride(0), scale,
         H_P=tables.heads_per_group, DTYPE=tl_dtype(tables.rows_dtype), BLOCK_M=block_m, **cfg,
-        LOW_BITS=tables.low_bits, LOW_FLOAT=tables.low_float, NATIVE_FP8=q.is_cuda, num_warps=8,
+        LOW_BITS=tables.low_bits, LOW_FLOAT=tables.low_float, NATIVE_FP8=compiled_for_gpu(q), num_warps=8,
     )
     return out, lse
