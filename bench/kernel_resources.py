@@ -5,7 +5,7 @@ the AOT split map's N_CTA follows from (kernels/occupancy.py).
     python -m bench.kernel_resources [--arch 90] [--head-dim 64 128] \
         [--precision bf16 int8 int4 int2 fp8] --out results/kernel_resources
 
-Each kernel (decode split, tail merge, extend, seal) is launched on a small case on the CPU with
+Each kernel (decode split, tail and merge, extend, seal) is launched on a small case on the CPU with
 its launch intercepted: Triton's own argument binder specializes the arguments (types, 16-byte
 alignment) for the CUDA target, `triton.compile` builds it, and its `ptxas -v` run (ptxas ships
 with Triton) reports registers and spills. Shapes: 8 KV heads, GQA 4, page size 64, bfloat16 rows.
@@ -104,15 +104,16 @@ def compile_launch(launch: Launch, arch: int) -> tuple[dict[str, int], int]:
     options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound,
                                                           specialization, options)
     log = io.StringIO()
-    saved = knobs.nvidia.dump_ptxas_log, knobs.cache.home_dir
+    saved = knobs.nvidia.dump_ptxas_log, knobs.cache.dir
     with tempfile.TemporaryDirectory() as cache, contextlib.redirect_stdout(log):
-        # A fresh cache: a cached build would not run ptxas, so print no log.
-        knobs.nvidia.dump_ptxas_log, knobs.cache.home_dir = True, cache
+        # A fresh cache: a cached build (this process's or another's) runs no ptxas, so it
+        # prints no log.
+        knobs.nvidia.dump_ptxas_log, knobs.cache.dir = True, cache
         try:
             kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
                                     options=options.__dict__)
         finally:
-            knobs.nvidia.dump_ptxas_log, knobs.cache.home_dir = saved
+            knobs.nvidia.dump_ptxas_log, knobs.cache.dir = saved
     return ptxas_usage(log.getvalue()), kernel.metadata.shared
 
 
@@ -157,8 +158,9 @@ def case_launches(precision: str, head_dim: int) -> dict[str, Launch]:
     q = torch.zeros(1, HEADS * GQA, head_dim, dtype=torch.bfloat16)
     kv = torch.zeros(1, HEADS, head_dim, dtype=torch.bfloat16)
     splits = split_plan(bm.split_ratios(budgets, groups), 264, "cpu").layer(0)
-    names = {"decode split": decode._sealed_splits_kernel, "tail merge": decode._tail_merge_kernel,
-             "extend": extend._extend_kernel, "seal": seal._seal_kernel}
+    names = {"decode split": decode._sealed_splits_kernel, "decode tail": decode._tail_kernel,
+             "decode merge": decode._merge_kernel, "extend": extend._extend_kernel,
+             "seal": seal._seal_kernel}
     with intercepted(names) as seen:
         stage_k, stage_v = storage.stage_k[0], storage.stage_v[0]
         decode.decode_attention(q, kv, kv, stage_k, stage_v, tables, splits, batch, 1.0)
