@@ -45,6 +45,38 @@ def synthetic_profile(heads_per_group: int, seed: int = 0):
                          split_ratios=bm.split_ratios(budgets, groups))
 
 
+def bench_profile(path: Path | None, heads_per_group: int):
+    """(profile, its name): a calibrated profile of this benchmark's shapes, regrouped, or the
+    synthetic one; exits with a message for a profile of other shapes."""
+    from sgl_ragged.profile import BudgetProfile
+
+    if path is None:
+        return synthetic_profile(heads_per_group), "synthetic heterogeneous budgets"
+    profile = BudgetProfile.load(path).regrouped(heads_per_group)
+    if (profile.num_layers, profile.num_kv_heads) != (LAYERS, HEADS):
+        sys.exit(f"{path.name} has {profile.num_layers} layers x {profile.num_kv_heads} KV heads; "
+                 f"this benchmark's shapes are {LAYERS} x {HEADS}")
+    return profile, path.name
+
+
+def add_case_args(parser: argparse.ArgumentParser, batch: list[int] | None,
+                  context: list[int] | None) -> None:
+    """The options bench.decode_attention and bench.decode_breakdown share (scripts/gpu_check.sh
+    passes its arguments to both)."""
+    parser.add_argument("--profile", type=Path, default=None, help="a calibrated profile JSON "
+                        f"({LAYERS} layers x {HEADS} KV heads); default: synthetic heterogeneous")
+    parser.add_argument("--heads-per-group", type=int, default=2)
+    parser.add_argument("--precision", choices=PRECISION_CHOICES, default=FULL_PRECISION,
+                        help="also run rows with this low tier from the same budgets (equal "
+                        "bytes), beside the drop-only rows")
+    parser.add_argument("--batch", type=int, nargs="+", default=batch)
+    parser.add_argument("--context", type=int, nargs="+", default=context)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--mem-fraction", type=float, default=0.6,
+                        help="skip cases whose rows exceed this fraction of free GPU memory")
+
+
 def build_case(profile, batch: int, context: int, precision: str = "bf16"):
     """Storage with random rows (and random low tiers), request plans and this step's q, k, v."""
     from sgl_ragged.attention_backend.plan import RequestPlan
@@ -205,34 +237,14 @@ def markdown(results: list[dict], copy_gbps: float, profile_name: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", type=Path, default=None, help="a calibrated profile JSON "
-                        f"({LAYERS} layers x {HEADS} KV heads); default: synthetic heterogeneous")
-    parser.add_argument("--heads-per-group", type=int, default=2)
-    parser.add_argument("--precision", choices=PRECISION_CHOICES, default=FULL_PRECISION,
-                        help="also run rows with this low tier from the same budgets (equal "
-                        "bytes), beside the drop-only rows")
-    parser.add_argument("--batch", type=int, nargs="+", default=[4, 16, 64])
-    parser.add_argument("--context", type=int, nargs="+", default=[8192, 32768, 65536])
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--mem-fraction", type=float, default=0.6,
-                        help="skip cases whose rows exceed this fraction of free GPU memory")
+    add_case_args(parser, batch=[4, 16, 64], context=[8192, 32768, 65536])
     parser.add_argument("--out", type=Path, default=Path("results/decode_attention"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/decode_attention.py needs a CUDA device (Triton kernels, FlashInfer); "
               "nothing measured.")
         sys.exit(0)
-    from sgl_ragged.profile import BudgetProfile
-
-    if args.profile:
-        profile = BudgetProfile.load(args.profile).regrouped(args.heads_per_group)
-        name = args.profile.name
-        if (profile.num_layers, profile.num_kv_heads) != (LAYERS, HEADS):
-            sys.exit(f"{name} has {profile.num_layers} layers x {profile.num_kv_heads} KV heads; "
-                     f"this benchmark's shapes are {LAYERS} x {HEADS}")
-    else:
-        profile, name = synthetic_profile(args.heads_per_group), "synthetic heterogeneous budgets"
+    profile, name = bench_profile(args.profile, args.heads_per_group)
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth() / 1e9
     cap = torch.cuda.mem_get_info()[0] * args.mem_fraction

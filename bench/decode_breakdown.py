@@ -1,10 +1,13 @@
-"""Where decode attention's time goes: the split and tail-merge kernels of one decode step,
+"""Where decode attention's time goes: the split, tail and merge kernels of one decode step,
 eager and under a CUDA graph, for the AOT split map and uniform splits, and what the split
 kernel's launch configuration (warps, BLOCK_N) would change.
 
-    python -m bench.decode_breakdown --out results/decode_breakdown
+    python -m bench.decode_breakdown [--precision int4] [--batch 4 16] [--context 8192 65536] \
+        --out results/decode_breakdown
 
-Same shapes and synthetic profile as bench.decode_attention. Per case: the step's median time
+Same shapes and synthetic profile as bench.decode_attention; with `--precision`, every case also
+runs rows with that low tier composed from the same budgets (equal bytes; the split map weighs
+groups by bytes read), beside the drop-only rows, as bench.decode_attention does. Per case: the step's median time
 eager and replayed from a CUDA graph (no launch overhead), and each kernel's device time per
 step (torch.profiler over eager steps). N_CTA is what serving measures from the compiled split
 kernel (triton_impl.decode_parallelism). The sweep rebuilds both kernels with another
@@ -28,12 +31,14 @@ from bench.decode_attention import (
     HEAD_DIM,
     HEADS,
     LAYERS,
+    add_case_args,
+    bench_profile,
     build_case,
     bytes_read,
     fits,
-    synthetic_profile,
     timed,
 )
+from sgl_ragged.precision import FULL_PRECISION
 
 CASES = ((4, 8192), (4, 65536), (16, 8192), (16, 65536), (64, 8192))
 SWEEP = ((4, 32), (2, 32), (4, 16), (2, 16), (4, 64))  # (split-kernel warps, BLOCK_N); first = shipped
@@ -84,21 +89,24 @@ def kernel_seconds(step: Callable[[], object], steps: int = 3) -> dict[str, floa
     return result
 
 
-def measure(profile, batch: int, context: int, repeats: int) -> list[dict]:
-    """One row per (split config, strategy) for this batch and context."""
+def measure(profile, batch: int, context: int, warmup: int, repeats: int,
+            precision: str = FULL_PRECISION) -> list[dict]:
+    """One row per (split config, strategy) for this batch, context and row precision."""
+    from sgl_ragged.attention_backend.registry import profile_split_ratios
     from sgl_ragged.attention_backend.triton_impl import decode_parallelism
     from sgl_ragged.kernels.aot import SplitStrategy, split_plan
     from sgl_ragged.kernels.batch import kernel_batch
     from sgl_ragged.kernels.decode import decode_attention
     from sgl_ragged.kernels.tables import all_layer_tables
 
-    storage, plans, (q, k, v) = build_case(profile, batch, context)
+    storage, plans, (q, k, v) = build_case(profile, batch, context, precision)
     tables, batch_t = all_layer_tables(storage), kernel_batch(plans, "cuda")
-    ctas = decode_parallelism(storage, tables[0], profile.split_ratios, HEADS * GQA)
+    ratios = profile_split_ratios(storage, profile)  # by bytes read when rows have a low tier
+    ctas = decode_parallelism(storage, tables[0], ratios, HEADS * GQA)
     rows, nbytes = [], bytes_read(storage, batch, context)
     for warps, block_n in SWEEP:
         for strategy in SplitStrategy:
-            splits = split_plan(profile.split_ratios, ctas, "cuda", strategy)
+            splits = split_plan(ratios, ctas, "cuda", strategy)
 
             def step(splits=splits):
                 for layer in range(LAYERS):
@@ -106,10 +114,11 @@ def measure(profile, batch: int, context: int, repeats: int) -> list[dict]:
                                      tables[layer], splits.layer(layer), batch_t, HEAD_DIM**-0.5)
 
             with split_config(warps, block_n):
-                eager, graphed = timed(step, 3, repeats), graph_seconds(step, repeats)
+                eager, graphed = timed(step, warmup, repeats), graph_seconds(step, repeats)
                 kernels = kernel_seconds(step)
             rows.append({
-                "batch": batch, "context": context, "num_ctas": ctas, "warps": warps,
+                "batch": batch, "context": context, "precision": precision, "num_ctas": ctas,
+                "warps": warps,
                 "block_n": block_n, "strategy": strategy.value,
                 "max_splits": max(s.max_splits for s in splits.layers), "eager_s": eager,
                 "graph_s": graphed, "graph_gbps": nbytes / graphed / 1e9, "kernels_s": kernels})
@@ -121,41 +130,53 @@ def kernel_ms(row: dict, name: str) -> str:
 
 
 def markdown(rows: list[dict], device: str) -> str:
-    lines = [f"Decode attention per step (32 layers) on {device}: split and tail-merge kernels "
+    lines = [f"Decode attention per step (32 layers) on {device}: split, tail and merge kernels "
              "(device ms per step), eager and CUDA-graph step.", "",
-             "| batch | context | N_CTA | warps | BLOCK_N | strategy | max S | split ms | merge ms "
-             "| eager ms | graph ms | graph GB/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| batch | context | rows | N_CTA | warps | BLOCK_N | strategy | max S | split ms "
+             "| tail ms | merge ms | eager ms | graph ms | graph GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['batch']} | {r['context']} | {r['num_ctas']} | {r['warps']} | {r['block_n']} "
+            f"| {r['batch']} | {r['context']} | {r.get('precision', FULL_PRECISION)} "
+            f"| {r['num_ctas']} | {r['warps']} | {r['block_n']} "
             f"| {r['strategy']} | {r['max_splits']} | {kernel_ms(r, '_sealed_splits_kernel')} "
-            f"| {kernel_ms(r, '_tail_merge_kernel')} | {r['eager_s'] * 1e3:.2f} "
+            f"| {kernel_ms(r, '_tail_kernel')} | {kernel_ms(r, '_merge_kernel')} "
+            f"| {r['eager_s'] * 1e3:.2f} "
             f"| {r['graph_s'] * 1e3:.2f} | {r['graph_gbps']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
+def cases(batches: list[int] | None, contexts: list[int] | None) -> list[tuple[int, int]]:
+    """(batch, context) pairs: the default CASES, or every pair of the given values (one list
+    given: CASES filtered by it)."""
+    if batches and contexts:
+        return [(b, c) for b in batches for c in contexts]
+    return [(b, c) for b, c in CASES
+            if (not batches or b in batches) and (not contexts or c in contexts)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--mem-fraction", type=float, default=0.6)
+    add_case_args(parser, batch=None, context=None)  # default: CASES
     parser.add_argument("--out", type=Path, default=Path("results/decode_breakdown"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/decode_breakdown.py needs a CUDA device; nothing measured.")
         sys.exit(0)
+    profile, name = bench_profile(args.profile, args.heads_per_group)
     torch.manual_seed(0)
-    profile = synthetic_profile(2)
     cap = torch.cuda.mem_get_info()[0] * args.mem_fraction
     rows = []
-    for batch, context in CASES:
-        if fits(profile, batch, context, cap):
-            print(f"batch {batch}, context {context} ...", flush=True)
-            rows += measure(profile, batch, context, args.repeats)
-            torch.cuda.empty_cache()
+    for batch, context in cases(args.batch, args.context):
+        for precision in dict.fromkeys([FULL_PRECISION, args.precision]):
+            if fits(profile, batch, context, cap, precision):
+                print(f"batch {batch}, context {context}, {precision} ...", flush=True)
+                rows += measure(profile, batch, context, args.warmup, args.repeats, precision)
+                torch.cuda.empty_cache()
     device = torch.cuda.get_device_name()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_breakdown.json").write_text(
-        json.dumps({"device": device, "rows": rows}, indent=2))
+        json.dumps({"device": device, "profile": name, "rows": rows}, indent=2))
     table = markdown(rows, device)
     (args.out / "decode_breakdown.md").write_text(table)
     print(table)

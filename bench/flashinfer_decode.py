@@ -3,7 +3,7 @@
 TANGRAM section 3.1.3's dynamic-rebalancing baseline: every (layer, group) is an ordinary NHD
 paged cache with page size k[l,g] (rows_k[l][g] is exactly that) and the same page indices, and
 BatchDecodeWithPagedKVCacheWrapper.plan() runs again for every layer and group of every step,
-because the retained lengths differ per group. The tail is merged with our tail-merge kernel,
+because the retained lengths differ per group. The tail is merged with our tail and merge kernels,
 fed FlashInfer's output as the group's single partial.
 """
 
@@ -52,8 +52,9 @@ class FlashInferPlannedDecode:
         """One layer: plan + run per group, then the tail merge. Returns out, lse (ln)."""
         st, t = self.storage, self.tables[layer]
         B, h_q, d = q.shape
-        mid_o = torch.empty(B, h_q, 1, d, dtype=torch.float32, device=q.device)
-        mid_l = torch.empty(B, h_q, 1, dtype=torch.float32, device=q.device)
+        # One sealed partial per query head (slot 0) and the tail's (slot 1, tail_merge's).
+        mid_o = torch.empty(B, h_q, 2, d, dtype=torch.float32, device=q.device)
+        mid_l = torch.empty(B, h_q, 2, dtype=torch.float32, device=q.device)
         for g, k in enumerate(st.layout.slots[layer]):
             h_p = st.head_index[layer][g].numel()
             last = torch.full((B,), k, dtype=torch.int32)

@@ -4,7 +4,8 @@
 # tests (the latter with a real torch.cuda.CUDAGraph) at full shapes on the GPU, then the
 # decode-attention benchmark (FlashInfer's column only where FlashInfer is installed) and its
 # per-kernel breakdown (bench.decode_breakdown).
-# Results go to $OUT (or ./results/gpu_check).
+# Results go to $OUT (or ./results/gpu_check). Arguments (--precision, --batch, --context, ...)
+# go to both benchmarks.
 #   device run:  PYTHONUNBUFFERED=1 ./scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -20,5 +21,5 @@ python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_kernels_aot.py \
   tests/unit/test_kernels_backend.py tests/unit/test_tail_batch.py \
   tests/unit/test_batched_torch.py tests/unit/test_cuda_graph.py 2>&1 | tee "$out/tests.txt" || rc=1
 python3 -m bench.decode_attention --out "$out" "$@" 2>&1 | tee "$out/bench.txt" || rc=1
-python3 -m bench.decode_breakdown --out "$out" 2>&1 | tee "$out/breakdown.txt" || rc=1
+python3 -m bench.decode_breakdown --out "$out" "$@" 2>&1 | tee "$out/breakdown.txt" || rc=1
 exit "$rc"

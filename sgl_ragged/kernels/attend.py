@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sgl_ragged.kernels.quant import load_low
+from sgl_ragged.kernels.quant import code_ptr, low_codes, param_ptr
 
 
 @triton.jit
@@ -27,44 +27,107 @@ def softmax_step(logits, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_row, table_row, k_g, hi_g, j, start, end,
+def attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_row, table_row, hi_g, lo_g, j, p0, p1,
                   scale, H_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr,
-                  LOW_FLOAT: tl.constexpr):
-    """Sealed tokens [start, end) of member head j of a group with k_g slots per page, the
-    first hi_g of them full precision.
+                  LOW_FLOAT: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """Member head j's sealed pages table_row[p0:p1] of a group with hi_g full-precision and
+    lo_g low-tier slots per page: first every page's high slots (k_base / v_base rows
+    [pages, hi_g, H_p, D]), then each page's low tier on its codes (LOW_BITS 0: the layout has
+    no low tier and that loop is not compiled)."""
+    m_i, l_i, acc = _attend_high(q, m_i, l_i, acc, k_base, v_base, table_row, hi_g, j, p0, p1,
+                                 scale, H_P, D, BLOCK_N, BLOCK_D, PRECISION)
+    if LOW_BITS > 0:
+        # A group without low slots has no low-tier tensors (null addresses): skip its pages.
+        p_lo = tl.where(lo_g > 0, p1, p0)
+        for pi in range(p0, p_lo):
+            page = tl.load(table_row + pi).to(tl.int64)
+            m_i, l_i, acc = _attend_low_page(q, m_i, l_i, acc, low_row, page, lo_g, j, scale,
+                                             H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS,
+                                             LOW_FLOAT, NATIVE_FP8)
+    return m_i, l_i, acc
 
-    Sealed token t is slot s = t % k_g of logical page table_row[t // k_g]: for s < hi_g its
-    key is k_base[page, s, j, :] in the group's rows [pages, hi_g, H_p, D], else low-tier slot
-    s - hi_g, dequantized here from the tensors at low_row (tables.LOW_TENSORS; LOW_BITS 0:
-    the layout has no low tier and that path is not compiled).
-    """
+
+@triton.jit
+def _attend_high(q, m_i, l_i, acc, k_base, v_base, table_row, hi_g, j, p0, p1, scale,
+                 H_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """The high slots of pages [p0, p1) as one run of tokens: token t is slot t % hi_g of
+    page table_row[p0 + t // hi_g] (tiles straddle pages; nothing to fold)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    for t0 in range(start, end, BLOCK_N):
+    n_hi = (p1 - p0) * hi_g
+    for t0 in range(0, n_hi, BLOCK_N):
         t = t0 + offs_n
-        valid = t < end
-        page = tl.load(table_row + t // k_g, mask=valid, other=0).to(tl.int64)
-        slot = t % k_g
-        hi = valid & (slot < hi_g)
-        off = (page * hi_g + slot) * (H_P * D) + j * D
-        mask = hi[:, None] & mask_d[None, :]
-        k = tl.load(k_base + off[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        v = tl.load(v_base + off[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        if LOW_BITS > 0:
-            lo = valid & (slot >= hi_g)
-            k_lo, v_lo = load_low(low_row, page, slot - hi_g, j, lo, H_P, D, BLOCK_D, LOW_BITS,
-                                  LOW_FLOAT, k_g - hi_g)
-            # Rounded to the rows' dtype, as quant.dequantize returns them.
-            k = tl.where(lo[:, None], k_lo.to(k.dtype), k)
-            v = tl.where(lo[:, None], v_lo.to(v.dtype), v)
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        valid = t < n_hi
+        page = tl.load(table_row + p0 + t // hi_g, mask=valid, other=0).to(tl.int64)
+        off = (page * hi_g + t % hi_g) * (H_P * D) + j * D
+        mask = valid[:, None] & mask_d[None, :]
+        k = tl.load(k_base + off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(q.dtype)
+        v = tl.load(v_base + off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(q.dtype)
         logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         logits = tl.where(valid[None, :], logits, float("-inf"))
         m_i, l_i, acc = softmax_step(logits, v, m_i, l_i, acc, PRECISION)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_low_page(q, m_i, l_i, acc, low_row, page, lo_g, j, scale, H_P: tl.constexpr,
+                     D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PRECISION: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr,
+                     NATIVE_FP8: tl.constexpr):
+    """Logical page `page`'s lo_g low-tier slots of member head j, attended on the codes
+    (DESIGN.md section 11): keys k = code * s + z per channel, so q . k = (q * s) . code + q . z
+    with q * s and q . z once per page; values v = code * s_t + z_t per token, so
+    sum_t p_t v_t = sum_t (p_t s_t) code_t + sum_t p_t z_t."""
+    tl.static_assert(BLOCK_D == D, "low tiers need a power-of-two head size of at least 16")
+    CB: tl.constexpr = D * LOW_BITS // 8
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, CB)
+    # 1. The page's key parameters, folded into the query: q_s [ROWS, D], bias [ROWS] float32.
+    chan = (page * H_P + j) * D + tl.arange(0, D)
+    q32 = q.to(tl.float32)
+    q_s = (q32 * tl.load(param_ptr(low_row, 1) + chan).to(tl.float32)[None, :]).to(q.dtype)
+    if LOW_FLOAT:
+        bias = tl.zeros([q.shape[0]], tl.float32)
+    else:
+        bias = tl.sum(q32 * tl.load(param_ptr(low_row, 2) + chan).to(tl.float32)[None, :], 1)
+    # 2. Its low slots, BLOCK_N at a time: codes read once each, for every query row.
+    for s0 in range(0, lo_g, BLOCK_N):
+        slot = s0 + offs_n
+        valid = slot < lo_g
+        tok = (page * lo_g + slot) * H_P + j  # [BLOCK_N] (page, slot, head) entries
+        byte = tok[:, None] * CB + offs_c[None, :]
+        k = low_codes(tl.load(code_ptr(low_row, 0) + byte, mask=valid[:, None], other=0),
+                      BLOCK_N, D, LOW_BITS, LOW_FLOAT, NATIVE_FP8, q.dtype)
+        logits = (tl.dot(q_s, tl.trans(k), input_precision=PRECISION) + bias[:, None]) * scale
+        logits = tl.where(valid[None, :], logits, float("-inf"))
+        v = low_codes(tl.load(code_ptr(low_row, 3) + byte, mask=valid[:, None], other=0),
+                      BLOCK_N, D, LOW_BITS, LOW_FLOAT, NATIVE_FP8, q.dtype)
+        v_scale = tl.load(param_ptr(low_row, 4) + tok, mask=valid, other=0.0).to(tl.float32)
+        if LOW_FLOAT:
+            v_zero = tl.zeros([BLOCK_N], tl.float32)
+        else:
+            v_zero = tl.load(param_ptr(low_row, 5) + tok, mask=valid, other=0.0).to(tl.float32)
+        m_i, l_i, acc = _softmax_step_folded(logits, v, v_scale, v_zero, m_i, l_i, acc,
+                                             PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _softmax_step_folded(logits, codes, v_scale, v_zero, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """softmax_step for values stored as codes [BLOCK_N, BLOCK_D] with per-token scale and
+    zero [BLOCK_N] float32: the probabilities take the scales, the zeros add one term."""
+    m_new = tl.maximum(m_i, tl.max(logits, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_use)
+    p = tl.exp(logits - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p_s = (p * v_scale[None, :]).to(codes.dtype)
+    shift = tl.sum(p * v_zero[None, :], 1)  # [ROWS]
+    acc = acc * alpha[:, None] + tl.dot(p_s, codes, input_precision=PRECISION) + shift[:, None]
+    return m_new, l_i, acc
 
 
 @triton.jit

@@ -1,14 +1,16 @@
 """Decode attention over the ragged layout: split-KV over sealed rows, then tail + LSE merge.
 
-One decode step, one layer, the whole batch, two launches:
+One decode step, one layer, the whole batch, three launches:
 
 1. `_sealed_splits_kernel`, grid (W, B): work item w = (group g, split s) from the static
    split map (aot.py); the program covers the s-th of S[l,g] equal shares of request b's
-   sealed tokens of group g (token t = slot t % k_g of page sealed_table[b, t // k_g]; slots
-   past hi[l][g] are dequantized from the low tier), for each of the group's H_p heads, and
-   writes partial outputs and log-sum-exps.
-2. `_tail_merge_kernel`, grid (B, H): attention of KV head h's query heads over the request's
-   tail (staged tokens + the new token), merged with the group's S[l,g] partials by LSE.
+   sealed pages (whole pages) of group g -- their high slots, then each page's low tier on
+   its codes (attend.attend_sealed) -- for each of the group's H_p heads, and writes partial
+   outputs and log-sum-exps.
+2. `_tail_kernel`, grid (B, H): attention of KV head h's query heads over the request's
+   tail (staged tokens + the new token), written as one more partial.
+3. `_merge_kernel`, grid (B, H_q, channel blocks): each query head's S[l,g] + 1 partials
+   merged by log-sum-exp at once (one max, one weighted sum; no chain over the splits).
 
 No planning at run time: the split counts are read from the device tensor S.
 """
@@ -22,12 +24,15 @@ import triton.language as tl
 from sgl_ragged.kernels.aot import LayerSplits
 from sgl_ragged.kernels.attend import attend_sealed, attend_tail
 from sgl_ragged.kernels.batch import KernelBatch
-from sgl_ragged.kernels.launch import block_config, rows_contiguous
+from sgl_ragged.kernels.launch import block_config, compiled_for_gpu, rows_contiguous
 from sgl_ragged.kernels.occupancy import KernelResources
 from sgl_ragged.kernels.tables import LayerTables, tl_dtype
 
 SPLIT_WARPS = 4
 """Warps per program of the split kernel."""
+
+MERGE_BLOCK_S = 32
+"""Partials the merge kernel reads per tile."""
 
 
 @triton.jit
@@ -38,18 +43,20 @@ def _sealed_splits_kernel(
     H_P: tl.constexpr, GSIZE: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
 ):
     w = tl.program_id(0)
     b = tl.program_id(1)
     g = tl.load(work_group + w)
     s = tl.load(work_split + w)
-    k_g = tl.load(slots + g)
     hi_g = tl.load(hi_slots + g)
-    # This split's share [start, end) of the group's sealed tokens.
-    n_tok = tl.load(num_sealed + b) * k_g
-    chunk = tl.cdiv(n_tok, tl.load(split_counts + g))
-    start = s * chunk
-    end = tl.minimum(start + chunk, n_tok)
+    lo_g = tl.load(slots + g) - hi_g
+    # This split's share [p0, p1) of the request's sealed pages (whole pages: a page's low
+    # tier shares its key parameters).
+    n_pages = tl.load(num_sealed + b)
+    chunk = tl.cdiv(n_pages, tl.load(split_counts + g))
+    p0 = s * chunk
+    p1 = tl.maximum(tl.minimum(p0 + chunk, n_pages), p0)
     k_base = tl.load(rows_k_ptr + g).to(tl.pointer_type(DTYPE))
     v_base = tl.load(rows_v_ptr + g).to(tl.pointer_type(DTYPE))
     offs_g = tl.arange(0, BLOCK_G)
@@ -64,8 +71,9 @@ def _sealed_splits_kernel(
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         m_i, l_i, acc = attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_ptr + g * 6,
-                                      sealed_table + b * s_tb, k_g, hi_g, j, start, end, scale,
-                                      H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS, LOW_FLOAT)
+                                      sealed_table + b * s_tb, hi_g, lo_g, j, p0, p1, scale,
+                                      H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS, LOW_FLOAT,
+                                      NATIVE_FP8)
         # Empty share (short request): lse = -inf, output 0.
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -75,10 +83,10 @@ def _sealed_splits_kernel(
 
 
 @triton.jit
-def _tail_merge_kernel(
+def _tail_kernel(
     Q, s_qn, s_qh, K_new, V_new, s_new, stage_k, stage_v, s_page, s_tok, P,
-    stage_table, s_stb, num_staged, q_start, head_group, split_counts,
-    Mid_O, Mid_L, s_ob, s_oh, s_os, s_lb, s_lh, Out, s_out_n, s_out_h, Lse, s_lse_n, scale,
+    stage_table, s_stb, num_staged, q_start, tail_slot,
+    Mid_O, Mid_L, s_ob, s_oh, s_os, s_lb, s_lh, scale,
     GSIZE: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -93,7 +101,7 @@ def _tail_merge_kernel(
     qh = h * GSIZE + offs_g
     q = tl.load(Q + row * s_qn + qh[:, None] * s_qh + offs_d[None, :], mask=mask_q,
                 other=0.0).to(DOT)
-    # 1. The tail: staged tokens and the new one, all visible to the decode query.
+    # The tail: staged tokens and the new one, all visible to the decode query (never empty).
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -101,21 +109,47 @@ def _tail_merge_kernel(
     m_i, l_i, acc = attend_tail(q, m_i, l_i, acc, stage_k, stage_v, stage_table + b * s_stb, n_st,
                                 P, s_page, s_tok, K_new, V_new, row, s_new, h, lim, n_st + 1,
                                 scale, D, BLOCK_N, BLOCK_D, PRECISION)
-    # 2. Merge the group's split partials by log-sum-exp.
-    n_split = tl.load(split_counts + tl.load(head_group + h))
-    for s in range(0, n_split):
-        lse_s = tl.load(Mid_L + b * s_lb + qh * s_lh + s, mask=mask_g, other=float("-inf"))
-        o_s = tl.load(Mid_O + b * s_ob + qh[:, None] * s_oh + s * s_os + offs_d[None, :],
-                      mask=mask_q, other=0.0)
-        m_new = tl.maximum(m_i, lse_s)
-        alpha = tl.exp(m_i - m_new)
-        beta = tl.exp(lse_s - m_new)
-        acc = acc * alpha[:, None] + o_s * beta[:, None]
-        l_i = l_i * alpha + beta
-        m_i = m_new
-    tl.store(Out + row * s_out_n + qh[:, None] * s_out_h + offs_d[None, :], acc / l_i[:, None],
-             mask=mask_q)
-    tl.store(Lse + row * s_lse_n + qh, m_i + tl.log(l_i), mask=mask_g)
+    # One more partial, in the slot after every group's splits.
+    tl.store(Mid_O + b * s_ob + qh[:, None] * s_oh + tail_slot * s_os + offs_d[None, :],
+             acc / l_i[:, None], mask=mask_q)
+    tl.store(Mid_L + b * s_lb + qh * s_lh + tail_slot, m_i + tl.log(l_i), mask=mask_g)
+
+
+@triton.jit
+def _merge_kernel(
+    q_start, head_group, split_counts, tail_slot,
+    Mid_O, Mid_L, s_ob, s_oh, s_os, s_lb, s_lh, Out, s_out_n, s_out_h, Lse, s_lse_n,
+    GSIZE: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr,
+):
+    """Program (b, query head, channel block): the group's split partials and the tail's,
+    reduced at once: one max over their log-sum-exps, one weighted sum of their outputs."""
+    b = tl.program_id(0)
+    qh = tl.program_id(1)
+    dc = tl.program_id(2)
+    n_split = tl.load(split_counts + tl.load(head_group + qh // GSIZE))
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = dc * BLOCK_DC + tl.arange(0, BLOCK_DC)
+    l_row = Mid_L + b * s_lb + qh * s_lh
+    o_row = Mid_O + b * s_ob + qh * s_oh
+    # Partials: splits [0, n_split) and the tail's slot; unused slots between hold garbage.
+    m = tl.load(l_row + tail_slot)
+    for s0 in range(0, n_split, BLOCK_S):
+        s = s0 + offs_s
+        m = tl.maximum(m, tl.max(tl.load(l_row + s, mask=s < n_split, other=float("-inf")), 0))
+    w_tail = tl.exp(tl.load(l_row + tail_slot) - m)
+    total = w_tail
+    acc = w_tail * tl.load(o_row + tail_slot * s_os + offs_d, mask=offs_d < D, other=0.0)
+    for s0 in range(0, n_split, BLOCK_S):
+        s = s0 + offs_s
+        w = tl.exp(tl.load(l_row + s, mask=s < n_split, other=float("-inf")) - m)  # [BLOCK_S]
+        o = tl.load(o_row + s[:, None] * s_os + offs_d[None, :],
+                    mask=(s < n_split)[:, None] & (offs_d < D)[None, :], other=0.0)
+        total += tl.sum(w, 0)
+        acc += tl.sum(w[:, None] * o, 0)
+    row = tl.load(q_start + b).to(tl.int64)
+    tl.store(Out + row * s_out_n + qh * s_out_h + offs_d, acc / total, mask=offs_d < D)
+    if dc == 0:
+        tl.store(Lse + row * s_lse_n + qh, m + tl.log(total))
 
 
 def decode_attention(
@@ -137,9 +171,10 @@ def decode_attention(
     if B == 0:
         return out, lse
     cfg = block_config(q, h_q // k_new.shape[1], d)
-    # mid_o: [B, H_q, S_max, D], mid_l: [B, H_q, S_max] float32 partials per split.
-    mid_o = torch.empty(B, h_q, splits.max_splits, d, dtype=torch.float32, device=q.device)
-    mid_l = torch.empty(B, h_q, splits.max_splits, dtype=torch.float32, device=q.device)
+    # mid_o: [B, H_q, S_max + 1, D], mid_l: [B, H_q, S_max + 1] float32 partials: slots
+    # [0, S[l,g]) the group's splits, slot S_max the tail's (tail_merge).
+    mid_o = torch.empty(B, h_q, splits.max_splits + 1, d, dtype=torch.float32, device=q.device)
+    mid_l = torch.empty(B, h_q, splits.max_splits + 1, dtype=torch.float32, device=q.device)
     args, options = _split_launch(q, tables, splits, batch, mid_o, mid_l, scale, cfg)
     _sealed_splits_kernel[(splits.num_work, B)](*args, **options)
     tail_merge(q, k_new, v_new, stage_k, stage_v, tables, splits.split_counts, batch, mid_o,
@@ -158,7 +193,7 @@ def _split_launch(q: torch.Tensor, tables: LayerTables, splits: LayerSplits, bat
             *mid_l.stride()[:2], scale)
     options = {"H_P": tables.heads_per_group, "DTYPE": tl_dtype(tables.rows_dtype), **cfg,
                "LOW_BITS": tables.low_bits, "LOW_FLOAT": tables.low_float,
-               "num_warps": SPLIT_WARPS}
+               "NATIVE_FP8": compiled_for_gpu(q), "num_warps": SPLIT_WARPS}
     return args, options
 
 
@@ -186,17 +221,26 @@ def tail_merge(
     stage_v: torch.Tensor, tables: LayerTables, split_counts: torch.Tensor, batch: KernelBatch,
     mid_o: torch.Tensor, mid_l: torch.Tensor, scale: float, out: torch.Tensor, lse: torch.Tensor,
 ) -> None:
-    """Step 2 alone: tail attention merged with partials mid_o [B, H_q, >= S, D], mid_l
-    [B, H_q, >= S] float32 (natural-log LSE; split_counts [G] int32 of them per group). Also
-    the merge for any other sealed-part kernel (the FlashInfer baseline passes S = 1)."""
+    """Step 2 alone: the tail's attention as one more partial, in the last slot of mid_o
+    [B, H_q, S_max + 1, D] / mid_l [B, H_q, S_max + 1] float32 (natural-log LSE), then every
+    query head's partials (split_counts [G] int32 splits of its group, slots [0, S[g]), and the
+    tail's) merged in parallel into out and lse. Also the merge for any other sealed-part
+    kernel (the FlashInfer baseline passes S = 1)."""
     h_q, d = q.shape[1:]
     h_kv = k_new.shape[1]
     cfg = block_config(q, h_q // h_kv, d)
+    tail_slot = mid_o.shape[2] - 1
     k_new, v_new = rows_contiguous(k_new), rows_contiguous(v_new)
-    _tail_merge_kernel[(batch.batch_size, h_kv)](
+    mid = (mid_o, mid_l, *mid_o.stride()[:3], *mid_l.stride()[:2])
+    _tail_kernel[(batch.batch_size, h_kv)](
         q, q.stride(0), q.stride(1), k_new, v_new, k_new.stride(0), stage_k, stage_v,
         stage_k.stride(0), stage_k.stride(1), stage_k.shape[1], batch.stage_table,
-        batch.stage_table.stride(0), batch.num_staged, batch.q_start, tables.head_group,
-        split_counts, mid_o, mid_l, *mid_o.stride()[:3], *mid_l.stride()[:2],
-        out, out.stride(0), out.stride(1), lse, lse.stride(0), scale, **cfg, num_warps=8,
+        batch.stage_table.stride(0), batch.num_staged, batch.q_start, tail_slot, *mid, scale,
+        **cfg, num_warps=8,
+    )
+    block_dc = min(cfg["BLOCK_D"], 64)
+    _merge_kernel[(batch.batch_size, h_q, triton.cdiv(d, block_dc))](
+        batch.q_start, tables.head_group, split_counts, tail_slot, *mid, out, out.stride(0),
+        out.stride(1), lse, lse.stride(0), GSIZE=cfg["GSIZE"], D=d, BLOCK_S=MERGE_BLOCK_S,
+        BLOCK_DC=block_dc, num_warps=4,
     )

@@ -15,7 +15,7 @@ import triton.language as tl
 
 from sgl_ragged.kernels.attend import attend_sealed, attend_tail
 from sgl_ragged.kernels.batch import KernelBatch
-from sgl_ragged.kernels.launch import block_config, rows_contiguous
+from sgl_ragged.kernels.launch import block_config, compiled_for_gpu, rows_contiguous
 from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
 
 
@@ -28,7 +28,7 @@ def _extend_kernel(
     H_P: tl.constexpr, GSIZE: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr,
-    LOW_FLOAT: tl.constexpr,
+    LOW_FLOAT: tl.constexpr, NATIVE_FP8: tl.constexpr,
 ):
     m = tl.program_id(0)
     b = tl.program_id(1)
@@ -52,13 +52,14 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
     # 1. Sealed rows of h: member j of group g, every sealed page visible to every query.
     g = tl.load(head_group + h)
-    k_g = tl.load(slots + g)
+    hi_g = tl.load(hi_slots + g)
     k_base = tl.load(rows_k_ptr + g).to(tl.pointer_type(DTYPE))
     v_base = tl.load(rows_v_ptr + g).to(tl.pointer_type(DTYPE))
     m_i, l_i, acc = attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_ptr + g * 6,
-                                  sealed_table + b * s_tb, k_g, tl.load(hi_slots + g),
-                                  tl.load(head_member + h), 0, tl.load(num_sealed + b) * k_g,
-                                  scale, H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS, LOW_FLOAT)
+                                  sealed_table + b * s_tb, hi_g, tl.load(slots + g) - hi_g,
+                                  tl.load(head_member + h), 0, tl.load(num_sealed + b),
+                                  scale, H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS, LOW_FLOAT,
+                                  NATIVE_FP8)
     # 2. The tail, causally: query i sees tail tokens t <= n_st + i.
     n_st = tl.load(num_staged + b)
     t_end = n_st + tl.minimum((m + 1) * BLOCK_M, n_q)
@@ -90,7 +91,7 @@ def extend_attention(
     if batch.batch_size == 0 or batch.max_q_len == 0:
         return out, lse
     cfg = {**block_config(q, h_q // h_kv, d), "BLOCK_G": next_pow2(h_q // h_kv)}
-    block_m = max(1, (64 if q.is_cuda else 16) // cfg["BLOCK_G"])  # >= 16 rows for tl.dot
+    block_m = max(1, (64 if compiled_for_gpu(q) else 16) // cfg["BLOCK_G"])  # >= 16 rows for tl.dot
     k_new, v_new = rows_contiguous(k_new), rows_contiguous(v_new)
     grid = (triton.cdiv(batch.max_q_len, block_m), batch.batch_size, h_kv)
     _extend_kernel[grid](
@@ -101,6 +102,6 @@ def extend_attention(
         batch.stage_table, batch.stage_table.stride(0), batch.num_staged, batch.q_start,
         batch.q_len, out, out.stride(0), out.stride(1), lse, lse.stride(0), scale,
         H_P=tables.heads_per_group, DTYPE=tl_dtype(tables.rows_dtype), BLOCK_M=block_m, **cfg,
-        LOW_BITS=tables.low_bits, LOW_FLOAT=tables.low_float, num_warps=8,
+        LOW_BITS=tables.low_bits, LOW_FLOAT=tables.low_float, NATIVE_FP8=compiled_for_gpu(q), num_warps=8,
     )
     return out, lse

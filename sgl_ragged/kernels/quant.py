@@ -1,13 +1,15 @@
 """Triton device functions for rows' low tier (mem_pool/quant.py's format, DESIGN.md section 11):
-dequantize a block of low-tier slots for attention, quantize and pack a sealed page's low tier.
+read a block of low-tier codes for attention (attend.py folds the scales and zero points into
+the query and the probabilities, so nothing is dequantized), quantize and pack a sealed page's
+low tier.
 
-They reproduce `quant.quantize` / `quant.dequantize` bit for bit up to rounding ties of the
-codes: scale and zero are rounded to float16 before coding, divisions are correctly rounded
-(`div_rn`; Triton's `/` is approximate on a GPU) and codes round half to even like
-torch.round. fp8 (float8_e4m3fn) codes are encoded and decoded with integer arithmetic instead
-of a `tl.float8e4nv` cast: Triton's interpreter flushes e4m3 subnormals to zero where torch
-keeps them (checked with Triton 3.8), so a cast would make the CPU tests disagree with the
-torch quantizer; the arithmetic is exact on both.
+The quantizer reproduces `quant.quantize` bit for bit up to rounding ties of the codes: scale
+and zero are rounded to float16 before coding, divisions are correctly rounded (`div_rn`;
+Triton's `/` is approximate on a GPU) and codes round half to even like torch.round. fp8
+(float8_e4m3fn) codes are encoded with integer arithmetic instead of a `tl.float8e4nv` cast,
+and decoded that way under the interpreter only: Triton's interpreter flushes e4m3 subnormals
+to zero where torch keeps them (checked with Triton 3.8), so a cast would make the CPU tests
+disagree with the torch quantizer; the arithmetic is exact on both.
 
 Low-tier addresses of a group come as a row of LayerTables.low_ptr (tables.LOW_TENSORS order):
 0 k_codes [pages, lo, H_p, CB] uint8, 1 k_scale / 2 k_zero [pages, H_p, D] float16, 3 v_codes
@@ -23,13 +25,13 @@ FP8_MAX = tl.constexpr(448.0)  # quant.FP8_MAX
 
 
 @triton.jit
-def _code_ptr(low_row, i):
+def code_ptr(low_row, i):
     """uint8 pointer to the codes tensor in column i of a low_ptr row."""
     return tl.load(low_row + i).to(tl.pointer_type(tl.uint8))
 
 
 @triton.jit
-def _param_ptr(low_row, i):
+def param_ptr(low_row, i):
     """float16 pointer to the parameter tensor in column i of a low_ptr row."""
     return tl.load(low_row + i).to(tl.pointer_type(tl.float16))
 
@@ -69,50 +71,39 @@ def _fp8_encode(y):
 
 
 @triton.jit
-def _unpack(packed, LOW_BITS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Codes int32 of channels offs_d from the bytes [N, BLOCK_D] that hold them (byte d % CB,
-    bit offset (d // CB) * bits: quant.pack's planar order)."""
-    CB: tl.constexpr = D * LOW_BITS // 8
-    shift = (tl.arange(0, BLOCK_D) // CB) * LOW_BITS
-    return (packed.to(tl.int32) >> shift[None, :]) & ((1 << LOW_BITS) - 1)
-
-
-@triton.jit
-def _decode(codes, scale, zero, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr,
-            D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """float32 values of packed code bytes [N, BLOCK_D] (byte of each channel) with float32
-    scale and zero broadcastable to it."""
-    if LOW_FLOAT:
-        return _fp8_decode(codes.to(tl.int32)) * scale
-    return _unpack(codes, LOW_BITS, D, BLOCK_D).to(tl.float32) * scale + zero
-
-
-@triton.jit
-def load_low(low_row, page, slot, j, valid, H_P: tl.constexpr, D: tl.constexpr,
-             BLOCK_D: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr, lo_g):
-    """K and V float32 [N, BLOCK_D] of low-tier slots slot [N] of logical pages page [N] int64,
-    member head j of a group with lo_g low slots per page (low_row: its low_ptr row); zero
-    where not valid [N]."""
-    CB: tl.constexpr = D * LOW_BITS // 8
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = valid[:, None] & (offs_d < D)[None, :]
-    tok = (page * lo_g + slot) * H_P + j  # [N] (page, slot, head) entry of codes and v params
-    byte = tok[:, None] * CB + (offs_d % CB)[None, :]
-    chan = (page * H_P + j)[:, None] * D + offs_d[None, :]  # k params of (page, head, channel)
-    k_codes = tl.load(_code_ptr(low_row, 0) + byte, mask=mask, other=0)
-    v_codes = tl.load(_code_ptr(low_row, 3) + byte, mask=mask, other=0)
-    k_scale = tl.load(_param_ptr(low_row, 1) + chan, mask=mask, other=0.0).to(tl.float32)
-    v_scale = tl.load(_param_ptr(low_row, 4) + tok, mask=valid, other=0.0).to(tl.float32)
-    if LOW_FLOAT:
-        k_zero = 0.0
-        v_zero = 0.0
+def _planes(packed, M: tl.constexpr, LOW_BITS: tl.constexpr, D: tl.constexpr):
+    """Codes int32 [M, D] in channel order from the packed bytes [M, CB] int32 that hold them
+    (quant.pack's planar order: plane p = channels [p * CB, (p + 1) * CB) at bit offset
+    p * bits). Each byte is loaded once; the planes are joined in registers."""
+    MASK: tl.constexpr = (1 << LOW_BITS) - 1
+    if LOW_BITS == 8:
+        codes = packed
+    elif LOW_BITS == 4:
+        x = tl.join(packed & MASK, (packed >> 4) & MASK)  # [M, CB, 2]: [.., c, p]
+        codes = tl.reshape(tl.permute(x, (0, 2, 1)), [M, D])
     else:
-        k_zero = tl.load(_param_ptr(low_row, 2) + chan, mask=mask, other=0.0).to(tl.float32)
-        v_zero = tl.load(_param_ptr(low_row, 5) + tok, mask=valid, other=0.0).to(tl.float32)
-        v_zero = v_zero[:, None]
-    k = _decode(k_codes, k_scale, k_zero, LOW_BITS, LOW_FLOAT, D, BLOCK_D)
-    v = _decode(v_codes, v_scale[:, None], v_zero, LOW_BITS, LOW_FLOAT, D, BLOCK_D)
-    return k, v
+        tl.static_assert(LOW_BITS == 2, "low tiers have 8, 4 or 2 bits")
+        # [M, CB, 2, 2]: [.., c, i, k] = plane 2k + i
+        x = tl.join(tl.join(packed & MASK, (packed >> 2) & MASK),
+                    tl.join((packed >> 4) & MASK, (packed >> 6) & MASK))
+        codes = tl.reshape(tl.permute(x, (0, 3, 2, 1)), [M, D])
+    return codes
+
+
+@triton.jit
+def low_codes(packed, M: tl.constexpr, D: tl.constexpr, LOW_BITS: tl.constexpr,
+              LOW_FLOAT: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT: tl.constexpr):
+    """The code values [M, D] in DOT (exact there: integers below 256, e4m3 numbers) of packed
+    code bytes [M, CB] uint8: a stored low-tier entry before its scale and zero. fp8 converts
+    natively on a GPU (NATIVE_FP8), with integer arithmetic under the interpreter."""
+    if LOW_FLOAT:
+        if NATIVE_FP8:
+            values = packed.to(tl.float8e4nv, bitcast=True).to(DOT)
+        else:
+            values = _fp8_decode(packed.to(tl.int32)).to(DOT)
+    else:
+        values = _planes(packed.to(tl.int32), M, LOW_BITS, D).to(DOT)
+    return values
 
 
 @triton.jit
@@ -165,16 +156,16 @@ def store_low(x_k, x_v, lo, slot, page, j, lo_g, low_row, H_P: tl.constexpr, D: 
     # 1. Keys: parameters per channel over the low-tier tokens.
     k_scale, k_zero = _params(x_k, sel, 0, LOW_BITS, LOW_FLOAT)  # [D]
     chan = (page * H_P + j) * D + offs_d
-    tl.store(_param_ptr(low_row, 1) + chan, k_scale.to(tl.float16), mask=page >= 0)
+    tl.store(param_ptr(low_row, 1) + chan, k_scale.to(tl.float16), mask=page >= 0)
     if not LOW_FLOAT:
-        tl.store(_param_ptr(low_row, 2) + chan, k_zero.to(tl.float16), mask=page >= 0)
+        tl.store(param_ptr(low_row, 2) + chan, k_zero.to(tl.float16), mask=page >= 0)
     k_codes = _encode(x_k, k_scale[None, :], k_zero[None, :], LOW_BITS, LOW_FLOAT, BLOCK_P, D)
     byte = tok[:, None] * CB + offs_c[None, :]
-    tl.store(_code_ptr(low_row, 0) + byte, k_codes, mask=write[:, None])
+    tl.store(code_ptr(low_row, 0) + byte, k_codes, mask=write[:, None])
     # 2. Values: parameters per token.
     v_scale, v_zero = _params(x_v, sel, 1, LOW_BITS, LOW_FLOAT)  # [BLOCK_P]
-    tl.store(_param_ptr(low_row, 4) + tok, v_scale.to(tl.float16), mask=write)
+    tl.store(param_ptr(low_row, 4) + tok, v_scale.to(tl.float16), mask=write)
     if not LOW_FLOAT:
-        tl.store(_param_ptr(low_row, 5) + tok, v_zero.to(tl.float16), mask=write)
+        tl.store(param_ptr(low_row, 5) + tok, v_zero.to(tl.float16), mask=write)
     v_codes = _encode(x_v, v_scale[:, None], v_zero[:, None], LOW_BITS, LOW_FLOAT, BLOCK_P, D)
-    tl.store(_code_ptr(low_row, 3) + byte, v_codes, mask=write[:, None])
+    tl.store(code_ptr(low_row, 3) + byte, v_codes, mask=write[:, None])

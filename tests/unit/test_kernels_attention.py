@@ -17,7 +17,7 @@ import torch
 from sgl_ragged.attention_backend.torch_ref import request_forward
 from sgl_ragged.kernels.aot import SplitStrategy, device_parallelism, split_plan
 from sgl_ragged.kernels.batch import kernel_batch
-from sgl_ragged.kernels.decode import decode_attention
+from sgl_ragged.kernels.decode import MERGE_BLOCK_S, decode_attention
 from sgl_ragged.kernels.extend import extend_attention
 from sgl_ragged.kernels.tables import layer_tables
 from tests.unit.kernel_cases import (
@@ -99,6 +99,23 @@ def test_decode_more_splits_than_tokens(kernel_device, heads_per_group):
     G = 4 // heads_per_group
     splits = split_plan([[1 / G] * G], 40, kernel_device)
     assert splits.layer(0).max_splits > 8
+    out, lse = _poisoned(q)
+    decode_attention(q, k, v, storage.stage_k[0], storage.stage_v[0], layer_tables(storage, 0),
+                     splits.layer(0), kernel_batch(plans, kernel_device), SCALE, out, lse)
+    _check_untouched(plans, out, lse)
+    _oracle(storage, 0, plans, q, k, v, out, lse)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4"])
+def test_decode_partials_span_merge_tiles(kernel_device, precision):
+    """More non-empty splits than the merge kernel reads per tile (decode.MERGE_BLOCK_S), each
+    a page or two of a long request, beside a short request whose splits are mostly empty."""
+    rng = random.Random(11)
+    storage = random_storage(rng, kernel_device, num_pages=96, precision=precision)
+    plans = random_plans(storage, [Spec(70, 3, 1), Spec(2, 5, 1)], rng)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(11), kernel_device)
+    splits = split_plan([[0.5, 0.5]], 160, kernel_device)
+    assert splits.layer(0).max_splits > 2 * MERGE_BLOCK_S
     out, lse = _poisoned(q)
     decode_attention(q, k, v, storage.stage_k[0], storage.stage_v[0], layer_tables(storage, 0),
                      splits.layer(0), kernel_batch(plans, kernel_device), SCALE, out, lse)

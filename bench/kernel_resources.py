@@ -1,0 +1,222 @@
+"""What the Triton kernels occupy on a GPU, measured without one: registers, spills, stack and
+shared memory per program as compiled for an NVIDIA architecture, and the programs per SM that
+the AOT split map's N_CTA follows from (kernels/occupancy.py).
+
+    python -m bench.kernel_resources [--arch 90] [--head-dim 64 128] \
+        [--precision bf16 int8 int4 int2 fp8] --out results/kernel_resources
+
+Each kernel (decode split, tail and merge, extend, seal) is launched on a small case on the CPU with
+its launch intercepted: Triton's own argument binder specializes the arguments (types, 16-byte
+alignment) for the CUDA target, `triton.compile` builds it, and its `ptxas -v` run (ptxas ships
+with Triton) reports registers and spills. Shapes: 8 KV heads, GQA 4, page size 64, bfloat16 rows.
+A compile-time figure, not a timing: it shows whether a build spills and how many programs an
+SM holds. Must run without TRITON_INTERPRET (the kernels would be interpreted, not compiled).
+Writes kernel_resources.json and kernel_resources.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from sgl_ragged.precision import PRECISION_CHOICES
+
+HEADS, GQA, PAGE = 8, 4, 64
+
+
+@dataclass(frozen=True)
+class Build:
+    """One kernel as compiled for the target."""
+
+    kernel: str
+    precision: str
+    head_dim: int
+    num_warps: int
+    registers: int  # per thread
+    spill_bytes: int  # spill stores + loads per thread
+    stack_bytes: int
+    shared_bytes: int
+    programs_per_sm: int
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A kernel launch as the host code made it (args, keyword options)."""
+
+    fn: object  # the triton JITFunction
+    args: tuple
+    kwargs: dict
+
+
+@contextmanager
+def intercepted(kernels: dict[str, object]) -> Iterator[dict[str, Launch]]:
+    """Launches of these JIT functions are recorded (by name) instead of run; GPU builds are
+    chosen although the tensors live on the CPU (launch.compiled_for_gpu)."""
+    from sgl_ragged.kernels import decode, extend, launch
+
+    seen: dict[str, Launch] = {}
+    saved = {name: fn.run for name, fn in kernels.items()}
+    gpu_saved = launch.compiled_for_gpu, decode.compiled_for_gpu, extend.compiled_for_gpu
+
+    def recorder(name: str, fn: object) -> Callable[..., None]:
+        def run(*args, grid, warmup, **kwargs) -> None:
+            seen[name] = Launch(fn, args, kwargs)
+        return run
+
+    for name, fn in kernels.items():
+        fn.run = recorder(name, fn)
+    decode.compiled_for_gpu = extend.compiled_for_gpu = launch.compiled_for_gpu = lambda x: True
+    try:
+        yield seen
+    finally:
+        for name, fn in kernels.items():
+            fn.run = saved[name]
+        launch.compiled_for_gpu, decode.compiled_for_gpu, extend.compiled_for_gpu = gpu_saved
+
+
+def compile_launch(launch: Launch, arch: int) -> tuple[dict[str, int], int]:
+    """Register, spill and stack use per thread (`ptxas -v` as Triton runs it) and shared
+    memory per program of a recorded launch compiled for CUDA sm_<arch>, specialized as the
+    JIT would specialize it on that target."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = launch.fn
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, launch.kwargs, bound,
+                                                          specialization, options)
+    log = io.StringIO()
+    saved = knobs.nvidia.dump_ptxas_log, knobs.cache.dir
+    with tempfile.TemporaryDirectory() as cache, contextlib.redirect_stdout(log):
+        # A fresh cache: a cached build (this process's or another's) runs no ptxas, so it
+        # prints no log.
+        knobs.nvidia.dump_ptxas_log, knobs.cache.dir = True, cache
+        try:
+            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                    options=options.__dict__)
+        finally:
+            knobs.nvidia.dump_ptxas_log, knobs.cache.dir = saved
+    return ptxas_usage(log.getvalue()), kernel.metadata.shared
+
+
+def ptxas_usage(text: str) -> dict[str, int]:
+    """Registers, spill bytes and stack bytes per thread from a `ptxas -v` log."""
+
+    def number(pattern: str) -> int:
+        found = re.search(pattern, text)
+        return int(found.group(1)) if found else 0
+
+    if "registers" not in text:
+        raise RuntimeError(f"no ptxas resource report in the compile log:\n{text}")
+    return {"registers": number(r"Used (\d+) registers"),
+            "spill_bytes": number(r"(\d+) bytes spill stores") + number(r"(\d+) bytes spill loads"),
+            "stack_bytes": number(r"(\d+) bytes stack frame")}
+
+
+def case_launches(precision: str, head_dim: int) -> dict[str, Launch]:
+    """Launches of the four kernels for one small decode / extend / seal case on the CPU."""
+    from sgl_ragged import budgets as bm
+    from sgl_ragged.attention_backend.plan import RequestPlan
+    from sgl_ragged.kernels import decode, extend, seal
+    from sgl_ragged.kernels.aot import split_plan
+    from sgl_ragged.kernels.batch import kernel_batch
+    from sgl_ragged.kernels.tables import layer_tables
+    from sgl_ragged.mem_pool.layout import RaggedLayout
+    from sgl_ragged.mem_pool.storage import RaggedStorage
+    from sgl_ragged.profile import BudgetProfile
+    from sgl_ragged.scoring import SnapKVScorer
+
+    budgets = [[0.3, 0.1, 0.5, 0.2, 0.9, 0.3, 0.15, 0.4]]
+    groups = [bm.cluster_heads(budgets[0], 2)]
+    profile = BudgetProfile(None, budgets, groups, {"kind": "uniform"})
+    layout = RaggedLayout.from_profile(profile, PAGE, head_dim, 2, precision=precision)
+    storage = RaggedStorage(layout, 9, 2, torch.bfloat16, "cpu", SnapKVScorer())
+    tables = layer_tables(storage, 0)
+    plans = [RequestPlan(q_start=0, prefix=4 * PAGE + 9, seq_len=4 * PAGE + 10,
+                         tail_start=4 * PAGE, sealed_pages=torch.arange(1, 5),
+                         prior_stages=torch.tensor([0]), tail_pages=torch.tensor([5]), num_seal=0,
+                         after_stages=torch.tensor([0]), tail_obs=torch.zeros(10), obs_queries=1)]
+    batch = kernel_batch(plans, "cpu")
+    q = torch.zeros(1, HEADS * GQA, head_dim, dtype=torch.bfloat16)
+    kv = torch.zeros(1, HEADS, head_dim, dtype=torch.bfloat16)
+    splits = split_plan(bm.split_ratios(budgets, groups), 264, "cpu").layer(0)
+    names = {"decode split": decode._sealed_splits_kernel, "decode tail": decode._tail_kernel,
+             "decode merge": decode._merge_kernel, "extend": extend._extend_kernel,
+             "seal": seal._seal_kernel}
+    with intercepted(names) as seen:
+        stage_k, stage_v = storage.stage_k[0], storage.stage_v[0]
+        decode.decode_attention(q, kv, kv, stage_k, stage_v, tables, splits, batch, 1.0)
+        extend.extend_attention(q, kv, kv, stage_k, stage_v, tables, batch, 1.0)
+        src = torch.zeros(1, PAGE, HEADS, head_dim, dtype=torch.bfloat16)
+        seal.seal_pages(tables, src, src, torch.tensor([0]), torch.tensor([5]),
+                        torch.zeros(1, HEADS, PAGE), torch.zeros(1, PAGE, dtype=torch.bool))
+    return seen
+
+
+def measure(precision: str, head_dim: int, arch: int) -> list[Build]:
+    from sgl_ragged.kernels.occupancy import KernelResources, SMLimits, programs_per_sm
+
+    builds = []
+    for name, launch in case_launches(precision, head_dim).items():
+        usage, shared = compile_launch(launch, arch)
+        warps = launch.kwargs.get("num_warps", 4)
+        per_sm = programs_per_sm(KernelResources(usage["registers"], shared, warps), SMLimits())
+        builds.append(Build(name, precision, head_dim, warps, usage["registers"],
+                            usage["spill_bytes"], usage["stack_bytes"], shared, per_sm))
+        print(f"{precision} D={head_dim} {name}: {usage['registers']} registers, "
+              f"{usage['spill_bytes']} B spilled, {per_sm} programs/SM", file=sys.stderr)
+    return builds
+
+
+def markdown(builds: list[Build], arch: int) -> str:
+    lines = [f"Triton kernels compiled for sm_{arch} (no GPU needed): per thread registers, "
+             "spilled bytes (stores + loads) and stack; shared memory per program; programs one "
+             "SM holds (kernels/occupancy.py, sm_90 limits).", "",
+             "| kernel | rows | head_dim | warps | registers | spilled B | stack B | shared B "
+             "| programs/SM |", "|---|---|---|---|---|---|---|---|---|"]
+    for b in builds:
+        lines.append(f"| {b.kernel} | {b.precision} | {b.head_dim} | {b.num_warps} | "
+                     f"{b.registers} | {b.spill_bytes} | {b.stack_bytes} | {b.shared_bytes} | "
+                     f"{b.programs_per_sm} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10")
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--precision", nargs="+", choices=PRECISION_CHOICES,
+                        default=list(PRECISION_CHOICES))
+    parser.add_argument("--out", type=Path, default=Path("results/kernel_resources"))
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
+    builds = [b for d in args.head_dim for p in args.precision for b in measure(p, d, args.arch)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernel_resources.json").write_text(
+        json.dumps({"arch": args.arch, "builds": [asdict(b) for b in builds]}, indent=2))
+    table = markdown(builds, args.arch)
+    (args.out / "kernel_resources.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
