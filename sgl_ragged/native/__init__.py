@@ -13,13 +13,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-
-import torch
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "cuda_ext"
 SOURCES = ("bindings.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp")
@@ -29,19 +28,36 @@ LDFLAGS = ("-fopenmp",)
 NAME = "sgl_ragged_native"
 
 
+STAMP = "complete"  # written in the cache directory after a successful build
+
+
 class NativeUnavailableError(RuntimeError):
     """The native kernels are not built here (or failed to build)."""
 
 
 def cache_dir() -> Path:
-    """~/.cache/sgl-ragged/native-<hash of sources, flags, torch version>."""
+    """~/.cache/sgl-ragged/native-<hash of sources, flags, torch version>; torch's version is
+    read from its version.py, not imported (env.sh's up-to-date check stays fast)."""
     root = Path(os.environ.get("SGL_RAGGED_CACHE", Path.home() / ".cache" / "sgl-ragged"))
     digest = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         digest.update(name.encode())
         digest.update((SOURCE_DIR / name).read_bytes())
-    digest.update(" ".join((*CFLAGS, *LDFLAGS, torch.__version__)).encode())
+    digest.update(" ".join((*CFLAGS, *LDFLAGS)).encode())
+    digest.update(_torch_version_file().read_bytes())
     return root / f"native-{digest.hexdigest()[:12]}"
+
+
+def _torch_version_file() -> Path:
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        raise NativeUnavailableError("torch is not installed")
+    return Path(spec.origin).parent / "version.py"
+
+
+def is_built() -> bool:
+    """A successful build of the current sources is in the cache (no torch import)."""
+    return (cache_dir() / STAMP).is_file()
 
 
 def log_path() -> Path:
@@ -67,7 +83,8 @@ def build(verbose: bool = False) -> ModuleType:
         with log_path().open("a") as log:
             log.write(f"\n{type(e).__name__}: {e}\n")
         raise NativeUnavailableError(
-            f"the native kernels failed to build (compiler log: {log_path()})") from e
+            f"the native kernels (cuda_ext/) failed to build (compiler log: {log_path()})") from e
+    (out / STAMP).write_text(module.__file__ + "\n")
     if verbose:
         print(log_path().read_text())
     return module
@@ -93,12 +110,31 @@ def _output_to(path: Path) -> Iterator[None]:
                 os.close(fd)
 
 
+def _load_built() -> ModuleType:
+    """The cached build's shared object, imported directly (no compiler, no ninja)."""
+    import importlib.machinery
+
+    import torch  # noqa: F401  (the extension links against libtorch)
+
+    path = (cache_dir() / STAMP).read_text().strip()
+    loader = importlib.machinery.ExtensionFileLoader(NAME, path)
+    spec = importlib.util.spec_from_file_location(NAME, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
 @functools.cache
 def _load() -> ModuleType | NativeUnavailableError:
     try:
-        return build()
+        return _load_built() if is_built() else build()
     except NativeUnavailableError as e:
         return e
+    except (OSError, ImportError) as e:  # a stale or broken cached build: rebuild it
+        try:
+            return build()
+        except NativeUnavailableError as again:
+            return NativeUnavailableError(f"{again} (loading the cached build: {e})")
 
 
 def load() -> ModuleType:

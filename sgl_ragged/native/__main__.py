@@ -1,5 +1,6 @@
-"""`python -m sgl_ragged.native build`: build the native kernels (or reuse the cached build)
-and print where they are; on failure, the compiler log's path and exit status 1."""
+"""`python -m sgl_ragged.native build`: build the native kernels (or find the cached build
+without importing torch) and print where they are; on failure, the compiler log's path and
+exit status 1."""
 
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sgl_ragged.native")
     parser.add_argument("command", choices=["build"])
     parser.add_argument("--verbose", action="store_true", help="print the compiler output")
-    parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if native.is_built() and not args.verbose:
+        print(f"sgl-ragged native kernels: up to date in {native.cache_dir()}")
+        return 0
     try:
-        module = native.build(verbose=parser.parse_args(argv).verbose)
+        module = native.build(verbose=args.verbose)
     except native.NativeUnavailableError as e:
-        print(f"sgl-ragged native kernels: {e}", file=sys.stderr)
+        print(f"sgl-ragged: {e}", file=sys.stderr)
         return 1
     print(f"sgl-ragged native kernels: built in {native.cache_dir()} "
           f"({module.__file__}, ISA {module.isa()})")
