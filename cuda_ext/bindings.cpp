@@ -4,7 +4,8 @@
 // the work items, runs them on torch's intra-op pool (at::parallel_for) with the ISA variant
 // chosen once (best the CPU supports, or lower via RAGGED_NATIVE_ISA=avx512|avx2|scalar), and
 // merges each query block's key splits by log-sum-exp into out [N, H_q, D] (q's dtype) and
-// lse [N, H_q] float32. Rows of q no request owns are left as allocated.
+// lse [N, H_q] float32. Rows of q no request owns are left as allocated. A forward of fewer
+// than serial_pairs (query row, key) pairs runs on the calling thread, unsplit.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
@@ -114,10 +115,11 @@ int64_t splits_per_block(int64_t blocks, int64_t threads) {
 
 template <class T>
 void merge(const Params& p, const std::vector<Item>& items, const std::vector<int64_t>& block_first,
-           const float* o_part, const float* lse_part, T* out, float* lse_out) {
+           const float* o_part, const float* lse_part, T* out, float* lse_out, bool serial) {
   const int64_t G = p.group_size, D = p.head_dim, R_max = p.q_block * G;
   const int64_t n_blocks = int64_t(block_first.size()) - 1;
-  at::parallel_for(0, n_blocks, 1, [&](int64_t begin, int64_t end) {
+  const int64_t grain = serial ? std::max<int64_t>(n_blocks, 1) : 1;
+  at::parallel_for(0, n_blocks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t blk = begin; blk < end; ++blk) {
       const Item& it0 = items[block_first[blk]];
@@ -156,7 +158,7 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
                                const std::vector<at::Tensor>& low, const at::Tensor& head_map,
                                const at::Tensor& requests, const at::Tensor& sealed_off,
                                const at::Tensor& sealed_pages, int64_t bits, bool is_float,
-                               double scale) {
+                               double scale, int64_t serial_pairs) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "native attention runs float32 and bfloat16 caches, not ", dtype,
@@ -217,7 +219,16 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
   int64_t n_blocks = 0;
   for (int64_t b = 0; b < B; ++b)
     n_blocks += p.heads_kv * ((p.requests[b].q_len + p.q_block - 1) / p.q_block);
-  const int64_t threads = at::get_num_threads();
+  int64_t pairs = 0;  // (query row, key) pairs, at most (whole tail pages)
+  for (int64_t b = 0; b < B; ++b) {
+    const Request& rq = p.requests[b];
+    int64_t keys = rq.tail_count * p.page_size;
+    for (int64_t i = p.sealed_off[b]; i < p.sealed_off[b + 1]; ++i) keys += p.page_size;
+    pairs += rq.q_len * p.heads_q * keys;
+  }
+  // A small layer runs on the calling thread: waking the pool costs more than it gives.
+  const bool serial = pairs < serial_pairs;
+  const int64_t threads = serial ? 1 : at::get_num_threads();
   const int64_t splits = splits_per_block(n_blocks, threads);
   std::vector<Item> items;
   std::vector<int64_t> block_first{0};
@@ -244,17 +255,19 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
   float* ws_ptr = ws.data_ptr<float>();
   float* o_ptr = o_part.data_ptr<float>();
   float* l_ptr = lse_part.data_ptr<float>();
-  at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
-    float* mine = ws_ptr + at::get_thread_num() * workspace_floats(p);
+  const int64_t grain = serial ? std::max<int64_t>(n_items, 1) : 1;
+  at::parallel_for(0, n_items, grain, [&](int64_t begin, int64_t end) {
+    float* mine = ws_ptr + (serial ? 0 : at::get_thread_num()) * workspace_floats(p);
     run(p, items.data(), begin, end, mine, o_ptr, l_ptr, bf16);
   });
 
   at::Tensor out = at::empty_like(q);
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, fopt);
   if (bf16)
-    merge(p, items, block_first, o_ptr, l_ptr, out.data_ptr<at::BFloat16>(), lse.data_ptr<float>());
+    merge(p, items, block_first, o_ptr, l_ptr, out.data_ptr<at::BFloat16>(), lse.data_ptr<float>(),
+          serial);
   else
-    merge(p, items, block_first, o_ptr, l_ptr, out.data_ptr<float>(), lse.data_ptr<float>());
+    merge(p, items, block_first, o_ptr, l_ptr, out.data_ptr<float>(), lse.data_ptr<float>(), serial);
   return {out, lse};
 }
 

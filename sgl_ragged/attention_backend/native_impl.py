@@ -26,6 +26,9 @@ from sgl_ragged.attention_backend.tail_batch import TailBatch, store_tails, tail
 from sgl_ragged.mem_pool.storage import RaggedStorage
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+SERIAL_PAIRS = 2**16
+"""Layers with fewer (query row, key) pairs run on the calling thread, their key ranges
+unsplit: waking the OpenMP pool (OMP_WAIT_POLICY=PASSIVE) costs more than a second core gives."""
 
 
 def native_refuses(storage: RaggedStorage) -> str | None:
@@ -52,8 +55,10 @@ class NativeBatch:
 class NativeAttention(AttentionImpl[NativeBatch]):
     """Ragged attention in C++ (cuda_ext/), batched over requests and head groups."""
 
-    def __init__(self, storage: RaggedStorage, module: ModuleType | None = None) -> None:
+    def __init__(self, storage: RaggedStorage, module: ModuleType | None = None,
+                 serial_pairs: int = SERIAL_PAIRS) -> None:
         super().__init__(storage)
+        self.serial_pairs = serial_pairs
         refused = native_refuses(storage)
         if refused:
             raise ValueError(f"--ragged-attention native {refused}; use --ragged-attention "
@@ -107,6 +112,7 @@ class NativeAttention(AttentionImpl[NativeBatch]):
         out, lse = self.module.attend(
             q.contiguous(), k_pages.contiguous(), v_pages.contiguous(), st.rows_k[layer],
             st.rows_v[layer], self.low[layer], self.head_map[layer], batch.requests,
-            batch.sealed_off, batch.sealed_pages, self.bits, self.is_float, scale)
+            batch.sealed_off, batch.sealed_pages, self.bits, self.is_float, scale,
+            self.serial_pairs)
         store_tails(st, layer, batch.tails, k_pages, v_pages, q, lse, scale, st.sealer)
         return out

@@ -68,10 +68,12 @@ def specs_for(rng: random.Random, n: int, decode: bool, page: int) -> list[Spec]
 
 def twin_forward(specs: Sequence[Spec], decode: bool, seed: int, shape: Shape, dtype: torch.dtype,
                  precision: str, layer: int = 1, gap: int = 1, poison: bool = False,
-                 ) -> tuple[RaggedStorage, RaggedStorage, list[RequestPlan], list[torch.Tensor]]:
+                 serial_pairs: int = 0) -> tuple[RaggedStorage, RaggedStorage, list[RequestPlan], list[torch.Tensor]]:
     """One forward through NativeAttention (storage and q/k/v in `dtype`) and the reference on
     a float32 twin holding the same values (a bfloat16 reference rounds dequantized rows and
-    large logits to bfloat16: its own error, not the kernels')."""
+    large logits to bfloat16: its own error, not the kernels'). serial_pairs 0: every layer on
+    the thread pool with its key ranges split (NativeAttention's default runs these small
+    batches on one thread, unsplit)."""
     mine = random_storage(random.Random(seed), "cpu", layers=2, num_stages=64, dtype=dtype,
                           shape=shape, precision=precision)
     stores = [mine, float32_twin(mine)]
@@ -83,7 +85,8 @@ def twin_forward(specs: Sequence[Spec], decode: bool, seed: int, shape: Shape, d
         for x in (q, k, v):
             x[~owned_rows(plans, x.shape[0])] = float("nan")
     outs = []
-    for impl, cast in (NativeAttention(stores[0]), dtype), (TorchAttention(stores[1]), torch.float32):
+    mine = NativeAttention(stores[0], serial_pairs=serial_pairs)
+    for impl, cast in (mine, dtype), (TorchAttention(stores[1]), torch.float32):
         batch = impl.prepare(BatchPlan(requests=list(plans)))
         outs.append(impl.forward(layer, batch, q.to(cast), k.to(cast), v.to(cast),
                                  1 / math.sqrt(shape.head_dim), decode))
@@ -144,9 +147,10 @@ def test_matches_reference_small_shapes(precision, decode):
                                layer=seed % 2, gap=seed % 3, precision=precision)
 
 
+@pytest.mark.parametrize("serial_pairs", [0, 2**30], ids=["split", "serial"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("head_dim,gqa", [(64, 1), (64, 3), (128, 4), (128, 8)])
-def test_matches_reference_float32(precision, head_dim, gqa):
+def test_matches_reference_float32(precision, head_dim, gqa, serial_pairs):
     """Serving head sizes and GQA ratios, a mixed batch (decode requests beside prefill
     chunks, ragged tails): outputs, the window's log-sum-exps and the storage after."""
     shape = Shape(page_size=16, head_dim=head_dim, kv_heads=4, gqa=gqa)
@@ -154,7 +158,7 @@ def test_matches_reference_float32(precision, head_dim, gqa):
     specs = specs_for(rng, 3, False, 16) + specs_for(rng, 2, True, 16)
     rng.shuffle(specs)
     got, want, plans, outs = twin_forward(specs, False, rng.randrange(999), shape, torch.float32,
-                                          precision)
+                                          precision, serial_pairs=serial_pairs)
     rows = rows_of(plans)
     torch.testing.assert_close(outs[0][rows], outs[1][rows], **TOL[torch.float32])
     assert_same_state(got, want)
@@ -187,7 +191,7 @@ def test_log_sum_exp_of_every_query(precision):
     k_pages, v_pages = tail_pages(st, 1, batch.tails, k, v)
     _, lse = impl.module.attend(q, k_pages, v_pages, st.rows_k[1], st.rows_v[1], impl.low[1],
                                 impl.head_map[1], batch.requests, batch.sealed_off,
-                                batch.sealed_pages, impl.bits, impl.is_float, 0.125)
+                                batch.sealed_pages, impl.bits, impl.is_float, 0.125, 0)
     for p in plans:
         rows = slice(p.q_start, p.q_start + p.q_len)
         want = reference_lse(st, 1, p, q[rows], k[rows], 0.125)
@@ -240,7 +244,7 @@ for precision in ("bf16", "int8", "int4", "int2", "fp8"):
         specs = specs_for(random.Random(2), 3, False, 16) + specs_for(random.Random(3), 2, True, 16)
         plans = random_plans(st, specs, random.Random(4))
         q, k, v = random_qkv(plans, torch.Generator().manual_seed(5), "cpu", dtype, shape)
-        impl = NativeAttention(st)
+        impl = NativeAttention(st, serial_pairs=0 if dtype == torch.float32 else 2**30)
         out = impl.forward(0, impl.prepare(BatchPlan(requests=plans)), q, k, v, 0.125, False)
         rows = torch.cat([torch.arange(p.q_start, p.q_start + p.q_len) for p in plans])
         outs[f"{precision}-{dtype}"] = out[rows].float().tolist()
