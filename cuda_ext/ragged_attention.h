@@ -82,11 +82,18 @@ struct Item {
   int64_t out;           // index of the item's partial output (rows of o_part / lse_part)
 };
 
-// Floats of per-thread workspace one item needs (q block, scaled queries, logits, decoded
-// key / value, softmax state).
+// Keys are attended in tiles of kKeyTile (one 16-float vector per query row and channel).
+constexpr int64_t kKeyTile = 16;
+
+inline int64_t padded_page(const Params& p) {
+  return (p.page_size + kKeyTile - 1) / kKeyTile * kKeyTile;
+}
+
+// Floats of per-thread workspace one item needs (scaled queries, logits, a unit's keys
+// transposed and values converted, per-page parameters, softmax state).
 inline int64_t workspace_floats(const Params& p) {
-  const int64_t R = p.q_block * p.group_size, D = p.head_dim;
-  return 2 * R * D + R * p.page_size + 2 * D + 4 * R;
+  const int64_t R = p.q_block * p.group_size, D = p.head_dim, Pp = padded_page(p);
+  return 2 * R * D + R * Pp + 2 * Pp * D + 2 * (D > Pp ? D : Pp) + 4 * R;
 }
 
 // Runs items [begin, end): partial outputs o_part [., R, D] (normalized) and lse_part [., R]
