@@ -289,3 +289,23 @@ def test_refuses_other_dtypes_by_name():
     st = random_storage(random.Random(0), "cpu", dtype=torch.float16)
     with pytest.raises(ValueError, match="float32 and bfloat16 caches, not torch.float16"):
         NativeAttention(st)
+
+
+def test_build_command_finds_the_cached_build(capsys):
+    from sgl_ragged.native.__main__ import main
+
+    native.load()
+    assert main(["build"]) == 0
+    assert str(native.cache_dir()) in capsys.readouterr().out
+
+
+def test_a_failed_build_names_its_compiler_log(monkeypatch, tmp_path):
+    """What env.sh prints and `auto` logs: the error with the log's path (the compiler's
+    output inside)."""
+    monkeypatch.setenv("SGL_RAGGED_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    assert not native.is_built()
+    with pytest.raises(native.NativeUnavailableError, match="compiler log: .*build.log") as e:
+        native.build()
+    log = Path(str(e.value).split("compiler log: ")[1].rstrip(")"))
+    assert log.is_file() and log.parent.parent == tmp_path and "false" in log.read_text()
