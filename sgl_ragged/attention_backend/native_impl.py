@@ -1,5 +1,6 @@
 """Native CPU attention: the C++ kernels of cuda_ext/ (built by sgl_ragged/native), one call
 per layer for the whole batch, then the batched torch staging and sealing (`store_tails`).
+Forwards with prefill chunks go to the batched torch path unless EXTEND_ON_BATCHED is off.
 
 The kernels attend on the rows as stored: hi slots at the storage dtype, the low tier on its
 codes (scales folded into the queries and probabilities, cuda_ext/attention_body.inc), then
@@ -20,12 +21,18 @@ from types import ModuleType
 
 import torch
 
+from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention, BatchedTorchBatch
 from sgl_ragged.attention_backend.impl import AttentionImpl
 from sgl_ragged.attention_backend.plan import BatchPlan
 from sgl_ragged.attention_backend.tail_batch import TailBatch, store_tails, tail_batch, tail_pages
 from sgl_ragged.mem_pool.storage import RaggedStorage
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+EXTEND_ON_BATCHED = True
+"""Forwards with a prefill chunk (any request with more than one query) run on the batched
+torch path: its SDPA (oneDNN, AMX on this CPU) beats these kernels' AVX-512 float32 loops on
+long query runs (bench.cpu_attention --native, a 256-token chunk: native 0.37-0.56x of
+batched), while decode forwards run 1.8-8x faster native. False: every forward native."""
 SERIAL_PAIRS = 2**16
 """Layers with fewer (query row, key) pairs run on the calling thread, their key ranges
 unsplit: waking the OpenMP pool (OMP_WAIT_POLICY=PASSIVE) costs more than a second core gives."""
@@ -46,7 +53,8 @@ def native_refuses(storage: RaggedStorage) -> str | None:
 class NativeBatch:
     """What `NativeAttention.prepare` builds once per forward (module table)."""
 
-    tails: TailBatch  # the batch's tail pages (staging and sealing)
+    tails: TailBatch | None  # the batch's tail pages (staging and sealing); None: batched
+    batched: BatchedTorchBatch | None  # a forward with prefill chunks (EXTEND_ON_BATCHED)
     requests: torch.Tensor  # [B, 6] int64
     sealed_off: torch.Tensor  # [B + 1] int64
     sealed_pages: torch.Tensor  # [S] int64
@@ -56,9 +64,11 @@ class NativeAttention(AttentionImpl[NativeBatch]):
     """Ragged attention in C++ (cuda_ext/), batched over requests and head groups."""
 
     def __init__(self, storage: RaggedStorage, module: ModuleType | None = None,
-                 serial_pairs: int = SERIAL_PAIRS) -> None:
+                 serial_pairs: int = SERIAL_PAIRS,
+                 extend_on_batched: bool = EXTEND_ON_BATCHED) -> None:
         super().__init__(storage)
         self.serial_pairs = serial_pairs
+        self.batched = BatchedTorchAttention(storage) if extend_on_batched else None
         refused = native_refuses(storage)
         if refused:
             raise ValueError(f"--ragged-attention native {refused}; use --ragged-attention "
@@ -89,6 +99,10 @@ class NativeAttention(AttentionImpl[NativeBatch]):
 
     def prepare(self, plan: BatchPlan) -> NativeBatch:
         assert plan.staged, "planner.take_staging did not run for this plan"
+        if self.batched is not None and any(p.q_len > 1 for p in plan.requests):
+            empty = torch.empty(0, dtype=torch.long)
+            return NativeBatch(tails=None, batched=self.batched.prepare(plan), requests=empty,
+                               sealed_off=empty, sealed_pages=empty)
         P = self.storage.layout.page_size
         rows, offsets, first = [], [0], 0
         for p in plan.requests:
@@ -98,13 +112,15 @@ class NativeAttention(AttentionImpl[NativeBatch]):
             first += count
         sealed = [p.sealed_pages.cpu() for p in plan.requests]
         return NativeBatch(
-            tails=tail_batch(plan.requests, P, self.storage.device),
+            tails=tail_batch(plan.requests, P, self.storage.device), batched=None,
             requests=torch.tensor(rows, dtype=torch.long).view(-1, 6),
             sealed_off=torch.tensor(offsets, dtype=torch.long),
             sealed_pages=torch.cat(sealed) if sealed else torch.empty(0, dtype=torch.long))
 
     def forward(self, layer: int, batch: NativeBatch, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
+        if batch.batched is not None:
+            return self.batched.forward(layer, batch.batched, q, k, v, scale, decode)
         st = self.storage
         if q.dtype != st.dtype:
             raise ValueError(f"native attention: q is {q.dtype} but the KV cache is {st.dtype}")

@@ -55,6 +55,11 @@ def test_the_extension_builds():
     assert module.isa() in ("avx512", "avx2", "scalar")
 
 
+def native_only(storage: RaggedStorage) -> NativeAttention:
+    """Every forward through the kernels (prefill chunks included)."""
+    return NativeAttention(storage, extend_on_batched=False)
+
+
 def specs_for(rng: random.Random, n: int, decode: bool, page: int) -> list[Spec]:
     """n random requests for page size `page` (kernel_cases.random_specs' shapes, scaled)."""
     out = []
@@ -85,7 +90,7 @@ def twin_forward(specs: Sequence[Spec], decode: bool, seed: int, shape: Shape, d
         for x in (q, k, v):
             x[~owned_rows(plans, x.shape[0])] = float("nan")
     outs = []
-    mine = NativeAttention(stores[0], serial_pairs=serial_pairs)
+    mine = NativeAttention(stores[0], serial_pairs=serial_pairs, extend_on_batched=False)
     for impl, cast in (mine, dtype), (TorchAttention(stores[1]), torch.float32):
         batch = impl.prepare(BatchPlan(requests=list(plans)))
         outs.append(impl.forward(layer, batch, q.to(cast), k.to(cast), v.to(cast),
@@ -143,7 +148,7 @@ def test_matches_reference_small_shapes(precision, decode):
     for seed in range(4):
         rng = random.Random(200 + seed)
         specs = random_specs(rng, rng.randint(1, 6), decode)
-        compare_with_reference(NativeAttention, specs, decode, 200 + seed, "cpu",
+        compare_with_reference(native_only, specs, decode, 200 + seed, "cpu",
                                layer=seed % 2, gap=seed % 3, precision=precision)
 
 
@@ -184,7 +189,7 @@ def test_log_sum_exp_of_every_query(precision):
                         precision=precision)
     plans = random_plans(st, specs_for(random.Random(4), 4, False, 16), random.Random(5), gap=2)
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(6), "cpu", shape=shape)
-    impl = NativeAttention(st)
+    impl = NativeAttention(st, extend_on_batched=False)
     batch = impl.prepare(BatchPlan(requests=list(plans)))
     from sgl_ragged.attention_backend.tail_batch import tail_pages
 
@@ -244,7 +249,8 @@ for precision in ("bf16", "int8", "int4", "int2", "fp8"):
         specs = specs_for(random.Random(2), 3, False, 16) + specs_for(random.Random(3), 2, True, 16)
         plans = random_plans(st, specs, random.Random(4))
         q, k, v = random_qkv(plans, torch.Generator().manual_seed(5), "cpu", dtype, shape)
-        impl = NativeAttention(st, serial_pairs=0 if dtype == torch.float32 else 2**30)
+        impl = NativeAttention(st, serial_pairs=0 if dtype == torch.float32 else 2**30,
+                               extend_on_batched=False)
         out = impl.forward(0, impl.prepare(BatchPlan(requests=plans)), q, k, v, 0.125, False)
         rows = torch.cat([torch.arange(p.q_start, p.q_start + p.q_len) for p in plans])
         outs[f"{precision}-{dtype}"] = out[rows].float().tolist()
@@ -289,6 +295,25 @@ def test_refuses_other_dtypes_by_name():
     st = random_storage(random.Random(0), "cpu", dtype=torch.float16)
     with pytest.raises(ValueError, match="float32 and bfloat16 caches, not torch.float16"):
         NativeAttention(st)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_default_routes_prefill_chunks_to_batched(decode, monkeypatch):
+    """EXTEND_ON_BATCHED: decode batches run the kernels, batches with a prefill chunk the
+    batched torch path; both match the reference."""
+    calls = []
+    attend = native.load().attend
+
+    class Spy:
+        def attend(self, *args):
+            calls.append(1)
+            return attend(*args)
+
+    rng = random.Random(17)
+    specs = random_specs(rng, 4, decode)
+    compare_with_reference(lambda st: NativeAttention(st, module=Spy()), specs, decode, 17,
+                           "cpu", layer=1)
+    assert bool(calls) == decode
 
 
 def test_build_command_finds_the_cached_build(capsys):
