@@ -6,8 +6,9 @@ side by side on the same storage and batch (or, with --native, the native kernel
     python -m bench.cpu_attention --native bf16 int4 --out results/cpu_attention_native
 
 With --native, each case is built once per listed precision (rows of the same profile, so the
-same bytes per page) and batched torch and the native kernels (cuda_ext/) run on it
-alternately, one forward each per round (ratio = batched / native).
+same bytes per page) and batched torch and the native kernels (cuda_ext/; prefill chunks too,
+which the server sends to batched torch: native_impl.EXTEND_ON_BATCHED) run on it alternately,
+one forward each per round (ratio = batched / native).
 
 With --precision, the comparison is instead batched attention over drop-only rows vs rows with
 a low-precision tier (DESIGN.md section 11) of the same profile: the same KV bytes per page,
@@ -123,7 +124,7 @@ def measure_native(profile: BudgetProfile, batch: int, context: int, decode: boo
               "precision": precision, "bytes_per_page": storage.layout.row_bytes_per_page}
     steps, outs = {}, {}
     for name, impl in (("batched", BatchedTorchAttention(storage)),
-                       ("native", NativeAttention(storage))):
+                       ("native", NativeAttention(storage, extend_on_batched=False))):
         def step(impl: AttentionImpl = impl) -> torch.Tensor:
             prepared = impl.prepare(BatchPlan(requests=plans))
             for layer in range(profile.num_layers):
