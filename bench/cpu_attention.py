@@ -1,8 +1,14 @@
-"""CPU attention of the ragged backend: batched torch (the CPU default) vs the per-request
-torch reference, side by side on the same storage and batch.
+"""CPU attention of the ragged backend: batched torch vs the per-request torch reference,
+side by side on the same storage and batch (or, with --native, the native kernels vs batched).
 
     python -m bench.cpu_attention [--profile P.json] --out results/cpu_attention
     python -m bench.cpu_attention --precision int4 --out results/cpu_attention_int4
+    python -m bench.cpu_attention --native bf16 int4 --out results/cpu_attention_native
+
+With --native, each case is built once per listed precision (rows of the same profile, so the
+same bytes per page) and batched torch and the native kernels (cuda_ext/; prefill chunks too,
+which the server sends to batched torch: native_impl.EXTEND_ON_BATCHED) run on it alternately,
+one forward each per round (ratio = batched / native).
 
 With --precision, the comparison is instead batched attention over drop-only rows vs rows with
 a low-precision tier (DESIGN.md section 11) of the same profile: the same KV bytes per page,
@@ -30,6 +36,7 @@ import torch
 
 from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention
 from sgl_ragged.attention_backend.impl import AttentionImpl
+from sgl_ragged.attention_backend.native_impl import NativeAttention
 from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
 from sgl_ragged.attention_backend.torch_ref import TorchAttention
 from sgl_ragged.mem_pool.layout import RaggedLayout
@@ -91,6 +98,58 @@ def timed(step, warmup: int, repeats: int) -> float:
         step()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def timed_alternating(steps: dict[str, object], warmup: int, repeats: int) -> dict[str, float]:
+    """Median wall-clock seconds of each step, run in turn every round (shared-machine noise
+    hits all of them alike)."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def measure_native(profile: BudgetProfile, batch: int, context: int, decode: bool,
+                   precision: str, warmup: int, repeats: int) -> dict:
+    """Batched torch vs the native kernels on one storage and batch of this precision."""
+    storage, plans, (q, k, v) = build_case(profile, batch, context, decode, precision)
+    scale = profile.model.head_dim**-0.5
+    result = {"phase": "decode" if decode else "prefill", "batch": batch, "context": context,
+              "precision": precision, "bytes_per_page": storage.layout.row_bytes_per_page}
+    steps, outs = {}, {}
+    for name, impl in (("batched", BatchedTorchAttention(storage)),
+                       ("native", NativeAttention(storage, extend_on_batched=False))):
+        def step(impl: AttentionImpl = impl) -> torch.Tensor:
+            prepared = impl.prepare(BatchPlan(requests=plans))
+            for layer in range(profile.num_layers):
+                out = impl.forward(layer, prepared, q, k, v, scale, decode)
+            return out
+
+        outs[name] = step()
+        steps[name] = step
+    for name, seconds in timed_alternating(steps, warmup, repeats).items():
+        result[f"{name}_s"] = seconds
+    result["speedup"] = result["batched_s"] / result["native_s"]
+    result["max_abs_diff"] = float((outs["native"].float() - outs["batched"].float()).abs().max())
+    return result
+
+
+def markdown_native(results: list[dict], profile_name: str) -> str:
+    lines = [f"Ragged attention per forward on the CPU, batched torch vs native kernels "
+             f"({profile_name}; {torch.get_num_threads()} threads; alternating), medians.", "",
+             "| phase | batch | context | rows | bytes/page | batched ms | native ms | "
+             "batched / native | max abs diff |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['phase']} | {r['batch']} | {r['context']} | {r['precision']} | "
+                     f"{r['bytes_per_page']} | {r['batched_s'] * 1e3:.1f} | "
+                     f"{r['native_s'] * 1e3:.1f} | x{r['speedup']:.2f} | {r['max_abs_diff']:.1e} |")
+    return "\n".join(lines) + "\n"
 
 
 def measure(profile: BudgetProfile, batch: int, context: int, decode: bool, warmup: int,
@@ -171,6 +230,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--precision", default=None,
                         help="compare drop-only rows with rows of this low precision instead")
+    parser.add_argument("--native", nargs="+", default=None, metavar="PRECISION",
+                        help="compare the native kernels with batched torch, rows of each of "
+                             "these precisions (bf16 = drop-only)")
     parser.add_argument("--out", type=Path, default=Path("results/cpu_attention"))
     args = parser.parse_args()
     profile = BudgetProfile.load(args.profile)
@@ -183,17 +245,24 @@ def main() -> None:
     for i, (batch, context, decode) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] {'decode' if decode else 'prefill'} batch {batch}, "
               f"context {context} ...", flush=True)
-        if args.precision:
+        if args.native:
+            results += [measure_native(profile, batch, context, decode, precision, args.warmup,
+                                       args.repeats) for precision in args.native]
+        elif args.precision:
             results.append(measure_precision(profile, batch, context, decode, args.precision,
                                              args.warmup, args.repeats))
         else:
             results.append(measure(profile, batch, context, decode, args.warmup, args.repeats))
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {"profile": str(args.profile), "mean_budget": profile.mean_budget,
-               "precision": args.precision, "threads": torch.get_num_threads(), "results": results}
+               "precision": args.precision, "native": args.native, "threads": torch.get_num_threads(), "results": results}
     (args.out / "cpu_attention.json").write_text(json.dumps(summary, indent=2))
-    table = (markdown_precision(results, args.profile.name, args.precision) if args.precision
-             else markdown(results, args.profile.name))
+    if args.native:
+        table = markdown_native(results, args.profile.name)
+    elif args.precision:
+        table = markdown_precision(results, args.profile.name, args.precision)
+    else:
+        table = markdown(results, args.profile.name)
     (args.out / "cpu_attention.md").write_text(table)
     print(table)
 

@@ -6,7 +6,8 @@
 # then this checkout is installed into it in editable mode, with a startup hook (.pth) for
 # the sgl_kernel stand-in. Exports SGL_RAGGED_VENV, PATH (venv bin first),
 # SGLANG_USE_CPU_ENGINE=1, HF_HUB_OFFLINE=1, OMP_WAIT_POLICY=PASSIVE and glibc malloc
-# thresholds (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_).
+# thresholds (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_); then builds the native CPU
+# kernels (python -m sgl_ragged.native build; a failed build prints one line, setup goes on).
 # Safe under `set -euo pipefail`; returns non-zero (without exiting an interactive shell)
 # on failure.
 
@@ -74,6 +75,16 @@ _sgl_ragged_install_self() {  # <venv dir>: editable install of this checkout, s
   echo "$want" >"$stamp"
 }
 
+_sgl_ragged_build_native() {  # the native CPU kernels (cuda_ext/); a failure never fails setup
+  local out
+  if out="$(cd "$SGL_RAGGED_ROOT" && python -m sgl_ragged.native build 2>&1)"; then
+    [[ "$out" == *"up to date"* ]] || _sgl_ragged_log "${out##*$'\n'}"
+  else
+    _sgl_ragged_log "${out##*$'\n'} -- --ragged-attention auto uses the batched torch path"
+  fi
+  return 0
+}
+
 _sgl_ragged_setup() {  # build (if needed) and activate the venv, under a lock
   local hash venv lockfd rc=0
   hash="$(sha256sum "$SGL_RAGGED_ROOT/requirements.txt" | cut -c1-12)" || return 1
@@ -106,6 +117,9 @@ _sgl_ragged_setup() {  # build (if needed) and activate the venv, under a lock
   # runs, instead of 110-116 ms).
   export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-33554432}"
   export MALLOC_TRIM_THRESHOLD_="${MALLOC_TRIM_THRESHOLD_:-1073741824}"
+  # The native kernels, cached outside the clone by source hash (sgl_ragged/native): built on
+  # first use (about a minute), found in ~0.1 s after; needs the venv's ninja on PATH.
+  _sgl_ragged_build_native
 }
 
 _sgl_ragged_setup || return 1

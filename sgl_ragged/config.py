@@ -22,7 +22,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 DEFAULT_PAGE_SIZE = 64
 DEFAULT_MAX_RUNNING_REQUESTS = 32
-ATTENTION_IMPLS = ("auto", "triton", "batched", "reference")
+ATTENTION_IMPLS = ("auto", "triton", "native", "batched", "reference")
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,9 @@ FLAGS = (
     Flag("obs-window", "RAGGED_OBS_WINDOW", "32",
          "Observation window: the last N queries of a prefill chunk score its tokens."),
     Flag("attention", "RAGGED_ATTENTION", "auto",
-         "Attention implementation: auto (Triton kernels on CUDA, batched torch elsewhere), "
-         "triton, batched, or reference (the per-request torch oracle)."),
+         "Attention implementation: auto (Triton kernels on CUDA; on the CPU the native C++ "
+         "kernels where built (python -m sgl_ragged.native build), else batched torch), "
+         "triton, native, batched, or reference (the per-request torch oracle)."),
     Flag("precision", "RAGGED_PRECISION", FULL_PRECISION,
          "How rows spend their bytes: bf16 (the model dtype; budgets drop tokens) or a low "
          f"precision ({', '.join(PRECISION_CHOICES[1:])}) that keeps more tokens per byte: the "

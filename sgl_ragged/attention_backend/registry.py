@@ -1,10 +1,12 @@
 """`--ragged-attention` names -> attention implementations, and the choice for `auto`.
 
-The implementations are imported only when built (the Triton one imports Triton).
+The implementations are imported only when built (the Triton one imports Triton, the native one
+loads the C++ extension built by sgl_ragged/native).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -15,8 +17,7 @@ if TYPE_CHECKING:
     from sgl_ragged.mem_pool.storage import RaggedStorage
     from sgl_ragged.profile import BudgetProfile
 
-TRITON_LOW_TIERS = True
-"""Whether the Triton kernels read rows with a low-precision tier (--ragged-precision)."""
+logger = logging.getLogger(__name__)
 
 
 def triton_refuses(head_dim: int, precision: str) -> str | None:
@@ -24,8 +25,6 @@ def triton_refuses(head_dim: int, precision: str) -> str | None:
     (they pack low-tier codes planar in registers: a power-of-two head size), or None."""
     if precision == FULL_PRECISION:
         return None
-    if not TRITON_LOW_TIERS:
-        return "does not read low-precision tiers yet"
     if head_dim & (head_dim - 1):
         return f"packs low-tier codes for power-of-two head sizes only, not {head_dim}"
     return None
@@ -45,6 +44,33 @@ def _batched(storage: RaggedStorage, profile: BudgetProfile | None,
     return BatchedTorchAttention(storage)
 
 
+def _native(storage: RaggedStorage, profile: BudgetProfile | None,
+            num_q_heads: int | None) -> AttentionImpl:
+    from sgl_ragged import native
+    from sgl_ragged.attention_backend.native_impl import NativeAttention
+
+    if not native.available():
+        raise ValueError(f"--ragged-attention native: {native.reason()}; build them with "
+                         "`python -m sgl_ragged.native build` (scripts/env.sh does), or use "
+                         "--ragged-attention batched")
+    return NativeAttention(storage)
+
+
+def _cpu_choice(storage: RaggedStorage) -> str:
+    """auto on the CPU: native where the kernels are built and serve this cache, else batched
+    (one log line saying why)."""
+    from sgl_ragged import native
+    from sgl_ragged.attention_backend.native_impl import native_refuses
+
+    refused = native_refuses(storage)
+    if refused is None and native.available():
+        return "native"
+    why = refused or native.reason()
+    logger.warning("ragged attention: auto uses the batched torch path, the native kernels "
+                   "are unavailable: %s", why)
+    return "batched"
+
+
 def _triton(storage: RaggedStorage, profile: BudgetProfile | None,
             num_q_heads: int | None) -> AttentionImpl:
     if storage.device.type != "cuda":
@@ -59,6 +85,7 @@ IMPLEMENTATIONS: dict[str, Callable[[RaggedStorage, BudgetProfile | None, int | 
                                     AttentionImpl]] = {
     "reference": _reference,
     "batched": _batched,
+    "native": _native,
     "triton": _triton,
 }
 """--ragged-attention name -> builder (storage, resolved profile, query heads per rank)."""
@@ -67,7 +94,8 @@ IMPLEMENTATIONS: dict[str, Callable[[RaggedStorage, BudgetProfile | None, int | 
 def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
                         choice: str = "auto", num_q_heads: int | None = None) -> AttentionImpl:
     """The implementation `choice` names (config.ATTENTION_IMPLS); auto = the Triton kernels on
-    CUDA, batched torch elsewhere, and the reference for the dynamic reference mode (its
+    CUDA, the native kernels on the CPU where they are built (else batched torch), and the
+    reference for the dynamic reference mode (its
     per-head keep masks are a reference feature no other implementation reads). num_q_heads
     (per rank) lets the Triton path measure its decode kernel's occupancy."""
     dynamic = storage.row_keep is not None
@@ -77,8 +105,12 @@ def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
     layout = storage.layout
     refused = triton_refuses(layout.head_dim, layout.low.name) if layout.low else None
     if choice == "auto":
-        cuda = storage.device.type == "cuda" and not refused
-        choice = "reference" if dynamic else "triton" if cuda else "batched"
+        if dynamic:
+            choice = "reference"
+        elif storage.device.type == "cuda":
+            choice = "batched" if refused else "triton"
+        else:
+            choice = _cpu_choice(storage)
     if choice == "triton" and refused:
         raise ValueError(f"--ragged-attention triton {refused}; use --ragged-attention batched "
                          f"(or auto) with --ragged-precision {layout.low.name}")

@@ -11,6 +11,7 @@ import math
 import random
 
 import pytest
+import torch
 
 from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention
 from sgl_ragged.attention_backend.registry import (
@@ -57,8 +58,11 @@ def test_triton_attention_low_tiers(kernel_device, specs, decode, precision):
 
 
 def test_dispatch_by_device_and_choice():
+    from sgl_ragged.attention_backend.native_impl import NativeAttention
+
     storage = random_storage(random.Random(0), "cpu")
-    assert isinstance(make_attention_impl(storage, None), BatchedTorchAttention)
+    assert type(make_attention_impl(storage, None)) is NativeAttention  # built (no skip)
+    assert type(make_attention_impl(storage, None, "native")) is NativeAttention
     assert isinstance(make_attention_impl(storage, None, "batched"), BatchedTorchAttention)
     assert type(make_attention_impl(storage, None, "reference")) is TorchAttention
     with pytest.raises(ValueError, match="needs a CUDA device"):
@@ -73,12 +77,36 @@ def test_attention_flag_from_env():
         RaggedConfig.from_env({**env, "RAGGED_ATTENTION": "fast"})
 
 
+def test_cpu_auto_falls_back_to_batched_without_the_native_build(monkeypatch, caplog):
+    """auto: batched torch with one log line naming the compiler log; native: a refusal
+    saying how to build."""
+    from sgl_ragged import native
+
+    failed = native.NativeUnavailableError("the native kernels failed to build (compiler log: "
+                                           "/x/build.log)")
+    monkeypatch.setattr(native, "_load", lambda: failed)
+    storage = random_storage(random.Random(0), "cpu")
+    with caplog.at_level("WARNING"):
+        assert type(make_attention_impl(storage, None)) is BatchedTorchAttention
+    assert [r.message for r in caplog.records if "/x/build.log" in r.message]
+    with pytest.raises(ValueError, match="python -m sgl_ragged.native build"):
+        make_attention_impl(storage, None, "native")
+
+
+def test_cpu_auto_serves_other_dtypes_batched():
+    storage = random_storage(random.Random(0), "cpu", dtype=torch.float16)
+    assert type(make_attention_impl(storage, None)) is BatchedTorchAttention
+    with pytest.raises(ValueError, match="native runs float32 and bfloat16 caches"):
+        make_attention_impl(storage, None, "native")
+
+
 def test_dynamic_mode_runs_on_the_reference():
     storage = random_storage(random.Random(0), "cpu")
     storage.row_keep = []  # what RaggedStorage sets up for profile dynamic:<rho>
     assert type(make_attention_impl(storage, None)) is TorchAttention
-    with pytest.raises(ValueError, match="dynamic reference mode"):
-        make_attention_impl(storage, None, "batched")
+    for choice in ("batched", "native"):
+        with pytest.raises(ValueError, match="dynamic reference mode"):
+            make_attention_impl(storage, None, choice)
 
 
 def test_split_ratios_fall_back_to_the_layout():

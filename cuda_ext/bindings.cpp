@@ -1,0 +1,280 @@
+// Torch binding of the native ragged attention (ragged_attention.h: inputs and work split).
+//
+// attend(...) checks every tensor (dtype, shape, contiguity) with a message naming it, builds
+// the work items, runs them on torch's intra-op pool (at::parallel_for) with the ISA variant
+// chosen once (best the CPU supports, or lower via RAGGED_NATIVE_ISA=avx512|avx2|scalar), and
+// merges each query block's key splits by log-sum-exp into out [N, H_q, D] (q's dtype) and
+// lse [N, H_q] float32. Rows of q no request owns are left as allocated. A forward of fewer
+// than serial_pairs (query row, key) pairs runs on the calling thread, unsplit.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "ragged_attention.h"
+
+namespace ragged {
+namespace {
+
+struct Isa {
+  std::string name;
+  RunItems run;
+};
+
+// The best ISA variant this CPU runs, or the one RAGGED_NATIVE_ISA names (never above the
+// best: forcing avx512 on an AVX2 machine is refused).
+Isa pick_isa() {
+  __builtin_cpu_init();
+  std::vector<Isa> usable;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni"))
+    usable.push_back({"avx512", &avx512::run_items});
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    usable.push_back({"avx2", &avx2::run_items});
+  usable.push_back({"scalar", &scalar::run_items});
+  const char* want = std::getenv("RAGGED_NATIVE_ISA");
+  if (!want || !*want) return usable.front();
+  for (const Isa& isa : usable)
+    if (isa.name == want) return isa;
+  std::string names;
+  for (const Isa& isa : usable) names += " " + isa.name;
+  TORCH_CHECK(false, "RAGGED_NATIVE_ISA=", want, " is not one this CPU runs; choose one of:",
+              names, " (or unset it)");
+}
+
+const Isa& isa() {
+  static const Isa chosen = pick_isa();
+  return chosen;
+}
+
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), "native attention: ", name, " must be on the CPU, got ",
+              t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, "native attention: ", name, " must be ", dtype, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, "native attention: ", name, " must have ", dim, " dims, got ",
+              t.sizes());
+  TORCH_CHECK(t.is_contiguous(), "native attention: ", name, " must be contiguous");
+}
+
+const uint16_t* half_ptr(const at::Tensor& t) {
+  return t.numel() ? reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()) : nullptr;
+}
+
+// Group g's rows: rows_k/v [pages, hi, H_p, D] and, where lo > 0, its low tier (low[6g..6g+5]:
+// k_codes, k_scale, k_zero, v_codes, v_scale, v_zero; undefined or empty when absent).
+GroupRows group_rows(const at::Tensor& rk, const at::Tensor& rv, const at::Tensor* low,
+                     const Params& p, at::ScalarType dtype, int64_t g) {
+  const std::string at = "group " + std::to_string(g) + " ";
+  check_tensor(rk, (at + "rows_k").c_str(), dtype, 4);
+  check_tensor(rv, (at + "rows_v").c_str(), dtype, 4);
+  TORCH_CHECK(rk.sizes() == rv.sizes() && rk.size(3) == p.head_dim,
+              "native attention: ", at, "rows_k/rows_v shapes ", rk.sizes(), " / ", rv.sizes(),
+              " do not match each other or head_dim ", p.head_dim);
+  GroupRows out;
+  out.hi = rk.size(1);
+  out.heads = rk.size(2);
+  out.rows_k = rk.data_ptr();
+  out.rows_v = rv.data_ptr();
+  if (!low[0].defined() || low[0].numel() == 0) return out;
+  TORCH_CHECK(p.low.bits, "native attention: ", at, "has a low tier but bits is 0");
+  const int64_t cb = p.head_dim * p.low.bits / 8;
+  check_tensor(low[0], (at + "k_codes").c_str(), at::kByte, 4);
+  check_tensor(low[3], (at + "v_codes").c_str(), at::kByte, 4);
+  check_tensor(low[1], (at + "k_scale").c_str(), at::kHalf, 3);
+  check_tensor(low[4], (at + "v_scale").c_str(), at::kHalf, 3);
+  TORCH_CHECK(low[0].size(2) == out.heads && low[0].size(3) == cb &&
+                  low[3].sizes() == low[0].sizes(),
+              "native attention: ", at, "code shapes ", low[0].sizes(), " / ", low[3].sizes(),
+              " are not [pages, lo, ", out.heads, ", ", cb, "]");
+  out.lo = low[0].size(1);
+  out.k_codes = low[0].data_ptr<uint8_t>();
+  out.v_codes = low[3].data_ptr<uint8_t>();
+  out.k_scale = half_ptr(low[1]);
+  out.v_scale = half_ptr(low[4]);
+  if (!p.low.is_float) {
+    check_tensor(low[2], (at + "k_zero").c_str(), at::kHalf, 3);
+    check_tensor(low[5], (at + "v_zero").c_str(), at::kHalf, 3);
+    out.k_zero = half_ptr(low[2]);
+    out.v_zero = half_ptr(low[5]);
+  }
+  return out;
+}
+
+// Splits of each query block's key units: enough items for every thread (2 per thread)
+// when the batch alone has fewer blocks, never more splits than units.
+int64_t splits_per_block(int64_t blocks, int64_t threads) {
+  const int64_t want = 2 * threads;
+  return blocks >= want ? 1 : (want + blocks - 1) / blocks;
+}
+
+template <class T>
+void merge(const Params& p, const std::vector<Item>& items, const std::vector<int64_t>& block_first,
+           const float* o_part, const float* lse_part, T* out, float* lse_out, bool serial) {
+  const int64_t G = p.group_size, D = p.head_dim, R_max = p.q_block * G;
+  const int64_t n_blocks = int64_t(block_first.size()) - 1;
+  const int64_t grain = serial ? std::max<int64_t>(n_blocks, 1) : 1;
+  at::parallel_for(0, n_blocks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const Item& it0 = items[block_first[blk]];
+      const Request& rq = p.requests[it0.b];
+      const int64_t nq = std::min(p.q_block, rq.q_len - it0.q0);
+      for (int64_t r = 0; r < nq * G; ++r) {
+        float mx = -INFINITY;
+        for (int64_t s = block_first[blk]; s < block_first[blk + 1]; ++s)
+          mx = std::max(mx, lse_part[items[s].out * R_max + r]);
+        float sum = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t s = block_first[blk]; s < block_first[blk + 1]; ++s) {
+          const float l = lse_part[items[s].out * R_max + r];
+          if (l == -INFINITY) continue;
+          const float w = std::exp(l - mx);
+          sum += w;
+          const float* o = o_part + (items[s].out * R_max + r) * D;
+          for (int64_t c = 0; c < D; ++c) acc[c] += w * o[c];
+        }
+        const int64_t row = rq.q_start + it0.q0 + r / G, head = it0.h * G + r % G;
+        T* dst = out + (row * p.heads_q + head) * D;
+        for (int64_t c = 0; c < D; ++c) dst[c] = static_cast<T>(acc[c] / sum);
+        lse_out[row * p.heads_q + head] = mx + std::log(sum);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+std::string isa_name() { return isa().name; }
+
+std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
+                               const at::Tensor& v_pages, const std::vector<at::Tensor>& rows_k,
+                               const std::vector<at::Tensor>& rows_v,
+                               const std::vector<at::Tensor>& low, const at::Tensor& head_map,
+                               const at::Tensor& requests, const at::Tensor& sealed_off,
+                               const at::Tensor& sealed_pages, int64_t bits, bool is_float,
+                               double scale, int64_t serial_pairs) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "native attention runs float32 and bfloat16 caches, not ", dtype,
+              "; use --ragged-attention batched for other dtypes");
+  check_tensor(q, "q", dtype, 3);
+  check_tensor(k_pages, "k_pages", dtype, 4);
+  check_tensor(v_pages, "v_pages", dtype, 4);
+  check_tensor(head_map, "head_map", at::kLong, 2);
+  check_tensor(requests, "requests", at::kLong, 2);
+  check_tensor(sealed_off, "sealed_off", at::kLong, 1);
+  check_tensor(sealed_pages, "sealed_pages", at::kLong, 1);
+  TORCH_CHECK(k_pages.sizes() == v_pages.sizes(), "native attention: k_pages ", k_pages.sizes(),
+              " and v_pages ", v_pages.sizes(), " differ");
+  Params p{};
+  p.heads_q = q.size(1);
+  p.head_dim = q.size(2);
+  p.heads_kv = head_map.size(0);
+  p.page_size = k_pages.size(1);
+  TORCH_CHECK(p.head_dim % 16 == 0 && p.head_dim <= 512,
+              "native attention needs head_dim a multiple of 16 up to 512, got ", p.head_dim);
+  TORCH_CHECK(p.heads_kv > 0 && p.heads_q % p.heads_kv == 0, "native attention: ", p.heads_q,
+              " query heads are not a multiple of ", p.heads_kv, " KV heads");
+  TORCH_CHECK(k_pages.size(2) == p.heads_kv && k_pages.size(3) == p.head_dim,
+              "native attention: k_pages ", k_pages.sizes(), " is not [M, P, ", p.heads_kv, ", ",
+              p.head_dim, "]");
+  TORCH_CHECK(bits == 0 || bits == 2 || bits == 4 || bits == 8,
+              "native attention: low tier bits must be 0, 2, 4 or 8, got ", bits);
+  TORCH_CHECK(!is_float || bits == 8, "native attention: fp8 codes are 8 bits, got ", bits);
+  p.group_size = p.heads_q / p.heads_kv;
+  TORCH_CHECK(p.group_size <= 256, "native attention: more than 256 query heads per KV head");
+  p.q_block = std::max<int64_t>(1, 32 / p.group_size);
+  p.scale = float(scale);
+  p.low = LowFormat{int(bits), is_float};
+  const int64_t G_rows = int64_t(rows_k.size());
+  TORCH_CHECK(int64_t(rows_v.size()) == G_rows && int64_t(low.size()) == 6 * G_rows,
+              "native attention: ", G_rows, " groups need as many rows_v and 6 low tensors each");
+  std::vector<GroupRows> groups;
+  for (int64_t g = 0; g < G_rows; ++g)
+    groups.push_back(group_rows(rows_k[g], rows_v[g], &low[6 * g], p, dtype, g));
+  const int64_t B = requests.size(0);
+  TORCH_CHECK(requests.size(1) == 6 && sealed_off.size(0) == B + 1,
+              "native attention: requests must be [B, 6] and sealed_off [B + 1]");
+  const int64_t* hm = head_map.data_ptr<int64_t>();
+  for (int64_t h = 0; h < p.heads_kv; ++h)
+    TORCH_CHECK(hm[2 * h] >= 0 && hm[2 * h] < G_rows &&
+                    hm[2 * h + 1] < groups[hm[2 * h]].heads,
+                "native attention: head_map row ", h, " points outside the groups");
+  p.q = q.data_ptr();
+  p.k_pages = k_pages.data_ptr();
+  p.v_pages = v_pages.data_ptr();
+  p.groups = groups.data();
+  p.head_map = hm;
+  p.requests = reinterpret_cast<const Request*>(requests.data_ptr<int64_t>());
+  p.sealed_off = sealed_off.data_ptr<int64_t>();
+  p.sealed_pages = sealed_pages.data_ptr<int64_t>();
+
+  // Work items: (request, KV head, query block) blocks, each split over its key units.
+  int64_t n_blocks = 0;
+  for (int64_t b = 0; b < B; ++b)
+    n_blocks += p.heads_kv * ((p.requests[b].q_len + p.q_block - 1) / p.q_block);
+  int64_t pairs = 0;  // (query row, key) pairs, at most (whole tail pages)
+  for (int64_t b = 0; b < B; ++b) {
+    const Request& rq = p.requests[b];
+    int64_t keys = rq.tail_count * p.page_size;
+    for (int64_t i = p.sealed_off[b]; i < p.sealed_off[b + 1]; ++i) keys += p.page_size;
+    pairs += rq.q_len * p.heads_q * keys;
+  }
+  // A small layer runs on the calling thread: waking the pool costs more than it gives.
+  const bool serial = pairs < serial_pairs;
+  const int64_t threads = serial ? 1 : at::get_num_threads();
+  const int64_t splits = splits_per_block(n_blocks, threads);
+  std::vector<Item> items;
+  std::vector<int64_t> block_first{0};
+  for (int64_t b = 0; b < B; ++b) {
+    const Request& rq = p.requests[b];
+    const int64_t units = p.sealed_off[b + 1] - p.sealed_off[b] + rq.tail_count;
+    const int64_t n_split = std::max<int64_t>(1, std::min(splits, units));
+    for (int64_t h = 0; h < p.heads_kv; ++h)
+      for (int64_t q0 = 0; q0 < rq.q_len; q0 += p.q_block) {
+        for (int64_t s = 0; s < n_split; ++s) {
+          const int64_t out = int64_t(items.size());
+          items.push_back({b, h, q0, units * s / n_split, units * (s + 1) / n_split, out});
+        }
+        block_first.push_back(int64_t(items.size()));
+      }
+  }
+  const int64_t R_max = p.q_block * p.group_size, n_items = int64_t(items.size());
+  auto fopt = q.options().dtype(at::kFloat);
+  at::Tensor o_part = at::empty({std::max<int64_t>(n_items, 1), R_max, p.head_dim}, fopt);
+  at::Tensor lse_part = at::empty({std::max<int64_t>(n_items, 1), R_max}, fopt);
+  at::Tensor ws = at::empty({threads, workspace_floats(p)}, fopt);
+  const RunItems run = isa().run;
+  const bool bf16 = dtype == at::kBFloat16;
+  float* ws_ptr = ws.data_ptr<float>();
+  float* o_ptr = o_part.data_ptr<float>();
+  float* l_ptr = lse_part.data_ptr<float>();
+  const int64_t grain = serial ? std::max<int64_t>(n_items, 1) : 1;
+  at::parallel_for(0, n_items, grain, [&](int64_t begin, int64_t end) {
+    float* mine = ws_ptr + (serial ? 0 : at::get_thread_num()) * workspace_floats(p);
+    run(p, items.data(), begin, end, mine, o_ptr, l_ptr, bf16);
+  });
+
+  at::Tensor out = at::empty_like(q);
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, fopt);
+  if (bf16)
+    merge(p, items, block_first, o_ptr, l_ptr, out.data_ptr<at::BFloat16>(), lse.data_ptr<float>(),
+          serial);
+  else
+    merge(p, items, block_first, o_ptr, l_ptr, out.data_ptr<float>(), lse.data_ptr<float>(), serial);
+  return {out, lse};
+}
+
+}  // namespace ragged
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Native CPU ragged attention (cuda_ext/ragged_attention.h)";
+  m.def("attend", &ragged::attend, "One layer's ragged attention for the whole batch");
+  m.def("isa", &ragged::isa_name, "The ISA variant in use (RAGGED_NATIVE_ISA forces a lower one)");
+}

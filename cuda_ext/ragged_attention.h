@@ -1,0 +1,109 @@
+// Native CPU ragged attention: one layer, the whole batch, in one call.
+//
+// Torch-free: this header is included by every ISA variant (isa_*.cpp compile the same kernel
+// body, attention_body.inc, for AVX-512, AVX2+FMA and plain x86-64) and by bindings.cpp, which
+// checks the tensors, fills `Params` and runs the work items on torch's OpenMP pool.
+//
+// Inputs (all contiguous; T = the storage dtype, float32 or bfloat16; indices int64):
+//
+//   | name            | shape                          | dtype   | meaning                              |
+//   |-----------------|--------------------------------|---------|--------------------------------------|
+//   | q               | [N, H_q, D]                    | T       | this forward's queries               |
+//   | k_pages/v_pages | [M, P, H, D]                   | T       | every request's tail pages (staged   |
+//   |                 |                                |         | tokens + this forward's, zero pad)   |
+//   | rows_k/v[g]     | [pages, hi_g, H_p, D]          | T       | group g's full-precision row slots   |
+//   | k_codes[g]      | [pages, lo_g, H_p, D * b / 8]  | uint8   | low tier keys (planar packed codes)  |
+//   | k_scale/zero[g] | [pages, H_p, D]                | float16 | per channel over a page's lo tokens  |
+//   | v_codes[g]      | [pages, lo_g, H_p, D * b / 8]  | uint8   | low tier values                      |
+//   | v_scale/zero[g] | [pages, lo_g, H_p]             | float16 | per (token, head)                    |
+//   | head_map        | [H, 2]                         | int64   | KV head h -> (group g, slot in g)    |
+//   | requests        | [B, 6]                         | int64   | q_start, q_len, prefix, tail_start,  |
+//   |                 |                                |         | tail_first (page m), tail_count      |
+//   | sealed_off      | [B + 1]                        | int64   | CSR offsets into sealed_pages        |
+//   | sealed_pages    | [S]                            | int64   | logical pages of each request's rows |
+//
+// Request b's queries are rows [q_start, q_start + q_len) at positions prefix + i; its keys are
+// every slot of its sealed pages (hi slots, then lo slots; all visible) followed by its tail
+// tokens at positions tail_start + t, t < prefix + q_len - tail_start, visible to a query at
+// position x iff tail_start + t <= x. Tokens past the end are never read.
+//
+// Work: an item is (request b, KV head h, query block of up to q_block positions, a range of key
+// units); a unit is one sealed page or one tail page. Each item runs an online softmax over its
+// units for all G = H_q / H query heads of h at once (every key and code read once per block)
+// and writes its partial output normalized, with its log-sum-exp; bindings.cpp merges the
+// splits of a block (out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s).
+#pragma once
+
+#include <cstdint>
+
+namespace ragged {
+
+// Low tier format of the layout (quant.py): bits 8/4/2 asymmetric integer codes with scale and
+// zero point, or fp8 e4m3 (bits 8, is_float) with a scale only.
+struct LowFormat {
+  int bits = 0;  // 0: no low tier anywhere
+  bool is_float = false;
+};
+
+struct GroupRows {
+  int64_t hi = 0, lo = 0, heads = 0;  // slots per page at T / quantized; H_p
+  const void* rows_k = nullptr;       // [pages, hi, H_p, D] T
+  const void* rows_v = nullptr;
+  const uint8_t* k_codes = nullptr;   // [pages, lo, H_p, D * b / 8]
+  const uint16_t* k_scale = nullptr;  // float16 bits [pages, H_p, D]
+  const uint16_t* k_zero = nullptr;   // (integer formats)
+  const uint8_t* v_codes = nullptr;
+  const uint16_t* v_scale = nullptr;  // float16 bits [pages, lo, H_p]
+  const uint16_t* v_zero = nullptr;
+};
+
+struct Request {
+  int64_t q_start, q_len, prefix, tail_start, tail_first, tail_count;
+};
+
+struct Params {
+  int64_t heads_q, heads_kv, group_size, head_dim, page_size;  // H_q, H, G, D, P
+  int64_t q_block;     // query positions per item (rows per item: q_block * G)
+  float scale;         // softmax scale (folded into the queries)
+  LowFormat low;
+  const void* q;       // [N, H_q, D] T
+  const void* k_pages; // [M, P, H, D] T
+  const void* v_pages;
+  const GroupRows* groups;      // [num groups]
+  const int64_t* head_map;      // [H, 2]
+  const Request* requests;      // [B]
+  const int64_t* sealed_off;    // [B + 1]
+  const int64_t* sealed_pages;  // [S]
+};
+
+struct Item {
+  int64_t b, h, q0;      // request, KV head, first query index of the block (within b)
+  int64_t u0, u1;        // key units [u0, u1): sealed pages first, then tail pages
+  int64_t out;           // index of the item's partial output (rows of o_part / lse_part)
+};
+
+// Keys are attended in tiles of kKeyTile (one 16-float vector per query row and channel).
+constexpr int64_t kKeyTile = 16;
+
+inline int64_t padded_page(const Params& p) {
+  return (p.page_size + kKeyTile - 1) / kKeyTile * kKeyTile;
+}
+
+// Floats of per-thread workspace one item needs (scaled queries, logits, a unit's keys
+// transposed and values converted, per-page parameters, softmax state).
+inline int64_t workspace_floats(const Params& p) {
+  const int64_t R = p.q_block * p.group_size, D = p.head_dim, Pp = padded_page(p);
+  return 2 * R * D + R * Pp + 2 * Pp * D + 2 * (D > Pp ? D : Pp) + 4 * R;
+}
+
+// Runs items [begin, end): partial outputs o_part [., R, D] (normalized) and lse_part [., R]
+// (-inf where a row saw no key of the item), rows r = i * G + j (query i of the block, query
+// head h * G + j). `bf16`: T is bfloat16, else float32.
+using RunItems = void (*)(const Params&, const Item*, int64_t begin, int64_t end, float* ws,
+                          float* o_part, float* lse_part, bool bf16);
+
+namespace avx512 { void run_items(const Params&, const Item*, int64_t, int64_t, float*, float*, float*, bool); }
+namespace avx2 { void run_items(const Params&, const Item*, int64_t, int64_t, float*, float*, float*, bool); }
+namespace scalar { void run_items(const Params&, const Item*, int64_t, int64_t, float*, float*, float*, bool); }
+
+}  // namespace ragged

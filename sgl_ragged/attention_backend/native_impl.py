@@ -1,0 +1,134 @@
+"""Native CPU attention: the C++ kernels of cuda_ext/ (built by sgl_ragged/native), one call
+per layer for the whole batch, then the batched torch staging and sealing (`store_tails`).
+Forwards with prefill chunks go to the batched torch path unless EXTEND_ON_BATCHED is off.
+
+The kernels attend on the rows as stored: hi slots at the storage dtype, the low tier on its
+codes (scales folded into the queries and probabilities, cuda_ext/attention_body.inc), then
+each request's tail pages (`tail_batch.tail_pages`), causal by position. Tables built once per
+forward by `prepare` (B requests, S sealed pages in all; int64, CPU):
+
+    | table        | shape  | meaning                                                          |
+    |--------------|--------|------------------------------------------------------------------|
+    | requests     | [B, 6] | q_start, q_len, prefix, tail_start, first tail page m, tail pages |
+    | sealed_off   | [B + 1]| request b's sealed pages are sealed_pages[sealed_off[b]:...[b+1]]  |
+    | sealed_pages | [S]    | logical pages of the sealed rows, request by request              |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention, BatchedTorchBatch
+from sgl_ragged.attention_backend.impl import AttentionImpl
+from sgl_ragged.attention_backend.plan import BatchPlan
+from sgl_ragged.attention_backend.tail_batch import TailBatch, store_tails, tail_batch, tail_pages
+from sgl_ragged.mem_pool.storage import RaggedStorage
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+EXTEND_ON_BATCHED = True
+"""Forwards with a prefill chunk (any request with more than one query) run on the batched
+torch path: its SDPA (oneDNN, AMX on this CPU) beats these kernels' AVX-512 float32 loops on
+long query runs (bench.cpu_attention --native, a 256-token chunk: native 0.37-0.56x of
+batched), while decode forwards run 1.8-8x faster native. False: every forward native."""
+SERIAL_PAIRS = 2**16
+"""Layers with fewer (query row, key) pairs run on the calling thread, their key ranges
+unsplit: waking the OpenMP pool (OMP_WAIT_POLICY=PASSIVE) costs more than a second core gives."""
+
+
+def native_refuses(storage: RaggedStorage) -> str | None:
+    """Why the native kernels cannot serve this storage (device, dtype, head size), or None."""
+    if storage.device.type != "cpu":
+        return f"runs on the CPU, the KV cache is on {storage.device.type}"
+    if storage.dtype not in NATIVE_DTYPES:
+        return f"runs float32 and bfloat16 caches, not {storage.dtype}"
+    if storage.layout.head_dim % 16:
+        return f"needs a head_dim that is a multiple of 16, not {storage.layout.head_dim}"
+    return None
+
+
+@dataclass(frozen=True)
+class NativeBatch:
+    """What `NativeAttention.prepare` builds once per forward (module table)."""
+
+    tails: TailBatch | None  # the batch's tail pages (staging and sealing); None: batched
+    batched: BatchedTorchBatch | None  # a forward with prefill chunks (EXTEND_ON_BATCHED)
+    requests: torch.Tensor  # [B, 6] int64
+    sealed_off: torch.Tensor  # [B + 1] int64
+    sealed_pages: torch.Tensor  # [S] int64
+
+
+class NativeAttention(AttentionImpl[NativeBatch]):
+    """Ragged attention in C++ (cuda_ext/), batched over requests and head groups."""
+
+    def __init__(self, storage: RaggedStorage, module: ModuleType | None = None,
+                 serial_pairs: int = SERIAL_PAIRS,
+                 extend_on_batched: bool = EXTEND_ON_BATCHED) -> None:
+        super().__init__(storage)
+        self.serial_pairs = serial_pairs
+        self.batched = BatchedTorchAttention(storage) if extend_on_batched else None
+        refused = native_refuses(storage)
+        if refused:
+            raise ValueError(f"--ragged-attention native {refused}; use --ragged-attention "
+                             "batched (or auto)")
+        if module is None:
+            from sgl_ragged import native
+
+            module = native.load()
+        self.module = module
+        layout = storage.layout
+        self.bits = layout.low.bits if layout.low else 0
+        self.is_float = bool(layout.low and layout.low.is_float)
+        # Per layer: KV head -> (group, slot in group) [H, 2], and the groups' tensors.
+        self.head_map = [self._head_map(layer) for layer in range(layout.num_layers)]
+        empty = torch.empty(0, dtype=torch.uint8)
+        self.low = [[t if t is not None else empty
+                     for tier in storage.low_rows[layer]
+                     for t in ((tier.k_codes, tier.k_scale, tier.k_zero, tier.v_codes,
+                                tier.v_scale, tier.v_zero) if tier is not None else (None,) * 6)]
+                    for layer in range(layout.num_layers)]
+
+    def _head_map(self, layer: int) -> torch.Tensor:
+        table = torch.empty(self.storage.layout.num_kv_heads, 2, dtype=torch.long)
+        for g, heads in enumerate(self.storage.head_index[layer]):
+            for slot, h in enumerate(heads.tolist()):
+                table[h] = torch.tensor([g, slot])
+        return table
+
+    def prepare(self, plan: BatchPlan) -> NativeBatch:
+        assert plan.staged, "planner.take_staging did not run for this plan"
+        if self.batched is not None and any(p.q_len > 1 for p in plan.requests):
+            empty = torch.empty(0, dtype=torch.long)
+            return NativeBatch(tails=None, batched=self.batched.prepare(plan), requests=empty,
+                               sealed_off=empty, sealed_pages=empty)
+        P = self.storage.layout.page_size
+        rows, offsets, first = [], [0], 0
+        for p in plan.requests:
+            count = p.tail_pages.numel()
+            rows.append([p.q_start, p.q_len, p.prefix, p.tail_start, first, count])
+            offsets.append(offsets[-1] + p.sealed_pages.numel())
+            first += count
+        sealed = [p.sealed_pages.cpu() for p in plan.requests]
+        return NativeBatch(
+            tails=tail_batch(plan.requests, P, self.storage.device), batched=None,
+            requests=torch.tensor(rows, dtype=torch.long).view(-1, 6),
+            sealed_off=torch.tensor(offsets, dtype=torch.long),
+            sealed_pages=torch.cat(sealed) if sealed else torch.empty(0, dtype=torch.long))
+
+    def forward(self, layer: int, batch: NativeBatch, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
+        if batch.batched is not None:
+            return self.batched.forward(layer, batch.batched, q, k, v, scale, decode)
+        st = self.storage
+        if q.dtype != st.dtype:
+            raise ValueError(f"native attention: q is {q.dtype} but the KV cache is {st.dtype}")
+        k_pages, v_pages = tail_pages(st, layer, batch.tails, k, v)  # [M, P, H, D]
+        out, lse = self.module.attend(
+            q.contiguous(), k_pages.contiguous(), v_pages.contiguous(), st.rows_k[layer],
+            st.rows_v[layer], self.low[layer], self.head_map[layer], batch.requests,
+            batch.sealed_off, batch.sealed_pages, self.bits, self.is_float, scale,
+            self.serial_pairs)
+        store_tails(st, layer, batch.tails, k_pages, v_pages, q, lse, scale, st.sealer)
+        return out

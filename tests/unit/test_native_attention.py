@@ -1,0 +1,336 @@
+"""Native CPU attention (cuda_ext/, attention_backend/native_impl.py) against the torch reference.
+
+Fresh random storages and batches (decode, prefill chunks, mixed; ragged tails, random
+per-group budgets) for every row precision, head_dim 16/64/128, GQA 1/3/4/8, float32 and
+bfloat16: outputs, log-sum-exps and (float32) the storage after the forward agree with the
+reference's. The extension must build here: every test fails, none skips, if it does not.
+Tolerances: float32 atol 1e-4 / rtol 1e-4 (kernel_cases' 2e-5 at head_dim 16; int8 rows hold
+values up to ~40, and sums over 128 channels in another order differ by a few 1e-5);
+bfloat16 storages against the reference on a float32 twin with the same values: atol 1e-2 /
+rtol 1e-2 (the output's rounding to bfloat16; the kernels compute in float32 after loading).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgl_ragged import native
+from sgl_ragged.attention_backend.native_impl import NativeAttention
+from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
+from sgl_ragged.attention_backend.torch_ref import TorchAttention
+from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.scoring import SnapKVScorer
+from tests.unit.kernel_cases import (
+    Shape,
+    Spec,
+    assert_same_state,
+    compare_with_reference,
+    random_plans,
+    random_qkv,
+    random_specs,
+    random_storage,
+    reference_lse,
+    storage_state,
+)
+
+PRECISIONS = ["bf16", "int8", "int4", "int2", "fp8"]
+TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2}}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_extension_builds():
+    """No silent skip: the kernels build on the test machine (the log path says why if not)."""
+    module = native.load()
+    assert native.available() and native.reason() is None
+    assert module.isa() in ("avx512", "avx2", "scalar")
+
+
+def native_only(storage: RaggedStorage) -> NativeAttention:
+    """Every forward through the kernels (prefill chunks included)."""
+    return NativeAttention(storage, extend_on_batched=False)
+
+
+def specs_for(rng: random.Random, n: int, decode: bool, page: int) -> list[Spec]:
+    """n random requests for page size `page` (kernel_cases.random_specs' shapes, scaled)."""
+    out = []
+    for _ in range(n):
+        staged = rng.randrange(2 * page)
+        q_len = 1 if decode else rng.randint(1, 3 * page)
+        out.append(Spec(sealed=rng.randrange(5), staged=staged, q_len=q_len,
+                        seal=rng.randint(0, (staged + q_len) // page)))
+    return out
+
+
+def twin_forward(specs: Sequence[Spec], decode: bool, seed: int, shape: Shape, dtype: torch.dtype,
+                 precision: str, layer: int = 1, gap: int = 1, poison: bool = False,
+                 serial_pairs: int = 0) -> tuple[RaggedStorage, RaggedStorage, list[RequestPlan], list[torch.Tensor]]:
+    """One forward through NativeAttention (storage and q/k/v in `dtype`) and the reference on
+    a float32 twin holding the same values (a bfloat16 reference rounds dequantized rows and
+    large logits to bfloat16: its own error, not the kernels'). serial_pairs 0: every layer on
+    the thread pool with its key ranges split (NativeAttention's default runs these small
+    batches on one thread, unsplit)."""
+    mine = random_storage(random.Random(seed), "cpu", layers=2, num_stages=64, dtype=dtype,
+                          shape=shape, precision=precision)
+    stores = [mine, float32_twin(mine)]
+    plans = random_plans(stores[0], specs, random.Random(seed + 1), gap=gap)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), "cpu", dtype, shape)
+    if poison:
+        for st in stores:
+            poison_unused(st, plans)
+        for x in (q, k, v):
+            x[~owned_rows(plans, x.shape[0])] = float("nan")
+    outs = []
+    mine = NativeAttention(stores[0], serial_pairs=serial_pairs, extend_on_batched=False)
+    for impl, cast in (mine, dtype), (TorchAttention(stores[1]), torch.float32):
+        batch = impl.prepare(BatchPlan(requests=list(plans)))
+        outs.append(impl.forward(layer, batch, q.to(cast), k.to(cast), v.to(cast),
+                                 1 / math.sqrt(shape.head_dim), decode))
+    return stores[0], stores[1], plans, outs
+
+
+def float32_twin(st: RaggedStorage) -> RaggedStorage:
+    """A float32 storage of the same layout holding the same values (rows, tiers, staging)."""
+    twin = RaggedStorage(st.layout, st.num_pages, st.num_staging_pages, torch.float32, "cpu",
+                         SnapKVScorer())
+    for a, b in zip(storage_state(st), storage_state(twin), strict=True):
+        b.copy_(a)
+    return twin
+
+
+def owned_rows(plans: Sequence[RequestPlan], n: int) -> torch.Tensor:
+    owned = torch.zeros(n, dtype=torch.bool)
+    for p in plans:
+        owned[p.q_start : p.q_start + p.q_len] = True
+    return owned
+
+
+def poison_unused(st: RaggedStorage, plans: Sequence[RequestPlan]) -> None:
+    """NaN in every row, low-tier parameter and staging page no plan reads (padding included:
+    page 0 and the scratch staging page)."""
+    used = torch.zeros(st.num_pages, dtype=torch.bool)
+    for p in plans:
+        used[p.sealed_pages] = True
+    held = torch.zeros(st.num_staging_pages + 1, dtype=torch.bool)
+    for p in plans:
+        held[p.prior_stages] = True
+    for layer in range(st.layout.num_layers):
+        for rows in (st.rows_k[layer], st.rows_v[layer]):
+            for t in rows:
+                t[~used] = float("nan")
+        for tier in st.low_rows[layer]:
+            if tier is None:
+                continue
+            for t in (tier.k_scale, tier.k_zero, tier.v_scale, tier.v_zero):
+                if t is not None:
+                    t[~used] = float("nan")
+        st.stage_k[layer][~held] = float("nan")
+        st.stage_v[layer][~held] = float("nan")
+
+
+def rows_of(plans: Sequence[RequestPlan]) -> torch.Tensor:
+    return torch.cat([torch.arange(p.q_start, p.q_start + p.q_len) for p in plans])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("decode", [True, False])
+def test_matches_reference_small_shapes(precision, decode):
+    """kernel_cases' own comparison (head_dim 16, GQA 2, page 8): outputs and storage state."""
+    for seed in range(4):
+        rng = random.Random(200 + seed)
+        specs = random_specs(rng, rng.randint(1, 6), decode)
+        compare_with_reference(native_only, specs, decode, 200 + seed, "cpu",
+                               layer=seed % 2, gap=seed % 3, precision=precision)
+
+
+@pytest.mark.parametrize("serial_pairs", [0, 2**30], ids=["split", "serial"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("head_dim,gqa", [(64, 1), (64, 3), (128, 4), (128, 8)])
+def test_matches_reference_float32(precision, head_dim, gqa, serial_pairs):
+    """Serving head sizes and GQA ratios, a mixed batch (decode requests beside prefill
+    chunks, ragged tails): outputs, the window's log-sum-exps and the storage after."""
+    shape = Shape(page_size=16, head_dim=head_dim, kv_heads=4, gqa=gqa)
+    rng = random.Random(PRECISIONS.index(precision) * 1000 + head_dim * 10 + gqa)
+    specs = specs_for(rng, 3, False, 16) + specs_for(rng, 2, True, 16)
+    rng.shuffle(specs)
+    got, want, plans, outs = twin_forward(specs, False, rng.randrange(999), shape, torch.float32,
+                                          precision, serial_pairs=serial_pairs)
+    rows = rows_of(plans)
+    torch.testing.assert_close(outs[0][rows], outs[1][rows], **TOL[torch.float32])
+    assert_same_state(got, want)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("decode", [True, False])
+def test_matches_reference_bfloat16(precision, decode):
+    shape = Shape(page_size=16, head_dim=64, kv_heads=2, gqa=3)
+    rng = random.Random(7 + decode)
+    specs = specs_for(rng, 4, decode, 16)
+    _, _, plans, outs = twin_forward(specs, decode, 31, shape, torch.bfloat16, precision)
+    rows = rows_of(plans)
+    assert outs[0].dtype == torch.bfloat16
+    torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4", "fp8"])
+def test_log_sum_exp_of_every_query(precision):
+    """The kernel's lse [N, H_q] (which sealing reads for the window) for every owned row."""
+    shape = Shape(page_size=16, head_dim=64, kv_heads=4, gqa=3)
+    st = random_storage(random.Random(3), "cpu", layers=2, num_stages=64, shape=shape,
+                        precision=precision)
+    plans = random_plans(st, specs_for(random.Random(4), 4, False, 16), random.Random(5), gap=2)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(6), "cpu", shape=shape)
+    impl = NativeAttention(st, extend_on_batched=False)
+    batch = impl.prepare(BatchPlan(requests=list(plans)))
+    from sgl_ragged.attention_backend.tail_batch import tail_pages
+
+    k_pages, v_pages = tail_pages(st, 1, batch.tails, k, v)
+    _, lse = impl.module.attend(q, k_pages, v_pages, st.rows_k[1], st.rows_v[1], impl.low[1],
+                                impl.head_map[1], batch.requests, batch.sealed_off,
+                                batch.sealed_pages, impl.bits, impl.is_float, 0.125, 0)
+    for p in plans:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        want = reference_lse(st, 1, p, q[rows], k[rows], 0.125)
+        torch.testing.assert_close(lse[rows], want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4", "int2", "fp8"])
+@pytest.mark.parametrize("decode", [True, False])
+def test_poisoned_padding_does_not_leak(precision, decode):
+    """NaN in every page, staging page, low-tier parameter and q/k/v row the batch does not
+    own: the owned rows' outputs stay finite and equal the reference's."""
+    shape = Shape(page_size=16, head_dim=64, kv_heads=4, gqa=4)
+    specs = specs_for(random.Random(11), 4, decode, 16)
+    _, _, plans, outs = twin_forward(specs, decode, 12, shape, torch.float32, precision,
+                                     gap=2, poison=True)
+    rows = rows_of(plans)
+    assert torch.isfinite(outs[0][rows]).all()
+    torch.testing.assert_close(outs[0][rows], outs[1][rows], **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("specs,decode", [
+    ([Spec(sealed=0, staged=0, q_len=1)], True),  # a lone first token
+    ([Spec(sealed=3, staged=0, q_len=1), Spec(0, 15, 1, seal=1)], True),
+    ([Spec(sealed=0, staged=0, q_len=48, seal=3), Spec(5, 16, 1)], False),  # mixed batch
+    ([Spec(sealed=2, staged=3, q_len=33, seal=1)], False),
+    ([Spec(sealed=40, staged=0, q_len=1), Spec(sealed=1, staged=2, q_len=1)], True),  # splits
+])
+def test_edge_cases(specs, decode):
+    shape = Shape(page_size=16, head_dim=64, kv_heads=4, gqa=3)
+    got, want, plans, outs = twin_forward(specs, decode, 5, shape, torch.float32, "int4")
+    rows = rows_of(plans)
+    torch.testing.assert_close(outs[0][rows], outs[1][rows], **TOL[torch.float32])
+    assert_same_state(got, want)
+
+
+ISA_SCRIPT = """
+import json, math, random, sys, torch
+from sgl_ragged import native
+from sgl_ragged.attention_backend.native_impl import NativeAttention
+from sgl_ragged.attention_backend.plan import BatchPlan
+from tests.unit.kernel_cases import Shape, random_plans, random_qkv, random_storage
+from tests.unit.test_native_attention import specs_for
+torch.set_num_threads(2)
+shape = Shape(page_size=16, head_dim=64, kv_heads=4, gqa=3)
+outs = {}
+for precision in ("bf16", "int8", "int4", "int2", "fp8"):
+    for dtype in (torch.float32, torch.bfloat16):
+        st = random_storage(random.Random(1), "cpu", layers=2, num_stages=64, shape=shape,
+                            dtype=dtype, precision=precision)
+        specs = specs_for(random.Random(2), 3, False, 16) + specs_for(random.Random(3), 2, True, 16)
+        plans = random_plans(st, specs, random.Random(4))
+        q, k, v = random_qkv(plans, torch.Generator().manual_seed(5), "cpu", dtype, shape)
+        impl = NativeAttention(st, serial_pairs=0 if dtype == torch.float32 else 2**30,
+                               extend_on_batched=False)
+        out = impl.forward(0, impl.prepare(BatchPlan(requests=plans)), q, k, v, 0.125, False)
+        rows = torch.cat([torch.arange(p.q_start, p.q_start + p.q_len) for p in plans])
+        outs[f"{precision}-{dtype}"] = out[rows].float().tolist()
+print(json.dumps({"isa": native.load().isa(), "outs": outs}))
+"""
+
+
+def run_isa(isa: str | None) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env.pop("RAGGED_NATIVE_ISA", None)
+    if isa:
+        env["RAGGED_NATIVE_ISA"] = isa
+    done = subprocess.run([sys.executable, "-c", ISA_SCRIPT], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_forced_isa_variants_agree():
+    """RAGGED_NATIVE_ISA forces a lower variant: each gives the best one's results (float32
+    up to FMA contraction, bfloat16 outputs up to one rounding step)."""
+    best = run_isa(None)
+    lower = {"avx512": ["avx2", "scalar"], "avx2": ["scalar"], "scalar": []}[best["isa"]]
+    assert lower or best["isa"] == "scalar"
+    for isa in lower:
+        got = run_isa(isa)
+        assert got["isa"] == isa
+        for key, want in best["outs"].items():
+            tol = TOL[torch.bfloat16] if "bfloat16" in key else TOL[torch.float32]
+            torch.testing.assert_close(torch.tensor(got["outs"][key]), torch.tensor(want),
+                                       **tol, msg=lambda m, k=key, i=isa: f"{i} {k}: {m}")
+
+
+def test_unknown_isa_is_refused():
+    env = {**os.environ, "RAGGED_NATIVE_ISA": "sse9"}
+    done = subprocess.run([sys.executable, "-c", ISA_SCRIPT], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=600)
+    assert done.returncode != 0 and "RAGGED_NATIVE_ISA=sse9 is not one this CPU runs" in done.stderr
+
+
+def test_refuses_other_dtypes_by_name():
+    st = random_storage(random.Random(0), "cpu", dtype=torch.float16)
+    with pytest.raises(ValueError, match="float32 and bfloat16 caches, not torch.float16"):
+        NativeAttention(st)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_default_routes_prefill_chunks_to_batched(decode, monkeypatch):
+    """EXTEND_ON_BATCHED: decode batches run the kernels, batches with a prefill chunk the
+    batched torch path; both match the reference."""
+    calls = []
+    attend = native.load().attend
+
+    class Spy:
+        def attend(self, *args):
+            calls.append(1)
+            return attend(*args)
+
+    rng = random.Random(17)
+    specs = random_specs(rng, 4, decode)
+    compare_with_reference(lambda st: NativeAttention(st, module=Spy()), specs, decode, 17,
+                           "cpu", layer=1)
+    assert bool(calls) == decode
+
+
+def test_build_command_finds_the_cached_build(capsys):
+    from sgl_ragged.native.__main__ import main
+
+    native.load()
+    assert main(["build"]) == 0
+    assert str(native.cache_dir()) in capsys.readouterr().out
+
+
+def test_a_failed_build_names_its_compiler_log(monkeypatch, tmp_path):
+    """What env.sh prints and `auto` logs: the error with the log's path (the compiler's
+    output inside)."""
+    monkeypatch.setenv("SGL_RAGGED_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    assert not native.is_built()
+    with pytest.raises(native.NativeUnavailableError, match="compiler log: .*build.log") as e:
+        native.build()
+    log = Path(str(e.value).split("compiler log: ")[1].rstrip(")"))
+    assert log.is_file() and log.parent.parent == tmp_path and "false" in log.read_text()
