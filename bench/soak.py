@@ -32,6 +32,7 @@ import aiohttp
 
 from bench import counters
 from bench.corpus import sentence
+from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
 
 PAGE = 64
 
@@ -211,7 +212,8 @@ def launch_args(model: str, args: argparse.Namespace) -> list[str]:
     """A ragged server with a small pool, optimistic admission, metrics and the integrity check
     after every forward."""
     return ["--model-path", model, "--device", args.device, "--attention-backend", "ragged",
-            "--ragged-profile", args.profile, "--ragged-check-integrity", "1",
+            "--ragged-profile", args.profile, "--ragged-precision", args.precision,
+            "--ragged-check-integrity", "1",
             "--page-size", str(PAGE), "--chunked-prefill-size", "512",
             "--max-total-tokens", str(args.max_total_tokens),
             "--max-running-requests", str(args.max_running_requests),
@@ -224,7 +226,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     where.add_argument("--base-url", help="a running server (--enable-metrics, integrity checks on)")
     where.add_argument("--launch", action="store_true", help="start a ragged server for the soak")
     p.add_argument("--model", help="model path (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--profile", default="calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json")
+    p.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help="the served profile (default: serve.sh's, with --precision int4)")
+    p.add_argument("--precision", default=DEFAULT_PRECISION, help="--ragged-precision")
     p.add_argument("--max-total-tokens", type=int, default=12288)
     p.add_argument("--max-running-requests", type=int, default=24)
     p.add_argument("--schedule-conservativeness", type=float, default=0.3,

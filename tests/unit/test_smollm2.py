@@ -44,3 +44,20 @@ def test_partial_hand_edit_is_completed_not_overwritten(tmp_path: Path):
     smollm2.ensure_smollm2(tmp_path)
     cfg = json.loads((target / "generation_config.json").read_text())
     assert cfg == {"temperature": 0.5, "do_sample": True, "top_p": 0.9, "min_p": 0.5}
+
+
+def test_serve_script_and_readme_serve_the_default():
+    """scripts/serve.sh, the README's launch command and the tests' default server agree on
+    the default profile and precision (sgl_ragged.models.smollm2)."""
+    from sgl_ragged.profile import BudgetProfile
+
+    root = Path(__file__).parents[2]
+    serve = (root / "scripts/serve.sh").read_text()
+    assert f'DEFAULT_PROFILE="$SGL_RAGGED_ROOT/{smollm2.DEFAULT_PROFILE}"' in serve
+    assert f"--ragged-precision {smollm2.DEFAULT_PRECISION}" in serve
+    readme = (root / "README.md").read_text()
+    assert f"--ragged-profile {smollm2.DEFAULT_PROFILE}" in readme
+    assert f"--ragged-precision {smollm2.DEFAULT_PRECISION}" in readme
+    profile = BudgetProfile.load(root / smollm2.DEFAULT_PROFILE)
+    assert profile.tiers is not None and profile.tiers.precision == smollm2.DEFAULT_PRECISION
+    assert (root / smollm2.DROP_ONLY_PROFILE).is_file()
