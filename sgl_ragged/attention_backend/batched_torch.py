@@ -16,16 +16,17 @@ query i sees key k iff key_pos[b, k] <= q_pos[b, i]:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_ragged.attention_backend.impl import AttentionImpl
-from sgl_ragged.attention_backend.ops import query_heads, take
+from sgl_ragged.attention_backend.ops import take
 from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
+from sgl_ragged.attention_backend.segments import GroupKV, as_f32, attend, low_kv
+from sgl_ragged.attention_backend.segments_sdpa import attend_segment, dequantized_low, merge
 from sgl_ragged.attention_backend.tail_batch import (
     TailBatch,
     store_tails,
@@ -51,6 +52,10 @@ bench.cpu_attention on 2 cores: decode of 1-64 requests 1.2-3x faster at <= 70K 
 slower at 133K; a 256-token prefill chunk 1.4x faster at 330K, slower from 650K."""
 
 
+GroupAttention = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""(group g, its KV heads [H_p]) -> out [B, Lq, H_p, G, D] float32, lse [B, Lq, H_p, G] float32."""
+
+
 @dataclass(frozen=True)
 class PaddedBatch:
     """A run of consecutive requests as padded [B, ...] index tables (built once per forward,
@@ -64,6 +69,7 @@ class PaddedBatch:
     win_rows_valid: torch.Tensor  # [W] int64 win_row at the valid entries
     win_flat_valid: torch.Tensor  # [W] int64 positions of those entries in win_row.flatten()
     win_pos: torch.Tensor  # [B, w] int64 window query positions (-1 where padded)
+    win_in_q: torch.Tensor  # [B, w] int64 index of window query j among q_row[b] (0 where padded)
     sealed_table: torch.Tensor  # [B, S] int64 logical pages of the sealed rows (0 where padded)
     num_sealed: torch.Tensor  # [B] int64 sealed pages per request
     tail_page: torch.Tensor  # [B, Tp] int64 tail page m (TailBatch index; 0 where padded)
@@ -120,6 +126,7 @@ def padded_batch(plans: Sequence[RequestPlan], first_page: Sequence[int], page_s
         q_row=dev(q_row_t), q_rows_valid=dev(q_row_t.flatten()[q_valid]), q_flat_valid=dev(q_valid),
         q_pos=dev(q_pos_t), win_row=dev(win_row), win_rows_valid=dev(win_row.flatten()[w_valid]),
         win_flat_valid=dev(w_valid), win_pos=dev(torch.where(win_valid, win_pos, -1)),
+        win_in_q=dev(torch.where(win_valid, win_row - q_row_t[:, :1], 0)),
         sealed_table=dev(sealed), num_sealed=dev([p.sealed_pages.numel() for p in plans]),
         tail_page=dev(tail), tail_pos=dev(tail_pos),
         pairs=sum(p.q_len * (p.sealed_pages.numel() + p.tail_pages.numel()) * page_size
@@ -174,48 +181,115 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
     def _attend(self, layer: int, pb: PaddedBatch, q: torch.Tensor, k_pages: torch.Tensor,
                 v_pages: torch.Tensor, scale: float, decode: bool,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """out [B, Lq, H_q, D] of every (padded) query and lse [B, w, H_q] float32 of the
-        window queries; padded entries hold garbage."""
-        tail_k = take(k_pages, pb.tail_page).flatten(1, 2)  # [B, Tp * P, H, D]
-        tail_v = take(v_pages, pb.tail_page).flatten(1, 2)
-        q_pad = take(q, pb.q_row)  # [B, Lq, H_q, D]
-        q_win = take(q, pb.win_row)  # [B, w, H_q, D]
-        out_pad = torch.empty_like(q_pad)
-        lse_pad = torch.zeros(q_win.shape[:3], dtype=torch.float32, device=q.device)
-        gsize = q.shape[1] // k_pages.shape[2]
+        """out [B, Lq, H_q, D] in q's dtype of every (padded) query and lse [B, w, H_q] float32
+        of the window queries; padded entries hold garbage."""
+        B, Lq = pb.q_row.shape
+        _, _, H, D = k_pages.shape
+        G = q.shape[1] // H
+        q_pad = take(q, pb.q_row).view(B, Lq, H, G, D)
+        tail_k, tail_v = (take(x, pb.tail_page).flatten(1, 2) for x in (k_pages, v_pages))  # [B, T, H, D]
+        attend_group = (self._decode_group if decode else self._extend_group)(
+            layer, pb, q_pad, tail_k, tail_v, scale)
+        # 1. Attention per group, written back at its heads.
+        out = torch.empty(B, Lq, H, G, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, Lq, H, G, dtype=torch.float32, device=q.device)
         for g, heads in enumerate(self.storage.head_index[layer]):
-            keys, values, key_pos = self._group_keys(layer, g, heads, tail_k, tail_v, pb)
-            qh = query_heads(heads, gsize)
-            q_g = q_pad.index_select(2, qh)  # [B, Lq, Hq_g, D]
-            mask = key_pos[:, None, :] <= pb.q_pos[:, :, None]  # [B, Lq, L]
-            if decode:  # the one query per request is its window
-                out_g, lse_g = _explicit_attention(q_g, keys, values, mask, scale)
-            else:
-                out_g = _sdpa(q_g, keys, values, mask, scale)
-                logits = _logits(q_win.index_select(2, qh), keys,
-                                 key_pos[:, None, :] <= pb.win_pos[:, :, None], scale)
-                lse_g = torch.logsumexp(logits, -1).flatten(2)  # [B, w, Hq_g]
-            out_pad.index_copy_(2, qh, out_g)
-            lse_pad.index_copy_(2, qh, lse_g)
-        return out_pad, lse_pad
+            out_g, lse_g = attend_group(g, heads)  # [B, Lq, H_p, G, D], [B, Lq, H_p, G]
+            out.index_copy_(2, heads, out_g)
+            lse.index_copy_(2, heads, lse_g)
+        # 2. Every query's output; the window queries' log-sum-exps.
+        win = pb.win_in_q[:, :, None].expand(-1, -1, H * G)
+        return out.view(B, Lq, H * G, D).to(q.dtype), lse.view(B, Lq, H * G).gather(1, win)
 
-    def _group_keys(self, layer: int, g: int, heads: torch.Tensor, tail_k: torch.Tensor,
-                    tail_v: torch.Tensor, pb: PaddedBatch,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys and values [B, L, H_p, D] of group g (sealed rows, then the tail [B, Tp * P, H,
-        D] of its heads) and each key's position for the causal mask, [B, L] int64: -1 for
-        sealed keys (every query sees them), NEVER for padding."""
+    def _decode_group(self, layer: int, pb: PaddedBatch, q_pad: torch.Tensor,
+                      tail_k: torch.Tensor, tail_v: torch.Tensor, scale: float) -> GroupAttention:
+        """Decode: explicit float32 attention with the low tier's parameters folded into the
+        query and the probabilities (segments.py). q_pad [B, Lq, H, G, D], tails [B, T, H, D]."""
+        B, Lq, _, G, _ = q_pad.shape
+        q_f = q_pad.to(torch.float32) * scale  # once for every group
+        tail_kf, tail_vf = (as_f32(x.transpose(1, 2)) for x in (tail_k, tail_v))  # [B, H, T, D]
+
+        def attend_group(g: int, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            kv = self._group_kv(layer, g, heads, tail_kf, tail_vf, pb, Lq * G)
+            out_g, lse_g = attend(q_f.index_select(2, heads).permute(0, 2, 1, 3, 4), kv)
+            return out_g.permute(0, 2, 1, 3, 4), lse_g.permute(0, 2, 1, 3)
+
+        return attend_group
+
+    def _extend_group(self, layer: int, pb: PaddedBatch, q_pad: torch.Tensor,
+                      tail_k: torch.Tensor, tail_v: torch.Tensor, scale: float) -> GroupAttention:
+        """Extend: one CPU flash-attention call per segment in q's dtype, merged by log-sum-exp
+        (segments_sdpa.py). q_pad [B, Lq, H, G, D], tails [B, T, H, D]."""
         st = self.storage
-        k_g = st.layout.slots[layer][g]
+        B, Lq, _, G, D = q_pad.shape
+        S = pb.sealed_table.shape[1]
+        # Tail: causal, the same additive mask for every group; rows (query head g, query i).
+        unseen = pb.tail_pos[:, None, :] > pb.q_pos[:, :, None]  # [B, Lq, T]
+        tail_bias = torch.zeros((B, G, *unseen.shape[1:]), dtype=q_pad.dtype, device=q_pad.device)
+        tail_bias = tail_bias.masked_fill_(unseen[:, None], float("-inf")).view(B, 1, G * Lq, -1)
+        # A request without sealed pages sees nothing of the sealed segments.
+        empty = torch.where(pb.num_sealed > 0, 0.0, float("-inf"))[:, None, None]  # [B, 1, 1]
+
+        def attend_group(g: int, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            H_p = heads.numel()
+            q_g = q_pad.index_select(2, heads).permute(0, 2, 3, 1, 4).reshape(B, H_p, G * Lq, D)
+            parts = [attend_segment(q_g, tail_k.index_select(2, heads).transpose(1, 2),
+                                    tail_v.index_select(2, heads).transpose(1, 2), tail_bias, scale)]
+            rows = st.page_tiers(layer, g, pb.sealed_table.flatten())  # hi [B * S, hi, H_p, D]
+            sealed = []
+            if rows.hi_k.shape[1]:
+                sealed.append((*(x.view(B, -1, H_p, D).transpose(1, 2).to(q_g.dtype)
+                                 for x in (rows.hi_k, rows.hi_v)), rows.hi_k.shape[1]))
+            if rows.low is not None:
+                sealed.append((*dequantized_low(st.layout.low, rows.low, B, S, q_g.dtype),
+                               rows.low.k_codes.shape[1]))
+            for k, v, slots in sealed:
+                bias = _sealed_bias(pb.num_sealed, S, slots, q_g.dtype)
+                out_s, lse_s = attend_segment(q_g, k, v, bias, scale)
+                parts.append((out_s, lse_s + empty))
+            out_g, lse_g = merge(parts)  # [B, H_p, G * Lq, D], [B, H_p, G * Lq]
+            return (out_g.view(B, H_p, G, Lq, D).permute(0, 3, 1, 2, 4),
+                    lse_g.view(B, H_p, G, Lq).permute(0, 3, 1, 2))
+
+        return attend_group
+
+    def _group_kv(self, layer: int, g: int, heads: torch.Tensor, tail_k: torch.Tensor,
+                  tail_v: torch.Tensor, pb: PaddedBatch, query_rows: int) -> GroupKV:
+        """Group g's segments over the run (sealed hi slots, low tier on its codes, the tail
+        [B, H, T, D] of its heads) and which logit columns each query does not see: padded
+        sealed slots (NEVER) and tail tokens after it."""
+        st = self.storage
         B, S = pb.sealed_table.shape
-        sealed_k, sealed_v = st.page_kv(layer, g, pb.sealed_table)  # [B, S, k_g, H_p, D]
-        sealed_k = sealed_k.view(B, S * k_g, len(heads), -1)
-        sealed_v = sealed_v.view(B, S * k_g, len(heads), -1)
-        group_k = tail_k.index_select(2, heads).to(sealed_k.dtype)
-        group_v = tail_v.index_select(2, heads).to(sealed_v.dtype)
-        exists = torch.arange(S * k_g, device=st.device)[None, :] < pb.num_sealed[:, None] * k_g
-        key_pos = torch.cat([torch.where(exists, -1, NEVER), pb.tail_pos], 1)
-        return torch.cat([sealed_k, group_k], 1), torch.cat([sealed_v, group_v], 1), key_pos
+        rows = st.page_tiers(layer, g, pb.sealed_table.flatten())  # hi [B * S, hi, H_p, D]
+        _, hi, H_p, D = rows.hi_k.shape
+        N, T = B * H_p, tail_k.shape[2]
+        low = None if rows.low is None else low_kv(st.layout.low, rows.low, B, S, query_rows)
+        lo = 0 if low is None else low.k_codes.shape[2]
+        key_pos = torch.cat([_sealed_pos(pb.num_sealed, S, hi), _sealed_pos(pb.num_sealed, S, lo),
+                             pb.tail_pos], 1)  # [B, L] int64
+        return GroupKV(
+            hi_k=as_f32(rows.hi_k.view(B, S, hi, H_p, D).permute(0, 3, 1, 2, 4), (N, S * hi, D)),
+            hi_v=as_f32(rows.hi_v.view(B, S, hi, H_p, D).permute(0, 3, 1, 2, 4), (N, S * hi, D)),
+            low=low,
+            tail_k=tail_k.index_select(1, heads).view(N, T, D),
+            tail_v=tail_v.index_select(1, heads).view(N, T, D),
+            unseen=key_pos[:, None, :] > pb.q_pos[:, :, None],
+        )
+
+
+def _sealed_bias(num_sealed: torch.Tensor, S: int, slots: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, 1, S * slots] additive mask of sealed slots (page-major): 0 for the request's
+    num_sealed[b] pages, -inf for padding."""
+    pos = _sealed_pos(num_sealed, S, slots)
+    bias = torch.zeros(pos.shape, dtype=dtype, device=pos.device).masked_fill_(pos == NEVER, float("-inf"))
+    return bias[:, None, None, :]
+
+
+def _sealed_pos(num_sealed: torch.Tensor, S: int, slots: int) -> torch.Tensor:
+    """[B, S * slots] int64 positions of sealed slots (page-major): -1 (seen by every query)
+    for the request's num_sealed[b] pages, NEVER for padding."""
+    exists = torch.arange(S * slots, device=num_sealed.device)[None, :] < num_sealed[:, None] * slots
+    return torch.where(exists, -1, NEVER)
 
 
 @contextmanager
@@ -230,34 +304,3 @@ def _intra_op_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _logits(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, Lq, Hq_g, D], keys [B, L, H_p, D], mask [B, Lq, L] -> float32 logits
-    [B, Lq, H_p, G, L], -inf where masked."""
-    B, Lq, h_q, D = q.shape
-    h_p = keys.shape[2]
-    grouped = q.float().view(B, Lq, h_p, h_q // h_p, D)
-    logits = torch.einsum("bqhgd,bnhd->bqhgn", grouped, keys.float()) * scale
-    return logits.masked_fill(~mask[:, :, None, None, :], float("-inf"))
-
-
-def _explicit_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention written out (decode: one query per request), with its log-sum-exp.
-    Returns out [B, Lq, Hq_g, D] in q's dtype and lse [B, Lq, Hq_g] float32."""
-    logits = _logits(q, keys, mask, scale)
-    lse = torch.logsumexp(logits, -1)  # [B, Lq, H_p, G]
-    probs = torch.exp(logits - lse[..., None]).nan_to_num_(0.0)  # padded queries see nothing
-    out = torch.einsum("bqhgn,bnhd->bqhgd", probs, values.float())
-    return out.flatten(2, 3).to(q.dtype), lse.flatten(2)
-
-
-def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-          scale: float) -> torch.Tensor:
-    """Batched SDPA: q [B, Lq, Hq_g, D], keys/values [B, L, H_p, D], mask [B, Lq, L]."""
-    out = scaled_dot_product_attention(
-        q.transpose(1, 2), keys.to(q.dtype).transpose(1, 2), values.to(q.dtype).transpose(1, 2),
-        attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[2] != keys.shape[2],
-    )
-    return out.transpose(1, 2)

@@ -171,6 +171,23 @@ def _decode(fmt: LowPrecision, codes: torch.Tensor, scale: torch.Tensor,
     return unpack(codes, fmt.bits).float() * scale.float() + zero.float()
 
 
+def codes_into(fmt: LowPrecision, packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Code values of packed uint8 codes [..., D * b / 8] written into `out` [..., D] (a float
+    tensor or view of any layout: the unpacking and the dtype conversion are one copy per code
+    plane). Integer codes become 0 .. 2^b - 1, fp8 codes their float8_e4m3fn values; the
+    quantization parameters are not applied (readers fold them, DESIGN.md section 11)."""
+    if fmt.is_float:
+        return out.copy_(packed.view(torch.float8_e4m3fn))
+    per, width = 8 // fmt.bits, packed.shape[-1]
+    if per == 1:
+        return out.copy_(packed)
+    mask = 2**fmt.bits - 1
+    for j in range(per):  # plane j: channels [j * width, (j + 1) * width)
+        plane = packed if j == 0 else packed >> (j * fmt.bits)
+        out[..., j * width : (j + 1) * width].copy_(plane & mask if j < per - 1 else plane)
+    return out
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [..., D] of `bits` bits -> [..., D * bits / 8], planar (module docstring)."""
     per = 8 // bits

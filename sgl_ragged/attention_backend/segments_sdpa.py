@@ -1,0 +1,70 @@
+"""Extend (prefill chunk) attention of one head group over segmented keys, on torch's CPU
+flash-attention kernel: one call per segment (sealed hi slots, sealed lo slots, tail tokens),
+each returning its output and log-sum-exp, merged exactly (out = Σ_seg exp(lse_seg - lse)
+out_seg, lse = logsumexp_seg lse_seg). No keys are concatenated, and the merged lse is what the
+window queries need for sealing.
+
+Rows: the G query heads of a KV head read the same keys, so they are folded into the query
+length: q [B, H_p, G * Lq, D] (query head g, then query i). A chunk's query rows outnumber a
+page's low tokens, so the low tier's parameters are applied to its codes (segments.py's rule):
+codes become the compute dtype once (exact: every int8/int4/int2/fp8 code is a bfloat16) and
+one fused multiply-add writes the keys (values) from them, rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_ragged.mem_pool.quant import LowPrecision, QuantTier, codes_into
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+"""torch's CPU flash-attention kernel (what SDPA runs on the CPU), which also returns the
+log-sum-exp [B, H, M] float32 (natural log). A query row that sees no key of a call gets output
+0 and log-sum-exp 0; callers set those to -inf."""
+
+
+def attend_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H_p, M, D], k, v [B, H_p, L, D] (any strides), bias [B, 1, M or 1, L] additive mask
+    (0 or -inf), all in q's dtype -> out [B, H_p, M, D] q's dtype, lse [B, H_p, M] float32."""
+    return _flash(q, k, v, attn_mask=bias, scale=scale)
+
+
+def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segments' (out [*, M, D], lse [*, M] float32, -inf where the segment was empty) -> the
+    attention over all of them: out float32 (0 for a row that saw nothing), lse float32."""
+    lse = torch.logsumexp(torch.stack([p[1] for p in parts]), 0)  # [*, M]
+    safe = torch.where(torch.isinf(lse), 0.0, lse)
+    out = torch.zeros(parts[0][0].shape, dtype=torch.float32, device=lse.device)
+    for o, part_lse in parts:
+        out.addcmul_(o, torch.exp(part_lse - safe)[..., None])
+    return out, lse
+
+
+def dequantized_low(fmt: LowPrecision, tier: QuantTier, B: int, S: int, dtype: torch.dtype,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [B, H_p, S * lo, D] in `dtype` of a low tier of B * S pages (quant.py's
+    shapes, pages request-major): codes converted once, scale (and zero) applied in one
+    rounding, in the layout the attention call reads."""
+    _, lo, H_p, _ = tier.k_codes.shape
+    D = tier.k_scale.shape[-1]
+
+    def codes(packed: torch.Tensor) -> torch.Tensor:  # [B * S, lo, H_p, cb] -> [B, H_p, S, lo, D]
+        src = packed.view(B, S, lo, H_p, -1).permute(0, 3, 1, 2, 4)
+        return codes_into(fmt, src, torch.empty(B, H_p, S, lo, D, dtype=dtype, device=packed.device))
+
+    def apply(c: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
+        out = torch.empty_like(c)
+        if zero is None:
+            return torch.mul(c, scale.float(), out=out)
+        return torch.addcmul(zero.float(), c, scale.float(), out=out)
+
+    # keys: parameters per (page, head, channel) [B * S, H_p, D] -> [B, H_p, S, 1, D]
+    k_par = [None if x is None else x.view(B, S, H_p, 1, D).transpose(1, 2)
+             for x in (tier.k_scale, tier.k_zero)]
+    # values: per (page, token, head) [B * S, lo, H_p] -> [B, H_p, S, lo, 1]
+    v_par = [None if x is None else x.view(B, S, lo, H_p, 1).permute(0, 3, 1, 2, 4)
+             for x in (tier.v_scale, tier.v_zero)]
+    k = apply(codes(tier.k_codes), *k_par)
+    v = apply(codes(tier.v_codes), *v_par)
+    return k.view(B, H_p, S * lo, D), v.view(B, H_p, S * lo, D)
