@@ -205,12 +205,11 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
                       tail_k: torch.Tensor, tail_v: torch.Tensor, scale: float) -> GroupAttention:
         """Decode: explicit float32 attention with the low tier's parameters folded into the
         query and the probabilities (segments.py). q_pad [B, Lq, H, G, D], tails [B, T, H, D]."""
-        B, Lq, _, G, _ = q_pad.shape
         q_f = q_pad.to(torch.float32) * scale  # once for every group
         tail_kf, tail_vf = (as_f32(x.transpose(1, 2)) for x in (tail_k, tail_v))  # [B, H, T, D]
 
         def attend_group(g: int, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            kv = self._group_kv(layer, g, heads, tail_kf, tail_vf, pb, Lq * G)
+            kv = self._group_kv(layer, g, heads, tail_kf, tail_vf, pb)
             out_g, lse_g = attend(q_f.index_select(2, heads).permute(0, 2, 1, 3, 4), kv)
             return out_g.permute(0, 2, 1, 3, 4), lse_g.permute(0, 2, 1, 3)
 
@@ -254,7 +253,7 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
         return attend_group
 
     def _group_kv(self, layer: int, g: int, heads: torch.Tensor, tail_k: torch.Tensor,
-                  tail_v: torch.Tensor, pb: PaddedBatch, query_rows: int) -> GroupKV:
+                  tail_v: torch.Tensor, pb: PaddedBatch) -> GroupKV:
         """Group g's segments over the run (sealed hi slots, low tier on its codes, the tail
         [B, H, T, D] of its heads) and which logit columns each query does not see: padded
         sealed slots (NEVER) and tail tokens after it."""
@@ -263,7 +262,7 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
         rows = st.page_tiers(layer, g, pb.sealed_table.flatten())  # hi [B * S, hi, H_p, D]
         _, hi, H_p, D = rows.hi_k.shape
         N, T = B * H_p, tail_k.shape[2]
-        low = None if rows.low is None else low_kv(st.layout.low, rows.low, B, S, query_rows)
+        low = None if rows.low is None else low_kv(st.layout.low, rows.low, B, S)
         lo = 0 if low is None else low.k_codes.shape[2]
         key_pos = torch.cat([_sealed_pos(pb.num_sealed, S, hi), _sealed_pos(pb.num_sealed, S, lo),
                              pb.tail_pos], 1)  # [B, L] int64

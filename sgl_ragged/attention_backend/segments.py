@@ -1,13 +1,14 @@
-"""Softmax attention of one head group over segmented keys, for the batched torch path.
+"""Decode attention of one head group over segmented keys, explicit and in float32, for the
+batched torch path (extend runs on the CPU flash kernel instead: segments_sdpa.py).
 
 A request's keys come in three segments, each producing its own logits into one logits buffer
-(concatenated logits, never concatenated keys): the sealed rows' hi slots (storage dtype), their
-low tier attended on the codes (DESIGN.md section 11, quant.py's formats) and the tail tokens.
-The output is the sum of the segments' p·V products.
+(concatenated logits, never concatenated keys): the sealed rows' hi slots, their low tier
+attended on the codes (DESIGN.md section 11, quant.py's formats) and the tail tokens. The
+output is the sum of the segments' p·V products.
 
 Rows: N = B * H_p (request b, KV head h of the group), each with M = Lq * G query rows (query i,
-then query head g of KV head h). Logit columns of a request (S sealed pages padded, T tail
-tokens):
+then query head g of KV head h; decode: Lq = 1). Logit columns of a request (S sealed pages
+padded, T tail tokens):
 
     | columns                | segment | key                                             |
     |------------------------|---------|-------------------------------------------------|
@@ -16,11 +17,10 @@ tokens):
     | [S * k, S * k + T)     | tail    | tail token t                                    |
 
 Low tier on the codes: keys are quantized per (page, head, channel), so q·k_t = (q ⊙ s)·code_t +
-q·z; values per (token, head), so Σ p_t v_t = Σ (p_t s_t) code_t + Σ p_t z_t. The query rows of
-a KV head (its G query heads, and every query of a chunk) share each code. The fold goes into
-the smaller side: when a page has fewer query rows than low tokens (decode), the query and the
-probabilities are scaled; when a chunk's query rows outnumber them (extend), the codes' float
-buffer is scaled in place (no other copy either way).
+q·z: the query is scaled once per page and one bias q·z is added per page. Values are quantized
+per (token, head), so Σ p_t v_t = Σ (p_t s_t) code_t + Σ p_t z_t: the probabilities are scaled,
+not the values. The codes are converted to float32 once; the G query heads of a KV head (the
+M rows) share every code.
 """
 
 from __future__ import annotations
@@ -31,25 +31,18 @@ import torch
 
 from sgl_ragged.mem_pool.quant import LowPrecision, QuantTier, codes_into
 
-LOGITS_BLOCK = 2**22
-"""Float32 logits per block of queries (16 MiB): a long prefill chunk is attended in blocks of
-queries, so its logits never take more than this beside the keys."""
-
 
 @dataclass(frozen=True)
 class LowKV:
-    """A group's low tier over a padded run: code values as float32 (converted once) and
-    float32 parameters. `keys_scaled` / `values_scaled`: the parameters were applied to the
-    codes in place (they now hold keys / values)."""
+    """A group's low tier over a padded run: code values as float32 (converted once, not
+    dequantized) and float32 parameters."""
 
-    k_codes: torch.Tensor  # [N, S, lo, D] float32 code values (or keys if keys_scaled)
+    k_codes: torch.Tensor  # [N, S, lo, D] float32 code values
     k_scale: torch.Tensor  # [N, S, D] float32 per (page, channel)
     k_zero: torch.Tensor | None  # [N, S, D] float32 (int formats)
-    v_codes: torch.Tensor  # [N, S * lo, D] float32 code values (or values if values_scaled)
+    v_codes: torch.Tensor  # [N, S * lo, D] float32 code values
     v_scale: torch.Tensor  # [N, S * lo] float32 per token
     v_zero: torch.Tensor | None  # [N, S * lo] float32 (int formats)
-    keys_scaled: bool
-    values_scaled: bool
 
 
 @dataclass(frozen=True)
@@ -77,10 +70,9 @@ def as_f32(x: torch.Tensor, shape: tuple[int, ...] | None = None) -> torch.Tenso
     return x.view(x.shape if shape is None else shape)
 
 
-def low_kv(fmt: LowPrecision, tier: QuantTier, B: int, S: int, query_rows: int) -> LowKV:
+def low_kv(fmt: LowPrecision, tier: QuantTier, B: int, S: int) -> LowKV:
     """The low tier of B * S pages (tier in quant.py's shapes, pages = B * S, request-major),
-    rearranged per (request, KV head); parameters folded into the codes where the query rows
-    (M) outnumber what scaling the query / probabilities would cost."""
+    rearranged per (request, KV head)."""
     _, lo, H_p, _ = tier.k_codes.shape
     D = tier.k_scale.shape[-1]
     N = B * H_p
@@ -96,52 +88,25 @@ def low_kv(fmt: LowPrecision, tier: QuantTier, B: int, S: int, query_rows: int) 
     def per_token(x: torch.Tensor | None) -> torch.Tensor | None:  # [B * S, lo, H_p]
         return None if x is None else as_f32(x.view(B, S, lo, H_p).permute(0, 3, 1, 2), (N, S * lo))
 
-    k_codes, k_scale, k_zero = codes(tier.k_codes), per_channel(tier.k_scale), per_channel(tier.k_zero)
-    v_codes = codes(tier.v_codes).view(N, S * lo, D)
-    v_scale, v_zero = per_token(tier.v_scale), per_token(tier.v_zero)
-    keys_scaled = query_rows >= lo  # scaling q per page would cost M * D per page, codes lo * D
-    if keys_scaled:
-        k_codes.mul_(k_scale[:, :, None])
-        if k_zero is not None:
-            k_codes.add_(k_zero[:, :, None])
-    values_scaled = query_rows >= D  # scaling p costs M per token, the codes D per token
-    if values_scaled:
-        v_codes.mul_(v_scale[..., None])
-        if v_zero is not None:
-            v_codes.add_(v_zero[..., None])
-    return LowKV(k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, keys_scaled, values_scaled)
+    return LowKV(k_codes=codes(tier.k_codes), k_scale=per_channel(tier.k_scale),
+                 k_zero=per_channel(tier.k_zero), v_codes=codes(tier.v_codes).view(N, S * lo, D),
+                 v_scale=per_token(tier.v_scale), v_zero=per_token(tier.v_zero))
 
 
 def attend(q: torch.Tensor, kv: GroupKV) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H_p, Lq, G, D] float32, pre-multiplied by the softmax scale -> out [B, H_p, Lq, G,
     D] float32 and lse [B, H_p, Lq, G] float32 (-inf for a query that sees nothing, whose
-    output is 0). Queries are taken in blocks of at most LOGITS_BLOCK logits."""
+    output is 0)."""
     B, H_p, Lq, G, D = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    step = max(1, LOGITS_BLOCK // (B * H_p * G * kv.columns))
-    for i in range(0, Lq, step):
-        j = min(Lq, i + step)
-        q_blk = q[:, :, i:j].reshape(B * H_p, (j - i) * G, D)  # [N, M_blk, D]
-        out_blk, lse_blk = _attend_block(q_blk, kv, kv.unseen[:, i:j], G)
-        out[:, :, i:j] = out_blk.view(B, H_p, j - i, G, D)
-        lse[:, :, i:j] = lse_blk.view(B, H_p, j - i, G)
-    return out, lse
-
-
-def _attend_block(q: torch.Tensor, kv: GroupKV, unseen: torch.Tensor, G: int,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [N, M, D] (M = Lq_blk * G), unseen [B, Lq_blk, L] -> out [N, M, D], lse [N, M]."""
-    N, M, _ = q.shape
-    B, Lq, L = unseen.shape
+    L = kv.columns
     # 1. Logits of every segment, into one buffer.
-    logits = _logits(q, kv)  # [N, M, L]
-    logits.view(B, N // B, Lq, G, L).masked_fill_(unseen[:, None, :, None, :], float("-inf"))
+    logits = _logits(q.reshape(B * H_p, Lq * G, D), kv)  # [N, M, L]
+    logits.view(B, H_p, Lq, G, L).masked_fill_(kv.unseen[:, None, :, None, :], float("-inf"))
     # 2. Softmax in place: logits become probabilities (0 for a query that sees nothing).
     lse = torch.logsumexp(logits, -1)  # [N, M]
     probs = logits.sub_(lse[..., None]).exp_().nan_to_num_(0.0)
     # 3. The segments' p·V products, summed.
-    return _values(probs, kv), lse
+    return _values(probs, kv).view(q.shape), lse.view(B, H_p, Lq, G)
 
 
 def _logits(q: torch.Tensor, kv: GroupKV) -> torch.Tensor:
@@ -157,15 +122,12 @@ def _logits(q: torch.Tensor, kv: GroupKV) -> torch.Tensor:
 
 
 def _low_logits(q: torch.Tensor, low: LowKV, out: torch.Tensor) -> None:
-    """Logits of the low slots, out [N, M, S * lo] (a view into the logits buffer)."""
-    N, S, lo, D = low.k_codes.shape
-    if low.keys_scaled:  # the codes hold the keys
-        torch.bmm(q, low.k_codes.view(N, S * lo, D).transpose(1, 2), out=out)
-        return
-    # (q ⊙ s_page)·code per page, [N, S, M, lo], then + q·z_page
+    """Logits of the low slots, out [N, M, S * lo] (a view into the logits buffer):
+    (q ⊙ s_page)·code per page, then + q·z_page."""
+    N, S, lo, _ = low.k_codes.shape
     per_page = torch.matmul(q[:, None] * low.k_scale[:, :, None, :], low.k_codes.transpose(2, 3))
     paged = out.view(N, q.shape[1], S, lo)
-    paged.copy_(per_page.transpose(1, 2))
+    paged.copy_(per_page.transpose(1, 2))  # [N, S, M, lo] -> [N, M, S, lo]
     if low.k_zero is not None:
         paged.add_(torch.bmm(q, low.k_zero.transpose(1, 2))[..., None])  # [N, M, S, 1]
 
@@ -179,8 +141,6 @@ def _values(probs: torch.Tensor, kv: GroupKV) -> torch.Tensor:
     if low is None:
         return out
     p_lo = probs[:, :, n_hi : kv.columns - n_tail]  # [N, M, S * lo]
-    if low.values_scaled:  # the codes hold the values
-        return out.baddbmm_(p_lo, low.v_codes)
     out.baddbmm_(p_lo * low.v_scale[:, None, :], low.v_codes)
     if low.v_zero is not None:
         out.add_(torch.bmm(p_lo, low.v_zero[..., None]))  # [N, M, 1]

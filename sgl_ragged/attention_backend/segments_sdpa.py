@@ -5,10 +5,12 @@ out_seg, lse = logsumexp_seg lse_seg). No keys are concatenated, and the merged 
 window queries need for sealing.
 
 Rows: the G query heads of a KV head read the same keys, so they are folded into the query
-length: q [B, H_p, G * Lq, D] (query head g, then query i). A chunk's query rows outnumber a
-page's low tokens, so the low tier's parameters are applied to its codes (segments.py's rule):
-codes become the compute dtype once (exact: every int8/int4/int2/fp8 code is a bfloat16) and
-one fused multiply-add writes the keys (values) from them, rounded once.
+length: q [B, H_p, G * Lq, D] (query head g, then query i). A chunk's G * Lq query rows
+outnumber a page's low tokens (and values' channels), so folding the low tier's parameters into
+the query per page (decode's way, segments.py) would build a larger tensor than the keys: here
+the codes become the compute dtype once (exact: every int8/int4/int2/fp8 code is a bfloat16)
+and one fused multiply-add writes the keys (values) from them, rounded once, in the layout
+the kernel reads.
 """
 
 from __future__ import annotations
