@@ -1,17 +1,21 @@
 """Batched torch attention (the CPU default): the whole batch per head group, no request loop.
 
 Per layer and group g, every request's keys are its sealed rows followed by its tail pages,
-padded to the batch's longest: one gather and one attention call per group instead of one per
-(request, group) as in the reference (torch_ref.py, still the oracle). Staging and sealing run
-batched too (tail_batch.store_tails, sealed by the storage's `Sealer`).
+padded to the batch's longest, in three segments that each produce their own logits (the
+sealed rows' hi slots, their low tier on its codes, the tail): per group one pass over the
+batch instead of one per (request, group) as in the reference (torch_ref.py, still the
+oracle). Decode runs explicit float32 attention (segments.py), extend one CPU flash-attention
+call per segment (segments_sdpa.py). Staging and sealing run batched too
+(tail_batch.store_tails, sealed by the storage's `Sealer`).
 
-Padded key index k of request b in group g (k_g slots per sealed page, S sealed pages at most);
-query i sees key k iff key_pos[b, k] <= q_pos[b, i]:
+Key column c of request b in group g (hi + lo slots per sealed page, S sealed pages at most);
+query i sees it iff key_pos[b, c] <= q_pos[b, i]:
 
-    | k                       | key                                      | key_pos                 |
-    |-------------------------|------------------------------------------|-------------------------|
-    | [0, S * k_g)            | slot k % k_g of page sealed_table[b, k // k_g] | -1 (NEVER if padding) |
-    | S * k_g + t, t < Tp * P | token t of the request's tail pages      | tail_pos[b, t]          |
+    | c                         | key                                          | key_pos               |
+    |---------------------------|----------------------------------------------|-----------------------|
+    | [0, S * hi)               | hi slot c % hi of page sealed_table[b, c // hi] | -1 (NEVER if padding) |
+    | S * hi + c', c' < S * lo  | lo slot c' % lo of page sealed_table[b, c' // lo] | -1 (NEVER if padding) |
+    | S * (hi + lo) + t         | token t < Tp * P of the request's tail pages | tail_pos[b, t]        |
 """
 
 from __future__ import annotations
