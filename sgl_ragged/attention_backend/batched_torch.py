@@ -1,12 +1,14 @@
 """Batched torch attention (the CPU default): the whole batch per head group, no request loop.
 
 Per layer and group g, every request's keys are its sealed rows followed by its tail pages,
-padded to the batch's longest, in three segments that each produce their own logits (the
-sealed rows' hi slots, their low tier on its codes, the tail): per group one pass over the
-batch instead of one per (request, group) as in the reference (torch_ref.py, still the
-oracle). Decode runs explicit float32 attention (segments.py), extend one CPU flash-attention
-call per segment (segments_sdpa.py). Staging and sealing run batched too
-(tail_batch.store_tails, sealed by the storage's `Sealer`).
+padded to the batch's longest, in three segments that each produce their own logits and
+log-sum-exp (the sealed rows' hi slots, their low tier, the tail), merged by log-sum-exp: per
+group one pass over the batch instead of one per (request, group) as in the reference
+(torch_ref.py, still the oracle). The hi slots and the tail run on the CPU flash kernel in q's
+dtype (segments_sdpa.py); the low tier in decode on its codes in float32 with the scales folded
+into the query and probabilities (segments.py), in extend dequantized once then on the flash
+kernel. Staging and sealing run batched too (tail_batch.store_tails, sealed by the storage's
+`Sealer`).
 
 Key column c of request b in group g (hi + lo slots per sealed page, S sealed pages at most);
 query i sees it iff key_pos[b, c] <= q_pos[b, i]:
@@ -29,7 +31,7 @@ import torch
 from sgl_ragged.attention_backend.impl import AttentionImpl
 from sgl_ragged.attention_backend.ops import take
 from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
-from sgl_ragged.attention_backend.segments import GroupKV, as_f32, attend, low_kv
+from sgl_ragged.attention_backend.segments import attend_low, low_kv
 from sgl_ragged.attention_backend.segments_sdpa import attend_segment, dequantized_low, merge
 from sgl_ragged.attention_backend.tail_batch import (
     TailBatch,
@@ -38,6 +40,7 @@ from sgl_ragged.attention_backend.tail_batch import (
     tail_pages,
     window_tables,
 )
+from sgl_ragged.mem_pool.quant import QuantTier
 from sgl_ragged.mem_pool.storage import RaggedStorage
 
 NEVER = 2**62
@@ -192,8 +195,7 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
         G = q.shape[1] // H
         q_pad = take(q, pb.q_row).view(B, Lq, H, G, D)
         tail_k, tail_v = (take(x, pb.tail_page).flatten(1, 2) for x in (k_pages, v_pages))  # [B, T, H, D]
-        attend_group = (self._decode_group if decode else self._extend_group)(
-            layer, pb, q_pad, tail_k, tail_v, scale)
+        attend_group = self._group_attention(layer, pb, q_pad, tail_k, tail_v, scale, decode)
         # 1. Attention per group, written back at its heads.
         out = torch.empty(B, Lq, H, G, D, dtype=torch.float32, device=q.device)
         lse = torch.empty(B, Lq, H, G, dtype=torch.float32, device=q.device)
@@ -205,24 +207,12 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
         win = pb.win_in_q[:, :, None].expand(-1, -1, H * G)
         return out.view(B, Lq, H * G, D).to(q.dtype), lse.view(B, Lq, H * G).gather(1, win)
 
-    def _decode_group(self, layer: int, pb: PaddedBatch, q_pad: torch.Tensor,
-                      tail_k: torch.Tensor, tail_v: torch.Tensor, scale: float) -> GroupAttention:
-        """Decode: explicit float32 attention with the low tier's parameters folded into the
-        query and the probabilities (segments.py). q_pad [B, Lq, H, G, D], tails [B, T, H, D]."""
-        q_f = q_pad.to(torch.float32) * scale  # once for every group
-        tail_kf, tail_vf = (as_f32(x.transpose(1, 2)) for x in (tail_k, tail_v))  # [B, H, T, D]
-
-        def attend_group(g: int, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            kv = self._group_kv(layer, g, heads, tail_kf, tail_vf, pb)
-            out_g, lse_g = attend(q_f.index_select(2, heads).permute(0, 2, 1, 3, 4), kv)
-            return out_g.permute(0, 2, 1, 3, 4), lse_g.permute(0, 2, 1, 3)
-
-        return attend_group
-
-    def _extend_group(self, layer: int, pb: PaddedBatch, q_pad: torch.Tensor,
-                      tail_k: torch.Tensor, tail_v: torch.Tensor, scale: float) -> GroupAttention:
-        """Extend: one CPU flash-attention call per segment in q's dtype, merged by log-sum-exp
-        (segments_sdpa.py). q_pad [B, Lq, H, G, D], tails [B, T, H, D]."""
+    def _group_attention(self, layer: int, pb: PaddedBatch, q_pad: torch.Tensor,
+                         tail_k: torch.Tensor, tail_v: torch.Tensor, scale: float, decode: bool,
+                         ) -> GroupAttention:
+        """Per group: the tail and the sealed hi slots on the CPU flash kernel in q's dtype, the
+        low tier on its codes (decode, segments.py) or dequantized once (extend), merged by
+        log-sum-exp (segments_sdpa.py). q_pad [B, Lq, H, G, D], tails [B, T, H, D]."""
         st = self.storage
         B, Lq, _, G, D = q_pad.shape
         S = pb.sealed_table.shape[1]
@@ -239,16 +229,15 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
             parts = [attend_segment(q_g, tail_k.index_select(2, heads).transpose(1, 2),
                                     tail_v.index_select(2, heads).transpose(1, 2), tail_bias, scale)]
             rows = st.page_tiers(layer, g, pb.sealed_table.flatten())  # hi [B * S, hi, H_p, D]
-            sealed = []
-            if rows.hi_k.shape[1]:
-                sealed.append((*(x.view(B, -1, H_p, D).transpose(1, 2).to(q_g.dtype)
-                                 for x in (rows.hi_k, rows.hi_v)), rows.hi_k.shape[1]))
+            hi = rows.hi_k.shape[1]
+            if hi:
+                k, v = (x.view(B, S * hi, H_p, D).transpose(1, 2).to(q_g.dtype)
+                        for x in (rows.hi_k, rows.hi_v))
+                out_s, lse_s = attend_segment(q_g, k, v, _sealed_bias(pb.num_sealed, S, hi, q_g.dtype),
+                                              scale)
+                parts.append((out_s, lse_s + empty))
             if rows.low is not None:
-                sealed.append((*dequantized_low(st.layout.low, rows.low, B, S, q_g.dtype),
-                               rows.low.k_codes.shape[1]))
-            for k, v, slots in sealed:
-                bias = _sealed_bias(pb.num_sealed, S, slots, q_g.dtype)
-                out_s, lse_s = attend_segment(q_g, k, v, bias, scale)
+                out_s, lse_s = self._low_segment(rows.low, pb, q_g, scale, decode)
                 parts.append((out_s, lse_s + empty))
             out_g, lse_g = merge(parts)  # [B, H_p, G * Lq, D], [B, H_p, G * Lq]
             return (out_g.view(B, H_p, G, Lq, D).permute(0, 3, 1, 2, 4),
@@ -256,28 +245,20 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
 
         return attend_group
 
-    def _group_kv(self, layer: int, g: int, heads: torch.Tensor, tail_k: torch.Tensor,
-                  tail_v: torch.Tensor, pb: PaddedBatch) -> GroupKV:
-        """Group g's segments over the run (sealed hi slots, low tier on its codes, the tail
-        [B, H, T, D] of its heads) and which logit columns each query does not see: padded
-        sealed slots (NEVER) and tail tokens after it."""
-        st = self.storage
-        B, S = pb.sealed_table.shape
-        rows = st.page_tiers(layer, g, pb.sealed_table.flatten())  # hi [B * S, hi, H_p, D]
-        _, hi, H_p, D = rows.hi_k.shape
-        N, T = B * H_p, tail_k.shape[2]
-        low = None if rows.low is None else low_kv(st.layout.low, rows.low, B, S)
-        lo = 0 if low is None else low.k_codes.shape[2]
-        key_pos = torch.cat([_sealed_pos(pb.num_sealed, S, hi), _sealed_pos(pb.num_sealed, S, lo),
-                             pb.tail_pos], 1)  # [B, L] int64
-        return GroupKV(
-            hi_k=as_f32(rows.hi_k.view(B, S, hi, H_p, D).permute(0, 3, 1, 2, 4), (N, S * hi, D)),
-            hi_v=as_f32(rows.hi_v.view(B, S, hi, H_p, D).permute(0, 3, 1, 2, 4), (N, S * hi, D)),
-            low=low,
-            tail_k=tail_k.index_select(1, heads).view(N, T, D),
-            tail_v=tail_v.index_select(1, heads).view(N, T, D),
-            unseen=key_pos[:, None, :] > pb.q_pos[:, :, None],
-        )
+    def _low_segment(self, tier: QuantTier, pb: PaddedBatch, q_g: torch.Tensor, scale: float,
+                     decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of q_g [B, H_p, M, D] over the low tier of the run's sealed pages (tier:
+        quant.py's shapes, pages = B * S): out [B, H_p, M, D], lse [B, H_p, M] float32."""
+        fmt = self.storage.layout.low
+        B, H_p, M, D = q_g.shape
+        S, lo = pb.sealed_table.shape[1], tier.k_codes.shape[1]
+        if not decode:  # a chunk: dequantize once, then the flash kernel
+            k, v = dequantized_low(fmt, tier, B, S, q_g.dtype)
+            return attend_segment(q_g, k, v, _sealed_bias(pb.num_sealed, S, lo, q_g.dtype), scale)
+        unseen = _sealed_pos(pb.num_sealed, S, lo)[:, None, :] == NEVER  # [B, 1, S * lo]
+        q_f = q_g.reshape(B * H_p, M, D).to(torch.float32) * scale
+        out, lse = attend_low(q_f, low_kv(fmt, tier, B, S), unseen)
+        return out.view(B, H_p, M, D), lse.view(B, H_p, M)
 
 
 def _sealed_bias(num_sealed: torch.Tensor, S: int, slots: int, dtype: torch.dtype) -> torch.Tensor:

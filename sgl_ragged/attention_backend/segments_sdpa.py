@@ -1,16 +1,15 @@
-"""Extend (prefill chunk) attention of one head group over segmented keys, on torch's CPU
-flash-attention kernel: one call per segment (sealed hi slots, sealed lo slots, tail tokens),
-each returning its output and log-sum-exp, merged exactly (out = Σ_seg exp(lse_seg - lse)
-out_seg, lse = logsumexp_seg lse_seg). No keys are concatenated, and the merged lse is what the
-window queries need for sealing.
+"""Attention of one head group over key segments on torch's CPU flash-attention kernel, for
+the batched torch path: one call per segment (sealed hi slots, extend's sealed low tier, tail
+tokens), each returning its output and log-sum-exp, merged exactly (out = Σ_seg exp(lse_seg -
+lse) out_seg, lse = logsumexp_seg lse_seg) with decode's low-tier segment (segments.py). No
+keys are concatenated, and the merged lse is what the window queries need for sealing.
 
 Rows: the G query heads of a KV head read the same keys, so they are folded into the query
 length: q [B, H_p, G * Lq, D] (query head g, then query i). A chunk's G * Lq query rows
 outnumber a page's low tokens (and values' channels), so folding the low tier's parameters into
-the query per page (decode's way, segments.py) would build a larger tensor than the keys: here
-the codes become the compute dtype once (exact: every int8/int4/int2/fp8 code is a bfloat16)
-and one fused multiply-add writes the keys (values) from them, rounded once, in the layout
-the kernel reads.
+the query per page (decode's way) would build a larger tensor than the keys: extend instead
+converts the codes to float32 once and applies scale and zero in place in one fused pass
+(rounded once to the model dtype where that is not float32), in the layout the kernel reads.
 """
 
 from __future__ import annotations
@@ -46,27 +45,26 @@ def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor,
 def dequantized_low(fmt: LowPrecision, tier: QuantTier, B: int, S: int, dtype: torch.dtype,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [B, H_p, S * lo, D] in `dtype` of a low tier of B * S pages (quant.py's
-    shapes, pages request-major): codes converted once, scale (and zero) applied in one
-    rounding, in the layout the attention call reads."""
+    shapes, pages request-major): codes converted to float32 once, scale (and zero) applied in
+    place, then rounded once to `dtype` (no copy for float32)."""
     _, lo, H_p, _ = tier.k_codes.shape
     D = tier.k_scale.shape[-1]
 
-    def codes(packed: torch.Tensor) -> torch.Tensor:  # [B * S, lo, H_p, cb] -> [B, H_p, S, lo, D]
+    def dequantized(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                    ) -> torch.Tensor:  # [B * S, lo, H_p, cb] -> [B, H_p, S * lo, D]
         src = packed.view(B, S, lo, H_p, -1).permute(0, 3, 1, 2, 4)
-        return codes_into(fmt, src, torch.empty(B, H_p, S, lo, D, dtype=dtype, device=packed.device))
-
-    def apply(c: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-        out = torch.empty_like(c)
+        out = torch.empty(B, H_p, S, lo, D, dtype=torch.float32, device=packed.device)
+        codes_into(fmt, src, out)
         if zero is None:
-            return torch.mul(c, scale.float(), out=out)
-        return torch.addcmul(zero.float(), c, scale.float(), out=out)
+            out.mul_(scale.float())
+        else:  # in place: out aliases its input exactly
+            torch.addcmul(zero.float(), out, scale.float(), out=out)
+        return out.view(B, H_p, S * lo, D).to(dtype)
 
-    # keys: parameters per (page, head, channel) [B * S, H_p, D] -> [B, H_p, S, 1, D]
+    # keys: per (page, head, channel) [B * S, H_p, D] -> [B, H_p, S, 1, D]
     k_par = [None if x is None else x.view(B, S, H_p, 1, D).transpose(1, 2)
              for x in (tier.k_scale, tier.k_zero)]
     # values: per (page, token, head) [B * S, lo, H_p] -> [B, H_p, S, lo, 1]
     v_par = [None if x is None else x.view(B, S, lo, H_p, 1).permute(0, 3, 1, 2, 4)
              for x in (tier.v_scale, tier.v_zero)]
-    k = apply(codes(tier.k_codes), *k_par)
-    v = apply(codes(tier.v_codes), *v_par)
-    return k.view(B, H_p, S * lo, D), v.view(B, H_p, S * lo, D)
+    return dequantized(tier.k_codes, *k_par), dequantized(tier.v_codes, *v_par)

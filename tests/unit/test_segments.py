@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_ragged.attention_backend.segments import GroupKV, attend, low_kv
+from sgl_ragged.attention_backend.segments import attend_low, low_kv
 from sgl_ragged.attention_backend.segments_sdpa import attend_segment, dequantized_low, merge
 from sgl_ragged.mem_pool.quant import LOW_PRECISIONS, QuantTier, dequantize, quantize
 
@@ -53,19 +53,22 @@ def _case(name: str, Lq: int, G: int, seed: int):
 
 
 @pytest.mark.parametrize("name", sorted(LOW_PRECISIONS))
-@pytest.mark.parametrize("Lq,G", [(1, 1), (1, 3), (7, 3)])
-def test_explicit_segments_match_dense_attention(name, Lq, G):
-    """segments.attend: the low tier's parameters folded into the query and probabilities."""
-    fmt, tier, (hi_k, hi_v, tail_k, tail_v), keys, values, unseen, q = _case(name, Lq, G, 11)
-    low = low_kv(fmt, tier, B, S)
-    flat = [x.reshape(B * H_P, -1, D) for x in (hi_k, hi_v, tail_k, tail_v)]
-    kv = GroupKV(hi_k=flat[0], hi_v=flat[1], low=low, tail_k=flat[2], tail_v=flat[3], unseen=unseen)
-    out, lse = attend(q, kv)
-    want_out, want_lse = _dense(q, keys, values, unseen)
-    # float32 against float64: folding scales reorders the float32 products (relative 1e-6)
-    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
-    assert out[0, :, 0].abs().max() == 0 and torch.isinf(lse[0, :, 0]).all()
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_low_tier_on_the_codes_matches_dense_attention(name, M):
+    """segments.attend_low: the low tier's parameters folded into the query (per page, plus a
+    bias) and the probabilities, against attention over the dequantized tier."""
+    gen = torch.Generator().manual_seed(11)
+    fmt, tier = LOW_PRECISIONS[name], _tier(name, gen)
+    lo_k, lo_v = dequantize(fmt, tier, torch.float64)  # [B * S, LO, H_p, D]
+    keys, values = (x.view(B, S * LO, H_P, D).transpose(1, 2) for x in (lo_k, lo_v))
+    unseen = torch.arange(S * LO)[None, None, :] >= NUM_SEALED[:, None, None] * LO  # [B, 1, S * LO]
+    q = torch.randn(B, H_P, M, 1, D, generator=gen) * 0.3
+    out, lse = attend_low(q.view(B * H_P, M, D), low_kv(fmt, tier, B, S), unseen)
+    want_out, want_lse = _dense(q, keys, values, unseen.expand(B, M, -1))
+    # float32 against float64: folding scales reorders the float32 products (seen: ~1e-6)
+    torch.testing.assert_close(out.double().view(want_out.shape), want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double().view(want_lse.shape), want_lse, atol=1e-5, rtol=1e-5)
+    assert out.view(B, H_P, M, D)[1].abs().max() == 0 and torch.isinf(lse.view(B, H_P, M)[1]).all()
 
 
 @pytest.mark.parametrize("name", sorted(LOW_PRECISIONS))
