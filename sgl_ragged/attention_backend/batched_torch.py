@@ -216,16 +216,17 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
         st = self.storage
         B, Lq, _, G, D = q_pad.shape
         S = pb.sealed_table.shape[1]
-        # Tail: causal, the same additive mask for every group; rows (query head g, query i).
+        # Tail: causal, the same additive mask for every group and query head.
         unseen = pb.tail_pos[:, None, :] > pb.q_pos[:, :, None]  # [B, Lq, T]
-        tail_bias = torch.zeros((B, G, *unseen.shape[1:]), dtype=q_pad.dtype, device=q_pad.device)
-        tail_bias = tail_bias.masked_fill_(unseen[:, None], float("-inf")).view(B, 1, G * Lq, -1)
+        tail_bias = torch.zeros(unseen.shape, dtype=q_pad.dtype, device=q_pad.device)
+        tail_bias = tail_bias.masked_fill_(unseen, float("-inf"))[:, None]  # [B, 1, Lq, T]
         # A request without sealed pages sees nothing of the sealed segments.
         empty = torch.where(pb.num_sealed > 0, 0.0, float("-inf"))[:, None, None]  # [B, 1, 1]
 
         def attend_group(g: int, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             H_p = heads.numel()
-            q_g = q_pad.index_select(2, heads).permute(0, 2, 3, 1, 4).reshape(B, H_p, G * Lq, D)
+            # [B, H_p * G, Lq, D]: query head h * G + g reads KV head h (the kernel's GQA)
+            q_g = q_pad.index_select(2, heads).permute(0, 2, 3, 1, 4).reshape(B, H_p * G, Lq, D)
             parts = [attend_segment(q_g, tail_k.index_select(2, heads).transpose(1, 2),
                                     tail_v.index_select(2, heads).transpose(1, 2), tail_bias, scale)]
             rows = st.page_tiers(layer, g, pb.sealed_table.flatten())  # hi [B * S, hi, H_p, D]
@@ -239,7 +240,7 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
             if rows.low is not None:
                 out_s, lse_s = self._low_segment(rows.low, pb, q_g, scale, decode)
                 parts.append((out_s, lse_s + empty))
-            out_g, lse_g = merge(parts)  # [B, H_p, G * Lq, D], [B, H_p, G * Lq]
+            out_g, lse_g = merge(parts)  # [B, H_p * G, Lq, D], [B, H_p * G, Lq]
             return (out_g.view(B, H_p, G, Lq, D).permute(0, 3, 1, 2, 4),
                     lse_g.view(B, H_p, G, Lq).permute(0, 3, 1, 2))
 
@@ -247,18 +248,19 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
 
     def _low_segment(self, tier: QuantTier, pb: PaddedBatch, q_g: torch.Tensor, scale: float,
                      decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of q_g [B, H_p, M, D] over the low tier of the run's sealed pages (tier:
-        quant.py's shapes, pages = B * S): out [B, H_p, M, D], lse [B, H_p, M] float32."""
+        """Attention of q_g [B, H_p * G, Lq, D] over the low tier of the run's sealed pages
+        (tier: quant.py's shapes, pages = B * S): out [B, H_p * G, Lq, D], lse [B, H_p * G, Lq]
+        float32."""
         fmt = self.storage.layout.low
-        B, H_p, M, D = q_g.shape
-        S, lo = pb.sealed_table.shape[1], tier.k_codes.shape[1]
+        B, H_q, Lq, D = q_g.shape
+        S, lo, H_p = pb.sealed_table.shape[1], tier.k_codes.shape[1], tier.k_codes.shape[2]
         if not decode:  # a chunk: dequantize once, then the flash kernel
             k, v = dequantized_low(fmt, tier, B, S, q_g.dtype)
             return attend_segment(q_g, k, v, _sealed_bias(pb.num_sealed, S, lo, q_g.dtype), scale)
         unseen = _sealed_pos(pb.num_sealed, S, lo)[:, None, :] == NEVER  # [B, 1, S * lo]
-        q_f = q_g.reshape(B * H_p, M, D).to(torch.float32) * scale
+        q_f = q_g.reshape(B * H_p, H_q // H_p * Lq, D).to(torch.float32) * scale  # rows (g, i)
         out, lse = attend_low(q_f, low_kv(fmt, tier, B, S), unseen)
-        return out.view(B, H_p, M, D), lse.view(B, H_p, M)
+        return out.view(q_g.shape), lse.view(B, H_q, Lq)
 
 
 def _sealed_bias(num_sealed: torch.Tensor, S: int, slots: int, dtype: torch.dtype) -> torch.Tensor:

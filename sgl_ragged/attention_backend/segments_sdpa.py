@@ -4,8 +4,9 @@ tokens), each returning its output and log-sum-exp, merged exactly (out = Σ_seg
 lse) out_seg, lse = logsumexp_seg lse_seg) with decode's low-tier segment (segments.py). No
 keys are concatenated, and the merged lse is what the window queries need for sealing.
 
-Rows: the G query heads of a KV head read the same keys, so they are folded into the query
-length: q [B, H_p, G * Lq, D] (query head g, then query i). A chunk's G * Lq query rows
+Queries: q [B, H_p * G, Lq, D], query head h * G + g reading KV head h (the kernel's own GQA:
+every code and key is read once per KV head, masks are not repeated per head). A chunk's G * Lq
+query rows
 outnumber a page's low tokens (and values' channels), so folding the low tier's parameters into
 the query per page (decode's way) would build a larger tensor than the keys: extend instead
 converts the codes to float32 once and applies scale and zero in place in one fused pass
@@ -26,8 +27,9 @@ log-sum-exp [B, H, M] float32 (natural log). A query row that sees no key of a c
 
 def attend_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, H_p, M, D], k, v [B, H_p, L, D] (any strides), bias [B, 1, M or 1, L] additive mask
-    (0 or -inf), all in q's dtype -> out [B, H_p, M, D] q's dtype, lse [B, H_p, M] float32."""
+    """q [B, H_p * G, Lq, D], k, v [B, H_p, L, D] (any strides), bias [B, 1, Lq or 1, L]
+    additive mask (0 or -inf), all in q's dtype -> out [B, H_p * G, Lq, D] in q's dtype, lse
+    [B, H_p * G, Lq] float32."""
     return _flash(q, k, v, attn_mask=bias, scale=scale)
 
 

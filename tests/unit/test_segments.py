@@ -75,19 +75,19 @@ def test_low_tier_on_the_codes_matches_dense_attention(name, M):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flash_segments_merge_to_dense_attention(name, dtype):
     """segments_sdpa: one flash call per segment (low tier dequantized once in `dtype`),
-    merged by log-sum-exp = dense attention (rows (g, i) folded into the query length)."""
+    merged by log-sum-exp = dense attention (the kernel's GQA: query head h * G + g)."""
     Lq, G = 7, 3
     fmt, tier, (hi_k, hi_v, tail_k, tail_v), keys, values, unseen, q = _case(name, Lq, G, 12)
     unseen[0, 0] = False  # the flash kernel's empty rows are the callers' business (below)
     lo_k, lo_v = dequantized_low(fmt, tier, B, S, dtype)  # [B, H_p, S * LO, D]
-    q_rows = q.permute(0, 1, 3, 2, 4).reshape(B, H_P, G * Lq, D).to(dtype)
+    q_heads = q.permute(0, 1, 3, 2, 4).reshape(B, H_P * G, Lq, D).to(dtype)  # head h * G + g
     parts, start = [], 0
     empty = torch.where(NUM_SEALED > 0, 0.0, float("-inf"))[:, None, None]
     for k, v, sealed in ((hi_k, hi_v, True), (lo_k, lo_v, True), (tail_k, tail_v, False)):
         cols = unseen[:, :, start : start + k.shape[2]]  # [B, Lq, n]
         start += k.shape[2]
-        bias = torch.zeros(B, G, Lq, k.shape[2], dtype=dtype).masked_fill_(cols[:, None], float("-inf"))
-        out_s, lse_s = attend_segment(q_rows, k.to(dtype), v.to(dtype), bias.view(B, 1, G * Lq, -1), 1.0)
+        bias = torch.zeros(cols.shape, dtype=dtype).masked_fill_(cols, float("-inf"))[:, None]
+        out_s, lse_s = attend_segment(q_heads, k.to(dtype), v.to(dtype), bias, 1.0)
         parts.append((out_s, lse_s + empty if sealed else lse_s))
     out, lse = merge(parts)
     want_out, want_lse = _dense(q.to(dtype), keys, values, unseen)
