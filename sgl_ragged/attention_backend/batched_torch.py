@@ -1,31 +1,38 @@
 """Batched torch attention (the CPU default): the whole batch per head group, no request loop.
 
 Per layer and group g, every request's keys are its sealed rows followed by its tail pages,
-padded to the batch's longest: one gather and one attention call per group instead of one per
-(request, group) as in the reference (torch_ref.py, still the oracle). Staging and sealing run
-batched too (tail_batch.store_tails, sealed by the storage's `Sealer`).
+padded to the batch's longest, in three segments that each produce their own logits and
+log-sum-exp (the sealed rows' hi slots, their low tier, the tail), merged by log-sum-exp: per
+group one pass over the batch instead of one per (request, group) as in the reference
+(torch_ref.py, still the oracle). The hi slots and the tail run on the CPU flash kernel in q's
+dtype (segments_sdpa.py); the low tier in decode on its codes in float32 with the scales folded
+into the query and probabilities (segments.py), in extend dequantized once then on the flash
+kernel. Staging and sealing run batched too (tail_batch.store_tails, sealed by the storage's
+`Sealer`).
 
-Padded key index k of request b in group g (k_g slots per sealed page, S sealed pages at most);
-query i sees key k iff key_pos[b, k] <= q_pos[b, i]:
+Key column c of request b in group g (hi + lo slots per sealed page, S sealed pages at most);
+query i sees it iff key_pos[b, c] <= q_pos[b, i]:
 
-    | k                       | key                                      | key_pos                 |
-    |-------------------------|------------------------------------------|-------------------------|
-    | [0, S * k_g)            | slot k % k_g of page sealed_table[b, k // k_g] | -1 (NEVER if padding) |
-    | S * k_g + t, t < Tp * P | token t of the request's tail pages      | tail_pos[b, t]          |
+    | c                         | key                                          | key_pos               |
+    |---------------------------|----------------------------------------------|-----------------------|
+    | [0, S * hi)               | hi slot c % hi of page sealed_table[b, c // hi] | -1 (NEVER if padding) |
+    | S * hi + c', c' < S * lo  | lo slot c' % lo of page sealed_table[b, c' // lo] | -1 (NEVER if padding) |
+    | S * (hi + lo) + t         | token t < Tp * P of the request's tail pages | tail_pos[b, t]        |
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch.nn.functional import scaled_dot_product_attention
 
 from sgl_ragged.attention_backend.impl import AttentionImpl
-from sgl_ragged.attention_backend.ops import query_heads, take
+from sgl_ragged.attention_backend.ops import take
 from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
+from sgl_ragged.attention_backend.segments import attend_low, low_kv
+from sgl_ragged.attention_backend.segments_sdpa import attend_segment, dequantized_low, merge
 from sgl_ragged.attention_backend.tail_batch import (
     TailBatch,
     store_tails,
@@ -33,6 +40,7 @@ from sgl_ragged.attention_backend.tail_batch import (
     tail_pages,
     window_tables,
 )
+from sgl_ragged.mem_pool.quant import QuantTier
 from sgl_ragged.mem_pool.storage import RaggedStorage
 
 NEVER = 2**62
@@ -51,6 +59,10 @@ bench.cpu_attention on 2 cores: decode of 1-64 requests 1.2-3x faster at <= 70K 
 slower at 133K; a 256-token prefill chunk 1.4x faster at 330K, slower from 650K."""
 
 
+GroupAttention = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""(group g, its KV heads [H_p]) -> out [B, Lq, H_p, G, D] float32, lse [B, Lq, H_p, G] float32."""
+
+
 @dataclass(frozen=True)
 class PaddedBatch:
     """A run of consecutive requests as padded [B, ...] index tables (built once per forward,
@@ -64,6 +76,7 @@ class PaddedBatch:
     win_rows_valid: torch.Tensor  # [W] int64 win_row at the valid entries
     win_flat_valid: torch.Tensor  # [W] int64 positions of those entries in win_row.flatten()
     win_pos: torch.Tensor  # [B, w] int64 window query positions (-1 where padded)
+    win_in_q: torch.Tensor  # [B, w] int64 index of window query j among q_row[b] (0 where padded)
     sealed_table: torch.Tensor  # [B, S] int64 logical pages of the sealed rows (0 where padded)
     num_sealed: torch.Tensor  # [B] int64 sealed pages per request
     tail_page: torch.Tensor  # [B, Tp] int64 tail page m (TailBatch index; 0 where padded)
@@ -120,6 +133,7 @@ def padded_batch(plans: Sequence[RequestPlan], first_page: Sequence[int], page_s
         q_row=dev(q_row_t), q_rows_valid=dev(q_row_t.flatten()[q_valid]), q_flat_valid=dev(q_valid),
         q_pos=dev(q_pos_t), win_row=dev(win_row), win_rows_valid=dev(win_row.flatten()[w_valid]),
         win_flat_valid=dev(w_valid), win_pos=dev(torch.where(win_valid, win_pos, -1)),
+        win_in_q=dev(torch.where(win_valid, win_row - q_row_t[:, :1], 0)),
         sealed_table=dev(sealed), num_sealed=dev([p.sealed_pages.numel() for p in plans]),
         tail_page=dev(tail), tail_pos=dev(tail_pos),
         pairs=sum(p.q_len * (p.sealed_pages.numel() + p.tail_pages.numel()) * page_size
@@ -174,48 +188,94 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
     def _attend(self, layer: int, pb: PaddedBatch, q: torch.Tensor, k_pages: torch.Tensor,
                 v_pages: torch.Tensor, scale: float, decode: bool,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """out [B, Lq, H_q, D] of every (padded) query and lse [B, w, H_q] float32 of the
-        window queries; padded entries hold garbage."""
-        tail_k = take(k_pages, pb.tail_page).flatten(1, 2)  # [B, Tp * P, H, D]
-        tail_v = take(v_pages, pb.tail_page).flatten(1, 2)
-        q_pad = take(q, pb.q_row)  # [B, Lq, H_q, D]
-        q_win = take(q, pb.win_row)  # [B, w, H_q, D]
-        out_pad = torch.empty_like(q_pad)
-        lse_pad = torch.zeros(q_win.shape[:3], dtype=torch.float32, device=q.device)
-        gsize = q.shape[1] // k_pages.shape[2]
+        """out [B, Lq, H_q, D] in q's dtype of every (padded) query and lse [B, w, H_q] float32
+        of the window queries; padded entries hold garbage."""
+        B, Lq = pb.q_row.shape
+        _, _, H, D = k_pages.shape
+        G = q.shape[1] // H
+        q_pad = take(q, pb.q_row).view(B, Lq, H, G, D)
+        tail_k, tail_v = (take(x, pb.tail_page).flatten(1, 2) for x in (k_pages, v_pages))  # [B, T, H, D]
+        attend_group = self._group_attention(layer, pb, q_pad, tail_k, tail_v, scale, decode)
+        # 1. Attention per group, written back at its heads.
+        out = torch.empty(B, Lq, H, G, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, Lq, H, G, dtype=torch.float32, device=q.device)
         for g, heads in enumerate(self.storage.head_index[layer]):
-            keys, values, key_pos = self._group_keys(layer, g, heads, tail_k, tail_v, pb)
-            qh = query_heads(heads, gsize)
-            q_g = q_pad.index_select(2, qh)  # [B, Lq, Hq_g, D]
-            mask = key_pos[:, None, :] <= pb.q_pos[:, :, None]  # [B, Lq, L]
-            if decode:  # the one query per request is its window
-                out_g, lse_g = _explicit_attention(q_g, keys, values, mask, scale)
-            else:
-                out_g = _sdpa(q_g, keys, values, mask, scale)
-                logits = _logits(q_win.index_select(2, qh), keys,
-                                 key_pos[:, None, :] <= pb.win_pos[:, :, None], scale)
-                lse_g = torch.logsumexp(logits, -1).flatten(2)  # [B, w, Hq_g]
-            out_pad.index_copy_(2, qh, out_g)
-            lse_pad.index_copy_(2, qh, lse_g)
-        return out_pad, lse_pad
+            out_g, lse_g = attend_group(g, heads)  # [B, Lq, H_p, G, D], [B, Lq, H_p, G]
+            out.index_copy_(2, heads, out_g)
+            lse.index_copy_(2, heads, lse_g)
+        # 2. Every query's output; the window queries' log-sum-exps.
+        win = pb.win_in_q[:, :, None].expand(-1, -1, H * G)
+        return out.view(B, Lq, H * G, D).to(q.dtype), lse.view(B, Lq, H * G).gather(1, win)
 
-    def _group_keys(self, layer: int, g: int, heads: torch.Tensor, tail_k: torch.Tensor,
-                    tail_v: torch.Tensor, pb: PaddedBatch,
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys and values [B, L, H_p, D] of group g (sealed rows, then the tail [B, Tp * P, H,
-        D] of its heads) and each key's position for the causal mask, [B, L] int64: -1 for
-        sealed keys (every query sees them), NEVER for padding."""
+    def _group_attention(self, layer: int, pb: PaddedBatch, q_pad: torch.Tensor,
+                         tail_k: torch.Tensor, tail_v: torch.Tensor, scale: float, decode: bool,
+                         ) -> GroupAttention:
+        """Per group: the tail and the sealed hi slots on the CPU flash kernel in q's dtype, the
+        low tier on its codes (decode, segments.py) or dequantized once (extend), merged by
+        log-sum-exp (segments_sdpa.py). q_pad [B, Lq, H, G, D], tails [B, T, H, D]."""
         st = self.storage
-        k_g = st.layout.slots[layer][g]
-        B, S = pb.sealed_table.shape
-        sealed_k, sealed_v = st.page_kv(layer, g, pb.sealed_table)  # [B, S, k_g, H_p, D]
-        sealed_k = sealed_k.view(B, S * k_g, len(heads), -1)
-        sealed_v = sealed_v.view(B, S * k_g, len(heads), -1)
-        group_k = tail_k.index_select(2, heads).to(sealed_k.dtype)
-        group_v = tail_v.index_select(2, heads).to(sealed_v.dtype)
-        exists = torch.arange(S * k_g, device=st.device)[None, :] < pb.num_sealed[:, None] * k_g
-        key_pos = torch.cat([torch.where(exists, -1, NEVER), pb.tail_pos], 1)
-        return torch.cat([sealed_k, group_k], 1), torch.cat([sealed_v, group_v], 1), key_pos
+        B, Lq, _, G, D = q_pad.shape
+        S = pb.sealed_table.shape[1]
+        # Tail: causal, the same additive mask for every group and query head.
+        unseen = pb.tail_pos[:, None, :] > pb.q_pos[:, :, None]  # [B, Lq, T]
+        tail_bias = torch.zeros(unseen.shape, dtype=q_pad.dtype, device=q_pad.device)
+        tail_bias = tail_bias.masked_fill_(unseen, float("-inf"))[:, None]  # [B, 1, Lq, T]
+        # A request without sealed pages sees nothing of the sealed segments.
+        empty = torch.where(pb.num_sealed > 0, 0.0, float("-inf"))[:, None, None]  # [B, 1, 1]
+
+        def attend_group(g: int, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            H_p = heads.numel()
+            # [B, H_p * G, Lq, D]: query head h * G + g reads KV head h (the kernel's GQA)
+            q_g = q_pad.index_select(2, heads).permute(0, 2, 3, 1, 4).reshape(B, H_p * G, Lq, D)
+            parts = [attend_segment(q_g, tail_k.index_select(2, heads).transpose(1, 2),
+                                    tail_v.index_select(2, heads).transpose(1, 2), tail_bias, scale)]
+            rows = st.page_tiers(layer, g, pb.sealed_table.flatten())  # hi [B * S, hi, H_p, D]
+            hi = rows.hi_k.shape[1]
+            if hi:
+                k, v = (x.view(B, S * hi, H_p, D).transpose(1, 2).to(q_g.dtype)
+                        for x in (rows.hi_k, rows.hi_v))
+                out_s, lse_s = attend_segment(q_g, k, v, _sealed_bias(pb.num_sealed, S, hi, q_g.dtype),
+                                              scale)
+                parts.append((out_s, lse_s + empty))
+            if rows.low is not None:
+                out_s, lse_s = self._low_segment(rows.low, pb, q_g, scale, decode)
+                parts.append((out_s, lse_s + empty))
+            out_g, lse_g = merge(parts)  # [B, H_p * G, Lq, D], [B, H_p * G, Lq]
+            return (out_g.view(B, H_p, G, Lq, D).permute(0, 3, 1, 2, 4),
+                    lse_g.view(B, H_p, G, Lq).permute(0, 3, 1, 2))
+
+        return attend_group
+
+    def _low_segment(self, tier: QuantTier, pb: PaddedBatch, q_g: torch.Tensor, scale: float,
+                     decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of q_g [B, H_p * G, Lq, D] over the low tier of the run's sealed pages
+        (tier: quant.py's shapes, pages = B * S): out [B, H_p * G, Lq, D], lse [B, H_p * G, Lq]
+        float32."""
+        fmt = self.storage.layout.low
+        B, H_q, Lq, D = q_g.shape
+        S, lo, H_p = pb.sealed_table.shape[1], tier.k_codes.shape[1], tier.k_codes.shape[2]
+        if not decode:  # a chunk: dequantize once, then the flash kernel
+            k, v = dequantized_low(fmt, tier, B, S, q_g.dtype)
+            return attend_segment(q_g, k, v, _sealed_bias(pb.num_sealed, S, lo, q_g.dtype), scale)
+        unseen = _sealed_pos(pb.num_sealed, S, lo)[:, None, :] == NEVER  # [B, 1, S * lo]
+        q_f = q_g.reshape(B * H_p, H_q // H_p * Lq, D).to(torch.float32) * scale  # rows (g, i)
+        out, lse = attend_low(q_f, low_kv(fmt, tier, B, S), unseen)
+        return out.view(q_g.shape), lse.view(B, H_q, Lq)
+
+
+def _sealed_bias(num_sealed: torch.Tensor, S: int, slots: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, 1, S * slots] additive mask of sealed slots (page-major): 0 for the request's
+    num_sealed[b] pages, -inf for padding."""
+    pos = _sealed_pos(num_sealed, S, slots)
+    bias = torch.zeros(pos.shape, dtype=dtype, device=pos.device).masked_fill_(pos == NEVER, float("-inf"))
+    return bias[:, None, None, :]
+
+
+def _sealed_pos(num_sealed: torch.Tensor, S: int, slots: int) -> torch.Tensor:
+    """[B, S * slots] int64 positions of sealed slots (page-major): -1 (seen by every query)
+    for the request's num_sealed[b] pages, NEVER for padding."""
+    exists = torch.arange(S * slots, device=num_sealed.device)[None, :] < num_sealed[:, None] * slots
+    return torch.where(exists, -1, NEVER)
 
 
 @contextmanager
@@ -230,34 +290,3 @@ def _intra_op_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _logits(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, Lq, Hq_g, D], keys [B, L, H_p, D], mask [B, Lq, L] -> float32 logits
-    [B, Lq, H_p, G, L], -inf where masked."""
-    B, Lq, h_q, D = q.shape
-    h_p = keys.shape[2]
-    grouped = q.float().view(B, Lq, h_p, h_q // h_p, D)
-    logits = torch.einsum("bqhgd,bnhd->bqhgn", grouped, keys.float()) * scale
-    return logits.masked_fill(~mask[:, :, None, None, :], float("-inf"))
-
-
-def _explicit_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        mask: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention written out (decode: one query per request), with its log-sum-exp.
-    Returns out [B, Lq, Hq_g, D] in q's dtype and lse [B, Lq, Hq_g] float32."""
-    logits = _logits(q, keys, mask, scale)
-    lse = torch.logsumexp(logits, -1)  # [B, Lq, H_p, G]
-    probs = torch.exp(logits - lse[..., None]).nan_to_num_(0.0)  # padded queries see nothing
-    out = torch.einsum("bqhgn,bnhd->bqhgd", probs, values.float())
-    return out.flatten(2, 3).to(q.dtype), lse.flatten(2)
-
-
-def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-          scale: float) -> torch.Tensor:
-    """Batched SDPA: q [B, Lq, Hq_g, D], keys/values [B, L, H_p, D], mask [B, Lq, L]."""
-    out = scaled_dot_product_attention(
-        q.transpose(1, 2), keys.to(q.dtype).transpose(1, 2), values.to(q.dtype).transpose(1, 2),
-        attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[2] != keys.shape[2],
-    )
-    return out.transpose(1, 2)

@@ -118,6 +118,30 @@ def _decode(fmt: LowPrecision, codes: torch.Tensor, scale: torch.Tensor,
     return unpack(codes, fmt.bits).float() * scale.float() + zero.float()
 
 
+def codes_into(fmt: LowPrecision, packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Code values of packed uint8 codes [..., D * b / 8] written into `out` [..., D] (a float
+    tensor or view of any layout): integer codes as 0 .. 2^b - 1, fp8 codes as their
+    float8_e4m3fn values; the quantization parameters are not applied (readers fold them,
+    DESIGN.md section 11)."""
+    per = 8 // fmt.bits
+    code_planes_into(fmt, packed, out.unflatten(-1, (per, -1)).movedim(-2, 0))
+    return out
+
+
+def code_planes_into(fmt: LowPrecision, packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """codes_into by plane: out [8 / b, ..., D * b / 8], plane j = channels [j * D * b / 8,
+    (j + 1) * D * b / 8) (the planar packing's order); each plane is one converting copy, which
+    is cheapest when out[j] is contiguous."""
+    if fmt.is_float:
+        out[0].copy_(packed.view(torch.float8_e4m3fn))
+        return out
+    per, mask = 8 // fmt.bits, 2**fmt.bits - 1
+    for j in range(per):
+        plane = packed if j == 0 else packed >> (j * fmt.bits)
+        out[j].copy_(plane & mask if j < per - 1 else plane)
+    return out
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [..., D] of `bits` bits -> [..., D * bits / 8], planar (module docstring)."""
     per = 8 // bits

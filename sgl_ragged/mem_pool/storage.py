@@ -18,6 +18,7 @@ Page 0 is SGLang's padding page; it is never handed out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +41,14 @@ class SealCounters:
     tokens_sealed: int = 0  # logical tokens in sealed pages
     entries_kept: int = 0  # (token, KV head) entries kept, summed over layers
     entries_seen: int = 0  # (token, KV head) entries offered, summed over layers
+
+
+class PageTiers(NamedTuple):
+    """Rows of N pages of one group, as stored (`RaggedStorage.page_tiers`)."""
+
+    hi_k: torch.Tensor  # [N, hi, H_p, D] storage dtype
+    hi_v: torch.Tensor  # [N, hi, H_p, D]
+    low: QuantTier | None  # the N pages' low tiers (quant.py's shapes with pages = N)
 
 
 class RaggedStorage:
@@ -216,17 +225,23 @@ class RaggedStorage:
     def page_kv(self, layer: int, group: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of one group's rows at logical pages `pages` (any shape [*]): each
         [*, k, H_p, D] in the storage dtype, hi slots then the dequantized lo slots."""
-        k = _take(self.rows_k[layer][group], pages)
-        v = _take(self.rows_v[layer][group], pages)
-        tier = self.low_rows[layer][group]
-        if tier is None:
+        rows = self.page_tiers(layer, group, pages.reshape(-1))
+        k = rows.hi_k.view(*pages.shape, *rows.hi_k.shape[1:])  # [*, hi, H_p, D]
+        v = rows.hi_v.view(k.shape)
+        if rows.low is None:
             return k, v
-        flat = pages.reshape(-1)
-        part = QuantTier(*(None if t is None else _take(t, flat) for t in (
-            tier.k_codes, tier.k_scale, tier.k_zero, tier.v_codes, tier.v_scale, tier.v_zero)))
-        lo_k, lo_v = dequantize(self.layout.low, part, self.dtype)  # [N, lo, H_p, D]
+        lo_k, lo_v = dequantize(self.layout.low, rows.low, self.dtype)  # [N, lo, H_p, D]
         shape = (*pages.shape, *lo_k.shape[1:])
         return torch.cat([k, lo_k.view(shape)], -3), torch.cat([v, lo_v.view(shape)], -3)
+
+    def page_tiers(self, layer: int, group: int, pages: torch.Tensor) -> PageTiers:
+        """One group's rows at logical pages `pages` [N] as stored: hi slots at the storage
+        dtype and the raw low tier (codes and parameters, not dequantized; None without one)."""
+        tier = self.low_rows[layer][group]
+        low = None if tier is None else QuantTier(*(None if t is None else _take(t, pages) for t in (
+            tier.k_codes, tier.k_scale, tier.k_zero, tier.v_codes, tier.v_scale, tier.v_zero)))
+        return PageTiers(_take(self.rows_k[layer][group], pages),
+                         _take(self.rows_v[layer][group], pages), low)
 
     def sealed_keep(self, layer: int, group: int, pages: torch.Tensor) -> torch.Tensor | None:
         """Dynamic mode: [N * P, H_p] bool kept flags matching sealed_kv's order; else None."""

@@ -13,11 +13,16 @@ import pytest
 import torch
 
 from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention, padded_batches
+from sgl_ragged.attention_backend.plan import BatchPlan
+from sgl_ragged.attention_backend.torch_ref import TorchAttention
 from tests.unit.kernel_cases import (
     P,
+    Shape,
     Spec,
+    assert_same_state,
     compare_with_reference,
     random_plans,
+    random_qkv,
     random_specs,
     random_storage,
 )
@@ -98,3 +103,39 @@ def test_small_forwards_attend_on_one_thread(monkeypatch, limit, inside):
         assert seen == [inside] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int4", "int2", "fp8"])
+@pytest.mark.parametrize("decode", [False, True])
+@pytest.mark.parametrize("dtype,gqa,heads_per_group", [
+    (torch.float32, 1, 2), (torch.float32, 3, 1), (torch.bfloat16, 1, 1), (torch.bfloat16, 3, 2)])
+def test_batched_matches_reference_across_dtypes_and_gqa(precision, decode, dtype, gqa,
+                                                         heads_per_group):
+    """Every row format x decode/extend x GQA 1/3 x float32/bfloat16 against the reference.
+
+    float32: outputs and the whole storage state as compare_with_reference checks them.
+    bfloat16: both paths round to bfloat16 at different points (the reference: dequantized
+    rows and its SDPA output; extend: each segment's output before the merge; decode: only the
+    output, float32 throughout), so outputs agree to about one bfloat16 step (2^-8 relative) of
+    the largest output (random low tiers reach |v| ~ 37), and the state is not compared
+    (sealing scores from slightly different log-sum-exps may pick another of two near-tied
+    tokens)."""
+    rng = random.Random(300 + gqa)
+    specs = random_specs(rng, 4, decode)
+    shape = Shape(gqa=gqa)
+    stores = [random_storage(random.Random(7), "cpu", layers=2, heads_per_group=heads_per_group,
+                             num_stages=64, dtype=dtype, shape=shape, precision=precision)
+              for _ in range(2)]
+    plans = random_plans(stores[0], specs, random.Random(8), gap=1)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(9), "cpu", dtype=dtype, shape=shape)
+    outs = []
+    for impl in BatchedTorchAttention(stores[0]), TorchAttention(stores[1]):
+        outs.append(impl.forward(1, impl.prepare(BatchPlan(requests=list(plans))), q, k, v,
+                                 shape.head_dim**-0.5, decode))
+    rows = torch.cat([torch.arange(p.q_start, p.q_start + p.q_len) for p in plans])
+    if dtype == torch.float32:
+        torch.testing.assert_close(outs[0][rows], outs[1][rows], atol=2e-5, rtol=1e-4)
+        assert_same_state(*stores)
+    else:
+        got, want = outs[0][rows].float(), outs[1][rows].float()
+        torch.testing.assert_close(got, want, atol=2**-7 * want.abs().max().item(), rtol=2e-2)

@@ -16,6 +16,7 @@ from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.quant import (
     FP8_MAX,
     LOW_PRECISIONS,
+    codes_into,
     dequantize,
     low_precision,
     pack,
@@ -100,6 +101,25 @@ def test_pack_unpack_round_trip_and_layout(bits):
     for i, j in itertools.product(range(16 // per), range(per)):  # planar: byte i, slot j
         channel = j * (16 // per) + i
         assert torch.equal((packed[..., i] >> (j * bits)) & (2**bits - 1), codes[..., channel])
+
+
+@pytest.mark.parametrize("name", sorted(LOW_PRECISIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_codes_into_writes_code_values_into_any_layout(name, dtype):
+    """codes_into = the unpacked codes (fp8: their float8 values) in `dtype`, exactly, also
+    into a permuted view; with the parameters applied it is dequantize."""
+    fmt = LOW_PRECISIONS[name]
+    gen = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(2, 5, 3, 16, generator=gen) for _ in range(2))
+    tier = quantize(fmt, k, v)
+    want = (tier.k_codes.view(torch.float8_e4m3fn).float() if fmt.is_float
+            else unpack(tier.k_codes, fmt.bits).float())  # [2, 5, 3, 16]
+    out = torch.full((3, 2, 5, 16), float("nan"), dtype=dtype)  # heads first: a permuted view
+    codes_into(fmt, tier.k_codes, out.permute(1, 2, 0, 3))
+    assert torch.equal(out.permute(1, 2, 0, 3).float(), want)
+    zero = 0.0 if tier.k_zero is None else tier.k_zero.float()[:, None]
+    got = want * tier.k_scale.float()[:, None] + zero
+    torch.testing.assert_close(got, dequantize(fmt, tier, torch.float32)[0], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("name", sorted(LOW_PRECISIONS))
