@@ -63,6 +63,8 @@ def build_setup(config: RaggedConfig, shape: ModelShape, *, page_size: int, dtyp
     """Resolve the profile for the whole model, slice it per rank (tp.py) and lay out every
     rank's storage; the staging pool holds W + 1 pages per running request plus one spare
     request's worth (the scratch page comes out of it)."""
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} outside the {tp_size} tensor-parallel ranks")
     profiles = resolve_rank_profiles(config.profile, shape, config.heads_per_group, tp_size)
     layouts = tuple(RaggedLayout.from_profile(p, page_size, shape.head_dim, dtype_bytes,
                                               precision=config.precision) for p in profiles)
