@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2] / PACKAGE  # this checkout's package
 KNOWN_CIRCLES: tuple[frozenset[str], ...] = ()
 """Circles tolerated for now (none): a new one fails the test."""
 
+
 def module_name(path: Path, root: Path = ROOT, package: str = PACKAGE) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
