@@ -47,7 +47,7 @@ from pathlib import Path
 dist = md.distribution("sgl-ragged")
 url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
 eps = {ep.name: ep.value for ep in md.entry_points(group="sglang.srt.plugins")}
-ok = url == Path(sys.argv[1]).as_uri() and eps.get("ragged") == "sgl_ragged.plugin:register"
+ok = url == Path(sys.argv[1]).as_uri() and eps.get("ragged") == "sgl_ragged.serving.plugin:register"
 ok = ok and Path(sysconfig.get_paths()["purelib"], sys.argv[2]).is_file()
 sys.exit(0 if ok else 1)
 PY

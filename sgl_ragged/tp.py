@@ -137,16 +137,6 @@ def resolve_rank_profiles(spec: str, shape: ModelShape, heads_per_group: int | N
     return slice_all(whole, tp_size, heads_per_group)
 
 
-def tensor_parallel_rank() -> tuple[int, int]:
-    """(tp_size, tp_rank) of this scheduler process; (1, 0) before SGLang's groups exist."""
-    from sglang.srt.distributed import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return 1, 0
-    return (parallel_state.get_tensor_model_parallel_world_size(),
-            parallel_state.get_tensor_model_parallel_rank())
-
-
 def agreed_logical_pages(layouts: Sequence[RaggedLayout], available_bytes: int,
                          num_staging_pages: int) -> int:
     """Logical pages every rank admits: the smallest of the ranks' capacities at the same KV

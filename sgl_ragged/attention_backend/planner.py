@@ -1,45 +1,21 @@
-"""Planning a forward: each request's plan (plan.py) from SGLang's batch and the storage's
+"""Planning a forward: each request's plan (plan.py) from the batch's lists and the storage's
 bookkeeping, then the one step that changes the storage (staging pages for the pages that stay).
 
 `plan_batch` only reads the storage; `take_staging` gives every page that stays staged its
 staging page (fresh ones for new pages) and writes its observation counts. The backend runs
 both once per forward, before any layer; chunk boundaries (which prefill chunks are a
-request's last) come in explicitly, from scheduler/chunks.py.
+request's last) come in explicitly, from chunks.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
 from sgl_ragged.mem_pool.storage import RaggedStorage
-
-if TYPE_CHECKING:
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-
-
-def plan_forward(
-    forward_batch: ForwardBatch,
-    req_to_token: torch.Tensor,
-    storage: RaggedStorage,
-    window_pages: int,
-    obs_window: int,
-    final: Sequence[bool] | None = None,
-) -> BatchPlan:
-    """Plan every request of SGLang's batch (reads the storage, allocates nothing); final[r]:
-    request r's extend is its last prefill chunk (None: all are)."""
-    seq_lens = forward_batch.seq_lens_cpu.tolist()
-    if forward_batch.forward_mode.is_decode():
-        prefixes = [s - 1 for s in seq_lens]
-    else:
-        prefixes = list(forward_batch.extend_prefix_lens_cpu)
-    pool_idx = forward_batch.req_pool_indices.tolist()
-    return plan_batch(req_to_token, storage, pool_idx, prefixes, seq_lens, window_pages,
-                      obs_window, final)
 
 
 def plan_batch(
@@ -52,9 +28,10 @@ def plan_batch(
     obs_window: int,
     final: Sequence[bool] | None = None,
 ) -> BatchPlan:
-    """`plan_forward` from plain lists: request r = req_to_token row pool_idx[r] goes from
-    prefixes[r] to seq_lens[r] cached tokens in this forward. The plan's new staged pages have
-    no staging page yet (`take_staging`)."""
+    """Plan every request of a batch (reads the storage, allocates nothing): request r =
+    req_to_token row pool_idx[r] goes from prefixes[r] to seq_lens[r] cached tokens in this
+    forward; final[r]: its extend is its last prefill chunk (None: all are). The plan's new
+    staged pages have no staging page yet (`take_staging`)."""
     if final is None:
         final = [True] * len(pool_idx)
     plans, q_start = [], 0

@@ -260,18 +260,13 @@ def test_recorded_graph_replays_triton_launches(kernel_device):
 
 
 def _backend(storage: RaggedStorage, impl, requests: Requests):
-    """A RaggedAttnBackend over this storage without a ModelRunner (fields set directly)."""
-    from types import SimpleNamespace
+    """SGLang's RaggedAttnBackend over a core built from plain arguments (no ModelRunner)."""
+    from sgl_ragged.attention_backend.backend import RaggedAttention
+    from sgl_ragged.config import RaggedConfig
+    from sgl_ragged.serving.backend import RaggedAttnBackend
 
-    from sgl_ragged.attention_backend.backend import RaggedAttnBackend
-
-    backend = object.__new__(RaggedAttnBackend)
-    backend.req_to_token_pool = SimpleNamespace(req_to_token=requests.req_to_token)
-    backend.storage, backend.impl, backend.metrics = storage, impl, None
-    backend.config = SimpleNamespace(window_pages=WINDOW, obs_window=OBS, check_integrity=False)
-    backend.num_layers = storage.layout.num_layers
-    backend.forward_metadata, backend.graph_buffers = None, None
-    return backend
+    config = RaggedConfig(profile="uniform:0.3", window_pages=WINDOW, obs_window=OBS)
+    return RaggedAttnBackend(RaggedAttention(storage, impl, config, requests.req_to_token))
 
 
 def test_backend_graph_hooks_plan_only_the_real_requests():
@@ -280,7 +275,7 @@ def test_backend_graph_hooks_plan_only_the_real_requests():
     pytest.importorskip("sglang")
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    from sgl_ragged.scheduler.hooks import after_decode_graph_replay
+    from sgl_ragged.serving.scheduler_hooks import after_decode_graph_replay
 
     rng = random.Random(4)
     storage = random_storage(rng, "cpu", layers=1, num_pages=40)
@@ -290,7 +285,7 @@ def test_backend_graph_hooks_plan_only_the_real_requests():
     impl = TritonAttention(storage, layout_split_ratios(storage.layout))
     backend = _backend(storage, impl, requests)
     backend.init_cuda_graph_state(4, 4)
-    assert backend.graph_buffers.max_pages_per_request == CONTEXT_PAGES
+    assert backend.attention.graph_buffers.max_pages_per_request == CONTEXT_PAGES
     assert backend.get_cuda_graph_seq_len_fill_value() == 1
     # Capture: padding only, no planning.
     backend.init_forward_metadata_out_graph(SimpleNamespace(batch_size=4, forward_mode=ForwardMode.DECODE),
@@ -361,7 +356,7 @@ def test_server_args_keep_decode_graphs_only_for_the_triton_path(attention, prof
     from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig
 
     from sgl_ragged.config import RaggedConfig
-    from sgl_ragged.scheduler.server_args import _decode_graphs, _graph_config
+    from sgl_ragged.serving.server_args import _decode_graphs, _graph_config
 
     config = RaggedConfig.from_env({"RAGGED_PROFILE": profile, "RAGGED_ATTENTION": attention,
                                     "RAGGED_PRECISION": precision})
@@ -377,7 +372,7 @@ def test_server_args_reject_graph_setups_the_backend_cannot_run(monkeypatch):
     from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig, Phase, with_phase
 
     from sgl_ragged.config import RaggedConfig
-    from sgl_ragged.scheduler.server_args import _decode_graphs
+    from sgl_ragged.serving.server_args import _decode_graphs
 
     config = RaggedConfig.from_env({"RAGGED_PROFILE": "uniform:0.3"})
     breakable = with_phase(CudaGraphConfig(), Phase.DECODE, backend="breakable")
@@ -392,7 +387,7 @@ def test_server_args_reject_torch_compile():
     from types import SimpleNamespace
 
     pytest.importorskip("sglang")
-    from sgl_ragged.scheduler.server_args import _check_unsupported
+    from sgl_ragged.serving.server_args import _check_unsupported
 
     cfg = SimpleNamespace(speculative_algorithm=None, tp_size=1, page_size=64,
                           enable_torch_compile=True)

@@ -20,13 +20,6 @@ ROOT = Path(__file__).resolve().parents[2] / PACKAGE  # this checkout's package
 KNOWN_CIRCLES: tuple[frozenset[str], ...] = ()
 """Circles tolerated for now (none): a new one fails the test."""
 
-# TEMPORARY (issue 18, part 1): the SGLang adapters still spread over the core import each other
-# across packages (runtime <-> mem_pool.pool <-> scheduler <-> attention_backend.backend). Their
-# own imports are left out of the package graph until they move into sgl_ragged/serving/; the
-# lead removes this allowance when that work is merged. Imports *of* them still count.
-SERVING_ADAPTERS_TEMPORARY = tuple(f"{PACKAGE}.{m}" for m in (
-    "plugin", "runtime", "scheduler", "attention_backend.backend", "mem_pool.pool", "guard.hooks"))
-
 
 def module_name(path: Path, root: Path = ROOT, package: str = PACKAGE) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
@@ -195,8 +188,8 @@ def test_package_graph_collapses_modules_and_ignores_listed_importers():
 
 def test_no_import_circle_between_packages():
     """First-level packages (and top-level modules) form no circle, counting TYPE_CHECKING
-    imports (except the SGLang adapters' own imports, TEMPORARY: see SERVING_ADAPTERS_TEMPORARY)."""
-    graph = package_graph(import_graph(type_checking=True), ignore_imports_of=SERVING_ADAPTERS_TEMPORARY)
+    imports."""
+    graph = package_graph(import_graph(type_checking=True))
     found = circles(graph)
     assert not found, "import circles between sgl_ragged's packages:\n" + "\n".join(
         " <-> ".join(c) for c in found)
@@ -232,3 +225,69 @@ def test_the_plan_and_shared_ops_are_leaves():
     graph = import_graph()
     for leaf in ("attention_backend.plan", "attention_backend.ops"):
         assert graph[f"{PACKAGE}.{leaf}"] == set(), leaf
+
+
+# ---- the core and its SGLang adapters (sgl_ragged/serving) ----------------------------------
+
+CORE = ("mem_pool", "attention_backend", "kernels", "scoring", "profile", "budgets", "config",
+        "tp", "guard")
+"""Packages and modules that know nothing of SGLang: serving/ adapts them to it."""
+
+
+def _module_level_imports(node: ast.AST) -> Iterable[ast.Import | ast.ImportFrom]:
+    """Import statements that run when the module is imported: not in function bodies, not
+    under `if TYPE_CHECKING:` (class bodies run at import, so they count)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            for stmt in child.orelse:
+                yield from _module_level_imports_of_stmt(stmt)
+            continue
+        yield from _module_level_imports_of_stmt(child)
+
+
+def _module_level_imports_of_stmt(stmt: ast.AST) -> Iterable[ast.Import | ast.ImportFrom]:
+    if isinstance(stmt, ast.Import | ast.ImportFrom):
+        yield stmt
+    elif not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+        yield from _module_level_imports(stmt)
+
+
+def sglang_imports_at_module_level(source: str) -> list[str]:
+    """The `sglang` modules a source imports when it is imported."""
+    found = []
+    for stmt in _module_level_imports(ast.parse(source)):
+        names = ([a.name for a in stmt.names] if isinstance(stmt, ast.Import)
+                 else [stmt.module or ""] if not stmt.level else [])
+        found += [n for n in names if n == "sglang" or n.startswith("sglang.")]
+    return found
+
+
+def test_module_level_import_reader():
+    source = ("import torch\nfrom typing import TYPE_CHECKING\nimport sglang.srt.a\n"
+              "if TYPE_CHECKING:\n    from sglang.srt.b import B\n"
+              "try:\n    from sglang.srt.c import C\nexcept ImportError:\n    pass\n"
+              "class K:\n    from sglang.srt.d import D\n"
+              "    def f(self):\n        from sglang.srt.e import E\n"
+              "def g():\n    import sglang\n")
+    assert sglang_imports_at_module_level(source) == ["sglang.srt.a", "sglang.srt.c", "sglang.srt.d"]
+
+
+def test_the_core_imports_neither_sglang_nor_serving():
+    """The core imports no sglang module at module level and nothing of serving/ at all;
+    serving/ may import the core."""
+    graph = import_graph()
+    core = [f"{PACKAGE}.{name}" for name in CORE]
+
+    def in_core(module: str) -> bool:
+        return any(module == c or module.startswith(f"{c}.") for c in core)
+
+    upward = {m: sorted(t for t in targets if t.startswith(f"{PACKAGE}.serving"))
+              for m, targets in graph.items() if in_core(m)}
+    assert not {m: t for m, t in upward.items() if t}, f"the core imports serving/: {upward}"
+    files = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+    assert all(any(m == c or m.startswith(f"{c}.") for m in files) for c in core), core
+    sglang = {m: sglang_imports_at_module_level(p.read_text()) for m, p in files.items() if in_core(m)}
+    sglang = {m: s for m, s in sglang.items() if s}
+    assert not sglang, f"the core imports SGLang at module level: {sglang}"

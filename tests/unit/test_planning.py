@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import torch
 
+from sgl_ragged.attention_backend.chunks import PrefillChunks
 from sgl_ragged.attention_backend.planner import plan_batch, take_staging
 from sgl_ragged.mem_pool.sealer import SealBatch
 from sgl_ragged.mem_pool.staging_stats import StagingStats
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.profile import uniform_profile
-from sgl_ragged.scheduler.chunks import PrefillChunks
-from sgl_ragged.scheduler.hooks import attention_scale
+from sgl_ragged.serving.runtime import attention_scale
 from tests.unit.kernel_cases import make_storage
 
 P, D = 8, 4

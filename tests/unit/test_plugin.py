@@ -17,7 +17,7 @@ pytest.importorskip("sglang")
 
 from sglang.srt.plugins.hook_registry import HookType  # noqa: E402
 
-from sgl_ragged.plugin import guard_hook_table, hook_table  # noqa: E402
+from sgl_ragged.serving.plugin import guard_hook_table, hook_table  # noqa: E402
 
 ALL_HOOKS = hook_table() + guard_hook_table()
 

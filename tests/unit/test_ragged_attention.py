@@ -10,36 +10,17 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from sgl_ragged.attention_backend.planner import plan_forward, take_staging
+from sgl_ragged.attention_backend.planner import plan_batch, take_staging
 from sgl_ragged.attention_backend.torch_ref import request_forward
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.profile import BudgetProfile
 from tests.unit.kernel_cases import make_storage
 
 P, D, H_KV, GQA, LAYERS = 8, 16, 4, 2, 2
-
-
-@dataclass
-class _Mode:
-    decode: bool
-
-    def is_decode(self) -> bool:
-        return self.decode
-
-
-@dataclass
-class _Batch:
-    """The ForwardBatch fields plan_forward reads."""
-
-    forward_mode: _Mode
-    seq_lens_cpu: torch.Tensor
-    extend_prefix_lens_cpu: list[int]
-    req_pool_indices: torch.Tensor
 
 
 def _storage(budgets: list[list[float]], groups, window: int = 1,
@@ -66,10 +47,9 @@ class _Request:
             if pos % P == 0:
                 page = self.free_pages.pop()
                 self.req_to_token[0, pos : pos + P] = torch.arange(page * P, page * P + P)
-        batch = _Batch(_Mode(n_new == 1 and prefix > 0), torch.tensor([seq_len]), [prefix],
-                       torch.tensor([0]))
-        meta = take_staging(self.storage, plan_forward(batch, self.req_to_token, self.storage,
-                                                        window, obs_window=4, final=[final]))
+        meta = take_staging(self.storage, plan_batch(self.req_to_token, self.storage, [0],
+                                                      [prefix], [seq_len], window, obs_window=4,
+                                                      final=[final]))
         k_new = torch.randn(LAYERS, n_new, H_KV, D, generator=self.gen)
         v_new = torch.randn(LAYERS, n_new, H_KV, D, generator=self.gen)
         self.k, self.v = torch.cat([self.k, k_new], 1), torch.cat([self.v, v_new], 1)

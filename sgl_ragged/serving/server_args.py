@@ -21,7 +21,7 @@ from sgl_ragged.config import (
     move_cli_args_to_env,
 )
 from sgl_ragged.mem_pool.quant import low_precision
-from sgl_ragged.profile import ModelFreeKind, ModelShape, model_free_kind
+from sgl_ragged.profile import ModelFreeKind, ModelShape, model_free_kind, model_shape
 from sgl_ragged.tp import resolve_rank_profiles
 
 logger = logging.getLogger(__name__)
@@ -45,21 +45,6 @@ def before_from_cli_args(*args: Any, **kwargs: Any) -> None:
     for arg in (*args, *kwargs.values()):
         if isinstance(arg, argparse.Namespace):
             move_cli_args_to_env(arg)
-
-
-def model_shape(model_path: str, trust_remote_code: bool = False) -> ModelShape:
-    """Architecture and KV geometry of a local HF checkpoint."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    cfg = getattr(cfg, "text_config", cfg)
-    heads = cfg.num_attention_heads
-    return ModelShape(
-        architecture=(cfg.architectures or ["unknown"])[0],
-        num_layers=cfg.num_hidden_layers,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-    )
 
 
 def resolve_ragged_args(server_args: Any, previous: Any) -> None:

@@ -24,7 +24,7 @@ from sgl_ragged.guard.checks import (
     check_samples,
     check_sampling_params,
 )
-from sgl_ragged.scheduler.server_args import is_active
+from sgl_ragged.serving.server_args import is_active
 
 if TYPE_CHECKING:
     from fastapi import Request

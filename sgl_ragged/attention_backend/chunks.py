@@ -9,9 +9,11 @@ class PrefillChunks:
     """Which requests' next extend is their last prefill chunk (DESIGN.md section 4: a chunk
     that is not the last seals all its complete pages, the last one keeps the window).
 
-    The scheduler hook after `prepare_for_extend` records each request of the batch; the
-    backend takes the records of the batch it plans and passes them to the planner. Owned by
-    the KV pool, which both reach. Requests without a record (decode) count as final.
+    The scheduler hook after `prepare_for_extend` (serving/scheduler_hooks.py) records each
+    request of the batch; the serving backend takes the records of the batch it plans and
+    passes them to the core's planning. SGLang hands the two no common argument, so the
+    serving KV pool owns it (the hook reaches it through the batch's allocator, the backend
+    through the model runner's pool). Requests without a record (decode) count as final.
     """
 
     def __init__(self) -> None:

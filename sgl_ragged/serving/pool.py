@@ -14,10 +14,10 @@ import torch
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import NoOpMHATokenToKVPool
 
+from sgl_ragged.attention_backend.chunks import PrefillChunks
 from sgl_ragged.mem_pool.storage import RaggedStorage
-from sgl_ragged.runtime import get_runtime
-from sgl_ragged.scheduler.chunks import PrefillChunks
 from sgl_ragged.scoring import make_scorer
+from sgl_ragged.serving.runtime import current_setup
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,8 @@ class RaggedKVPool(NoOpMHATokenToKVPool):
 
     def _create_buffers(self) -> None:
         super()._create_buffers()  # tiny placeholders for code that inspects k_buffer
-        runtime = get_runtime()
-        layout = runtime.require_layout()
+        setup = current_setup()
+        layout = setup.layout
         expected = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size)
         actual = (self.layer_num, self.head_num, self.head_dim, self.page_size)
         if expected != actual:
@@ -43,12 +43,12 @@ class RaggedKVPool(NoOpMHATokenToKVPool):
         self.storage = RaggedStorage(
             layout,
             num_pages=(self.size + self.page_size) // self.page_size,
-            num_staging_pages=runtime.num_staging_pages,
+            num_staging_pages=setup.num_staging_pages,
             dtype=self.store_dtype,
             device=self.device,
-            scorer=make_scorer(runtime.config.scorer),
-            dynamic_rho=runtime.dynamic_rho,
-            scale=runtime.attention_scale,
+            scorer=make_scorer(setup.config.scorer),
+            dynamic_rho=setup.dynamic_rho,
+            scale=setup.attention_scale,
         )
         self.prefill_chunks = PrefillChunks()
 
@@ -73,10 +73,6 @@ class RaggedKVPool(NoOpMHATokenToKVPool):
     def get_kv_size_bytes(self) -> tuple[int, int]:
         half = self.storage.nbytes() // 2
         return half, half
-
-    def check_integrity(self, allocator: PagedTokenToKVPoolAllocator) -> None:
-        """Assert that the staging and sealing bookkeeping agrees with the allocator."""
-        self.storage.check_integrity(allocator.get_all_free_pages())
 
 
 class RaggedPagedAllocator(PagedTokenToKVPoolAllocator):

@@ -34,8 +34,8 @@ def register() -> None:
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
 
-    from sgl_ragged.attention_backend.backend import create_ragged_backend
-    from sgl_ragged.scheduler import server_args
+    from sgl_ragged.serving import server_args
+    from sgl_ragged.serving.backend import create_ragged_backend
 
     if "ragged" not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices(["ragged"])
@@ -52,7 +52,8 @@ def register() -> None:
 def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
     """(dotted SGLang target, hook, kind) of every hook register() installs."""
     from sgl_ragged.compat import cpu_tp
-    from sgl_ragged.scheduler import hooks, server_args
+    from sgl_ragged.serving import scheduler_hooks as hooks
+    from sgl_ragged.serving import server_args
 
     return [
         (f"{_SRT}.server_args.ServerArgs.add_cli_args", server_args.after_add_cli_args, HookType.AFTER),
@@ -72,9 +73,9 @@ def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
 
 
 def guard_hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
-    """The request guard's hooks (sgl_ragged/guard), installed in the main process only: it is
+    """The request guard's hooks (serving/guard_hooks.py, over sgl_ragged/guard), installed in the main process only: it is
     where requests arrive, and its targets would import the HTTP server into the children."""
-    from sgl_ragged.guard import hooks
+    from sgl_ragged.serving import guard_hooks as hooks
 
     return [
         (f"{_SRT}.entrypoints.http_server.serve_generate_request", hooks.around_serve_generate,

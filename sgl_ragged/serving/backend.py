@@ -1,0 +1,145 @@
+"""`--attention-backend ragged`: the core (attention_backend/backend.py) as SGLang's backend.
+
+This adapter reads SGLang's ForwardBatch into plain lists for the core's planning, reshapes a
+RadixAttention layer's q/k/v, and builds the core from a ModelRunner (`from_model_runner`:
+the pool's storage, the implementation registry.py picks, the process's `ServingSetup`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from sgl_ragged.attention_backend.backend import RaggedAttention, RaggedForwardMetadata
+from sgl_ragged.attention_backend.chunks import PrefillChunks
+from sgl_ragged.attention_backend.registry import make_attention_impl
+from sgl_ragged.serving.metrics import make_metrics
+from sgl_ragged.serving.pool import RaggedKVPool
+from sgl_ragged.serving.runtime import current_setup, tensor_parallel_rank
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class RaggedAttnBackend(AttentionBackend):
+    """SGLang's attention backend interface over a `RaggedAttention` core.
+
+    Eager forwards: init_forward_metadata plans the batch (with the prefill chunk boundaries
+    the scheduler hook recorded in `chunks`), forward_extend/forward_decode run one layer.
+    Decode CUDA graphs (Triton only): SGLang's graph runner calls init_cuda_graph_state once,
+    init_forward_metadata_out_graph before each capture and replay, and the plugin's hook
+    after each replay calls finish_graph_replay.
+    """
+
+    def __init__(self, attention: RaggedAttention, chunks: PrefillChunks | None = None) -> None:
+        super().__init__()
+        self.attention = attention
+        self.chunks = chunks if chunks is not None else PrefillChunks()
+
+    @classmethod
+    def from_model_runner(cls, model_runner: ModelRunner) -> RaggedAttnBackend:
+        """The backend over the model runner's ragged pool, with the published setup."""
+        pool = model_runner.token_to_kv_pool
+        if not isinstance(pool, RaggedKVPool):
+            raise TypeError(
+                f"the ragged backend needs its own KV pool, but SGLang built {type(pool).__name__}; "
+                "is another plugin overriding the KV pool class?"
+            )
+        setup = current_setup()
+        # Query heads of this tensor-parallel rank (the model's with --tp-size 1).
+        num_q_heads = model_runner.model_config.num_attention_heads // tensor_parallel_rank()[0]
+        impl = make_attention_impl(pool.storage, setup.profile, setup.config.attention, num_q_heads)
+        logger.info("ragged attention: %s (--ragged-attention %s)", type(impl).__name__,
+                    setup.config.attention)
+        allocator = model_runner.token_to_kv_pool_allocator
+        attention = RaggedAttention(pool.storage, impl, setup.config,
+                                    model_runner.req_to_token_pool.req_to_token,
+                                    free_pages=allocator.get_all_free_pages,
+                                    metrics=make_metrics())
+        return cls(attention, pool.prefill_chunks)
+
+    @property
+    def forward_metadata(self) -> RaggedForwardMetadata | None:  # read by SGLang's generic code
+        return self.attention.forward_metadata
+
+    @forward_metadata.setter
+    def forward_metadata(self, value: RaggedForwardMetadata | None) -> None:
+        self.attention.forward_metadata = value
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            self.attention.begin_idle()
+            return
+        if mode.is_target_verify():
+            raise NotImplementedError("the ragged backend does not support speculative decoding")
+        pool_idx = forward_batch.req_pool_indices.tolist()
+        seq_lens = forward_batch.seq_lens_cpu.tolist()
+        if mode.is_decode():
+            prefixes = [s - 1 for s in seq_lens]
+        else:
+            prefixes = list(forward_batch.extend_prefix_lens_cpu)
+        self.attention.begin_forward(pool_idx, prefixes, seq_lens, self.chunks.take(pool_idx))
+
+    # ---- CUDA graphs (decode) -------------------------------------------------------------
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        self.attention.init_graph(max_bs)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch,
+                                        in_capture: bool = False) -> None:
+        """Before a decode graph's capture (a batch of padding) or replay (plan the real
+        requests, the first batch_size - num_padding, into the graph's buffers)."""
+        bs = forward_batch.batch_size
+        mode = getattr(forward_batch, "actual_forward_mode", forward_batch.forward_mode)
+        if in_capture or mode.is_idle():
+            self.attention.capture_graph(bs)
+            return
+        if not mode.is_decode():
+            raise NotImplementedError(f"the ragged backend captures decode graphs only, not {mode}")
+        raw = bs - getattr(forward_batch, "num_padding", 0)
+        seq_lens = (forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None
+                    else forward_batch.seq_lens.cpu())[:raw].tolist()
+        self.attention.load_graph(bs, forward_batch.req_pool_indices[:raw].tolist(), seq_lens)
+
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
+        """Nothing: the graph's buffers are filled before the replay, on the host."""
+
+    def finish_graph_replay(self) -> None:
+        self.attention.finish_graph_replay()
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True, **kwargs) -> torch.Tensor:
+        return self._forward(q, k, v, layer, decode=False)
+
+    def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True, **kwargs) -> torch.Tensor:
+        return self._forward(q, k, v, layer, decode=True)
+
+    def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 layer: RadixAttention, decode: bool) -> torch.Tensor:
+        h_q, h_kv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
+        out = self.attention.forward(layer.layer_id, q.reshape(-1, h_q, d),
+                                     k.reshape(-1, h_kv, d), v.reshape(-1, h_kv, layer.v_head_dim),
+                                     layer.scaling, decode)
+        return out.reshape(q.shape[0], h_q * d)
+
+    def support_triton(self) -> bool:
+        return False
+
+
+def create_ragged_backend(model_runner: ModelRunner) -> RaggedAttnBackend:
+    """Factory registered under the name `ragged` in SGLang's attention registry."""
+    return RaggedAttnBackend.from_model_runner(model_runner)
