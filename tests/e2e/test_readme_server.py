@@ -1,5 +1,5 @@
-"""A server as README.md and scripts/serve.sh start it (the shipped calibrated profile, the
-model's own sampling defaults), exposed with --api-key: the README's question, asked without a
+"""A server as README.md and scripts/serve.sh start it (the default profile and precision:
+int4 row tiers at 0.3 of the bytes; the model's own sampling defaults), exposed with --api-key: the README's question, asked without a
 temperature, is answered, and requests without the key are refused."""
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
 from sgl_ragged.testing.server import ServerProcess
 from tests.e2e.conftest import COMMON, _start
 
 pytestmark = pytest.mark.e2e
 
 KEY = "test-key-1c9e"
-PROFILE = Path(__file__).parents[2] / "calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json"
+PROFILE = Path(__file__).parents[2] / DEFAULT_PROFILE
 README_CHAT = {"model": "default", "max_tokens": 30,
                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
 
@@ -25,7 +26,8 @@ README_CHAT = {"model": "default", "max_tokens": 30,
 @pytest.fixture(scope="module")
 def readme_server(request: pytest.FixtureRequest, model_path: str) -> ServerProcess:
     return _start(request, ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
-                            "--ragged-profile", str(PROFILE), "--max-total-tokens", "4096",
+                            "--ragged-profile", str(PROFILE), "--ragged-precision", DEFAULT_PRECISION,
+                            "--max-total-tokens", "4096",
                             "--max-running-requests", "4", "--api-key", KEY], "readme")
 
 
