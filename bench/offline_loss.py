@@ -17,6 +17,11 @@ p remainder, and p-all) and pairs ``hi+lo`` such as ``int8+int4``: ``int8+int4@r
 of the bytes on the most tokens that fit in int4, the best of them upgraded to int8 while the
 bytes allow (emulator/mixed.py ``compose_mixed``; every tier's scales and zeros counted). Pairs
 are offline only: the server stores its high tier at the model dtype (bench.accuracy refuses them).
+A trailing ``r`` (``int4r``, ``int2r``, ``int8+int4r``: ``int4r@rho``, ``int4r-all@r``)
+quantizes every quantized tier after a fixed randomized Hadamard rotation per (layer, KV head)
+(sgl_ragged/rotation.py, ``TierSelection.rotation``): same bytes, offline only; each rotated row
+is paired with its unrotated twin. Every row also gives the top-1 next-token accuracy and the
+top-1 agreement with the full cache (the fraction of tokens whose argmax is full's).
 
 ``--stock fp8_e4m3 mxfp8 fp4_mx_block16 nvfp4`` adds SGLang's own quantized KV caches,
 ``sglang-<dtype>``, emulated as SGLang 0.5.23 stores them (emulator/sglang_caches.py) at their
