@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.accuracy_client import SessionPlan, evaluate, plan_session
-from bench.accuracy_configs import FULL, MIXED_SEP, Config, config_bytes, plan_configs
+from bench.accuracy_configs import (
+    FULL,
+    MIXED_SEP,
+    Config,
+    config_bytes,
+    plan_configs,
+    split_rotated,
+)
 from bench.accuracy_report import markdown, plot
 from bench.accuracy_scoring import SCORED_TASKS, comparisons, summarize
 from bench.tokens import local_counter
@@ -98,6 +105,9 @@ def main() -> None:
         raise SystemExit(f"--precision {args.precision}: pairs such as int8{MIXED_SEP}int4 (a quantized "
                          "high tier) are offline only (python -m bench.offline_loss); the server "
                          "stores its high tier at the model dtype")
+    if any(split_rotated(p)[1] for p in args.precision):
+        raise SystemExit(f"--precision {args.precision}: rotated tiers (int4r, ...) are offline only "
+                         "(python -m bench.offline_loss); the server does not rotate its tiers yet")
     from sgl_ragged.profile import model_shape
 
     shape = model_shape(model)

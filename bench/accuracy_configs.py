@@ -1,5 +1,5 @@
 """The configurations bench.accuracy and bench.offline_loss compare: their grammar (names such as
-"static-snapkv@0.3", "int4@0.5", "int8+int4@0.3"), which exist for a profile directory, and the KV
+"static-snapkv@0.3", "int4@0.5", "int8+int4@0.3", "int4r@0.3"), which exist for a profile directory, and the KV
 bytes each keeps per token."""
 
 from __future__ import annotations
@@ -44,17 +44,19 @@ def precision_configs(rhos: list[float], precisions: list[str], scorer: str, hea
     best upgraded, or the best at p and the rest dropped), and "p-all@r" keeps every token at p
     and nothing else (r: the budget that buys exactly that, in bf16 bytes). A pair "h+l" (e.g.
     int8+int4, `MIXED_SEP`) gives "h+l@rho": both tiers quantized (mixed.compose_mixed; offline
-    only, bench.offline_loss)."""
+    only, bench.offline_loss). A trailing `ROTATED_SUFFIX` (int4r, int2r, int8+int4r) quantizes
+    every quantized tier rotated (rotation.py; same bytes, offline only), e.g. "int4r@0.3",
+    "int4r-all@0.28125"."""
     from sgl_ragged.precision import low_precision
 
     configs = []
     for p in precisions:
-        if MIXED_SEP in p:
-            mixed_formats(p)  # checks the pair
+        base, _ = split_rotated(p)
+        if MIXED_SEP in base:
             configs += [Config(f"{p}@{rho}", "tiers-mixed", rho, scorer, f"uniform:{rho}", p)
                         for rho in sorted(rhos) if rho < 1.0]
             continue
-        fmt = low_precision(p)
+        fmt = low_precision(base)
         # A full page of p against a full page at bf16, in whole slots of budget.
         whole = fmt.tier_bytes(page_size, 1, head_dim) / (2 * page_size * head_dim * 2)
         r = round(-(-whole * page_size // 1) / page_size, 6)
@@ -65,6 +67,30 @@ def precision_configs(rhos: list[float], precisions: list[str], scorer: str, hea
 
 
 MIXED_SEP = "+"  # "int8+int4": the high tier's format + the low tier's
+ROTATED_SUFFIX = "r"  # "int4r", "int8+int4r": every quantized tier rotated (rotation.py)
+
+
+def split_rotated(precision: str) -> tuple[str, bool]:
+    """A --precision of the benches -> (its unrotated precision, whether it is rotated):
+    "int4r" -> ("int4", True), "int8+int4r" -> ("int8+int4", True), "int4" -> ("int4", False).
+    Checks the name (a low precision or a pair of them, at most one suffix, at the end)."""
+    from sgl_ragged.precision import FULL_PRECISION, LOW_PRECISIONS
+
+    rotated = precision.endswith(ROTATED_SUFFIX)
+    base = precision[: -len(ROTATED_SUFFIX)] if rotated else precision
+    example = f"e.g. int4{ROTATED_SUFFIX} or int8{MIXED_SEP}int4{ROTATED_SUFFIX}"
+    if rotated and base == FULL_PRECISION:
+        raise ValueError(f"precision {precision!r}: {FULL_PRECISION} has no quantized tier to rotate; {example}")
+    parts = base.split(MIXED_SEP)
+    if any(x.endswith(ROTATED_SUFFIX) and x[:-1] in LOW_PRECISIONS for x in parts):
+        raise ValueError(f"precision {precision!r}: one {ROTATED_SUFFIX!r} suffix, after the whole "
+                         f"precision (it rotates every quantized tier of the row); {example}")
+    if rotated and MIXED_SEP not in base and base not in LOW_PRECISIONS:
+        raise ValueError(f"precision {precision!r}: {base!r} is not a low precision "
+                         f"({list(LOW_PRECISIONS)}); {example}")
+    if MIXED_SEP in base:
+        mixed_formats(base)  # checks the pair
+    return base, rotated
 STOCK = "stock"  # kind of SGLang's own quantized KV caches; their Config.precision is the dtype
 STOCK_PREFIX = "sglang-"  # "sglang-<--kv-cache-dtype>", e.g. sglang-nvfp4
 
@@ -98,7 +124,7 @@ def mixed_tiers(config: Config, shape: Any, page_size: int = PAGE_SIZE) -> tuple
     from sgl_ragged.profile import resolve_profile
     from sgl_ragged.scoring import SINK_TOKENS
 
-    hi_fmt, lo_fmt = mixed_formats(config.precision)
+    hi_fmt, lo_fmt = mixed_formats(split_rotated(config.precision)[0])
     profile = resolve_profile(config.profile, shape)
     budget_slots = profile.slots_per_group(page_size, min_slots=SINK_TOKENS)  # [L][G]
     tiers = [[compose_mixed(k, page_size, shape.head_dim, 2, hi_fmt, lo_fmt, SINK_TOKENS)
@@ -126,7 +152,8 @@ def config_bytes(config: Config, shape: Any, page_size: int = PAGE_SIZE) -> floa
     if MIXED_SEP in config.precision:
         return mixed_tiers(config, shape, page_size)[1]
     profile = resolve_profile(config.profile, shape)
-    return RaggedLayout.from_profile(profile, page_size, shape.head_dim, 2, config.precision).retention
+    base = split_rotated(config.precision)[0]  # a rotation costs no bytes
+    return RaggedLayout.from_profile(profile, page_size, shape.head_dim, 2, base).retention
 
 
 def other_sources() -> list[str]:

@@ -17,6 +17,11 @@ p remainder, and p-all) and pairs ``hi+lo`` such as ``int8+int4``: ``int8+int4@r
 of the bytes on the most tokens that fit in int4, the best of them upgraded to int8 while the
 bytes allow (emulator/mixed.py ``compose_mixed``; every tier's scales and zeros counted). Pairs
 are offline only: the server stores its high tier at the model dtype (bench.accuracy refuses them).
+A trailing ``r`` (``int4r``, ``int2r``, ``int8+int4r``: ``int4r@rho``, ``int4r-all@r``)
+quantizes every quantized tier after a fixed randomized Hadamard rotation per (layer, KV head)
+(sgl_ragged/rotation.py, ``TierSelection.rotation``): same bytes, offline only; each rotated row
+is paired with its unrotated twin. Every row also gives the top-1 next-token accuracy and the
+top-1 agreement with the full cache (the fraction of tokens whose argmax is full's).
 
 ``--stock fp8_e4m3 mxfp8 fp4_mx_block16 nvfp4`` adds SGLang's own quantized KV caches,
 ``sglang-<dtype>``, emulated as SGLang 0.5.23 stores them (emulator/sglang_caches.py) at their
@@ -34,7 +39,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.accuracy_configs import (
     FULL,
@@ -46,11 +51,15 @@ from bench.accuracy_configs import (
     mixed_tiers,
     other_sources,
     plan_configs,
+    split_rotated,
     stock_configs,
 )
 from bench.accuracy_report import plot_kl
 from bench.accuracy_stats import paired_diff
 from sgl_ragged.stats import mean_se
+
+if TYPE_CHECKING:
+    import torch
 
 SEED = 7  # calibration draws seed 0, BaKlaVa's search seed 1: these samples are held out
 
@@ -69,6 +78,7 @@ def selection_for(config: Config, shape: Any, page_size: int) -> tuple[Any, floa
     )
     from sgl_ragged.mem_pool.layout import RaggedLayout
     from sgl_ragged.profile import resolve_profile
+    from sgl_ragged.rotation import Rotation
 
     if config.kind == FULL:
         return None, 1.0
@@ -76,15 +86,18 @@ def selection_for(config: Config, shape: Any, page_size: int) -> tuple[Any, floa
         return FlatTopSelection(config.rho), config.rho
     if config.kind == STOCK:
         return StockCache(config.precision), config_bytes(config, shape, page_size)
-    if MIXED_SEP in config.precision:
+    base, rotated = split_rotated(config.precision)
+    rotation = Rotation(shape.head_dim) if rotated else None
+    if MIXED_SEP in base:
         tiers, retention = mixed_tiers(config, shape, page_size)
-        hi_fmt, lo_fmt = mixed_formats(config.precision)
+        hi_fmt, lo_fmt = mixed_formats(base)
         groups = resolve_profile(config.profile, shape).groups
-        return TierSelection(head_tiers(tiers, groups), lo_fmt, hi_fmt), retention
+        return TierSelection(head_tiers(tiers, groups), lo_fmt, hi_fmt, rotation), retention
     profile = resolve_profile(config.profile, shape)
-    layout = RaggedLayout.from_profile(profile, page_size, shape.head_dim, 2, config.precision)
+    layout = RaggedLayout.from_profile(profile, page_size, shape.head_dim, 2, base)
     if layout.quantized:
-        return TierSelection(head_tiers(layout.tiers, layout.groups), layout.low), layout.retention
+        return TierSelection(head_tiers(layout.tiers, layout.groups), layout.low,
+                             rotation=rotation), layout.retention
     return SlotSelection(head_slots(profile.budgets, profile.groups, page_size)), layout.retention
 
 
@@ -102,7 +115,8 @@ def evaluate(configs: list[Config], model: str, args: argparse.Namespace) -> dic
                             args.max_tokens, args.page_size)  # fmt: skip
     selections = {c.name: selection_for(c, runner.shape, args.page_size) for c in configs}
     losses = {name: CompressedLoss(runner, make_scorer(name), cfg) for name in {c.scorer for c in configs}}
-    out: dict[str, Any] = {c.name: {"kl": [], "nll": [], "memory": selections[c.name][1]} for c in configs}
+    out: dict[str, Any] = {c.name: {"kl": [], "nll": [], "top1": [], "agree": [], "memory": selections[c.name][1]}
+                           for c in configs}
     t0 = time.monotonic()
     for si, sample in enumerate(samples, start=1):
         full = losses[configs[0].scorer].log_probs(sample.input_ids, None)
@@ -111,12 +125,23 @@ def evaluate(configs: list[Config], model: str, args: argparse.Namespace) -> dic
             logp = full if c.kind == FULL else loss.log_probs(sample.input_ids, selections[c.name][0])
             out[c.name]["kl"].append(float(token_kl(full, logp).mean()))
             out[c.name]["nll"].append(float(loss.nll_of(logp, sample.input_ids).mean()))
+            top1, agree = top1_rates(full, logp, sample.input_ids[cfg.chunk_size + 1 :])
+            out[c.name]["top1"].append(top1)
+            out[c.name]["agree"].append(agree)
         print(f"\rsample {si}/{len(samples)} ({len(configs)} configs, "
               f"{time.monotonic() - t0:.0f} s)", end="", file=sys.stderr, flush=True)
     print(file=sys.stderr)
     out["_meta"] = {"tokens": [int(s.num_tokens) for s in samples], "tasks": [s.task for s in samples],
                     "scored_tokens": sum(int(s.num_tokens) - cfg.chunk_size - 1 for s in samples)}
     return out
+
+
+def top1_rates(full: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+    """full, logp [T, V] log-probabilities, targets [T] -> (fraction of tokens whose argmax is
+    the next token, fraction whose argmax is the full cache's argmax)."""
+    top = logp.argmax(-1)
+    return (float((top == targets.to(top.device)).double().mean()),
+            float((top == full.argmax(-1)).double().mean()))
 
 
 def summarize(configs: list[Config], raw: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -126,19 +151,29 @@ def summarize(configs: list[Config], raw: dict[str, Any]) -> tuple[list[dict[str
     for c in configs:
         kl, nll = mean_se(raw[c.name]["kl"]), mean_se(raw[c.name]["nll"])
         rows.append({"name": c.name, "kind": c.kind, "rho": c.rho, "memory": raw[c.name]["memory"],
-                     "kl": kl._asdict(), "nll": nll._asdict()})
+                     "kl": kl._asdict(), "nll": nll._asdict(),
+                     "top1": mean_se(raw[c.name]["top1"])._asdict(),
+                     "agree": mean_se(raw[c.name]["agree"])._asdict()})
     names = {c.name for c in configs}
     diffs = []
     for c in configs:
         others = [] if c.kind in (FULL, "tiers-all", STOCK) else [f"uniform@{c.rho}"]
         if c.kind in other_sources():
             others.append(f"static-mean-{c.scorer}@{c.rho}")
-        others += _stock_rivals(c, configs, raw)
+        others += _stock_rivals(c, configs, raw) + _unrotated_twin(c)
         for other in (o for o in others if o in names and o != c.name):  # not uniform@rho itself
             d = paired_diff(raw[c.name]["kl"], raw[other]["kl"])
             diffs.append({"a": c.name, "b": other, "rho": c.rho, "kl_mean": d.mean, "kl_se": d.se,
                           "kl_z": d.z})
     return rows, diffs
+
+
+def _unrotated_twin(c: Config) -> list[str]:
+    """A rotated tier configuration's unrotated twin ("int4r@0.3" -> "int4@0.3"), paired with it."""
+    if c.kind in (FULL, STOCK) or not c.name.startswith(c.precision):
+        return []
+    base, rotated = split_rotated(c.precision)
+    return [base + c.name[len(c.precision):]] if rotated else []
 
 
 def _stock_rivals(c: Config, configs: list[Config], raw: dict[str, Any]) -> list[str]:
@@ -154,11 +189,14 @@ def markdown(rows: list[dict[str, Any]], diffs: list[dict[str, Any]], meta: dict
     lines = [f"{meta['samples']} held-out samples (seed {meta['seed']}, {meta['scored_tokens']} scored "
              f"tokens after the first {meta['chunk_size']}-token chunk, page {meta['page_size']}); "
              "mean over samples ± standard error.", "",
-             "| config | rho | KV bytes (vs bf16) | KL(full ‖ config) (nats/token) | NLL (nats/token) |",
-             "|---|---|---|---|---|"]
+             "| config | rho | KV bytes (vs bf16) | KL(full ‖ config) (nats/token) | NLL (nats/token) "
+             "| top-1 (next token) | top-1 agreement with full |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['rho']} | {r['memory']:.3f} | {r['kl']['mean']:.4f} ± "
-                     f"{r['kl']['se']:.4f} | {r['nll']['mean']:.4f} ± {r['nll']['se']:.4f} |")
+                     f"{r['kl']['se']:.4f} | {r['nll']['mean']:.4f} ± {r['nll']['se']:.4f} | "
+                     f"{r['top1']['mean']:.4f} ± {r['top1']['se']:.4f} | "
+                     f"{r['agree']['mean']:.4f} ± {r['agree']['se']:.4f} |")
     lines += ["", "Paired KL differences (a − b over the same samples):", "",
               "| rho | a | b | Δ KL | z |", "|---|---|---|---|---|"]
     for d in diffs:

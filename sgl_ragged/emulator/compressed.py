@@ -32,6 +32,7 @@ from sgl_ragged.emulator.sglang_caches import stock_format
 from sgl_ragged.mem_pool.quant import dequantize, quantize
 from sgl_ragged.mem_pool.tiers import RowTiers
 from sgl_ragged.precision import LowPrecision
+from sgl_ragged.rotation import Rotation
 from sgl_ragged.scoring import SINK_TOKENS, Scorer
 from sgl_ragged.scoring.select import select_flat_top_pages, select_tiers, select_top_k
 
@@ -82,11 +83,19 @@ class TierSelection:
     """Static row tiers: head h of layer l keeps, of every page, its ``tiers[l][h].hi`` best
     tokens exactly and the next ``.lo`` quantized in ``fmt`` (as the server's rows). With
     ``hi_fmt`` the hi tokens are quantized too, in that format (mixed.compose_mixed: e.g. int8
-    over int4; offline only, the server stores its hi tier at the model dtype)."""
+    over int4; offline only, the server stores its hi tier at the model dtype).
+
+    With ``rotation`` (rotation.py, offline only so far) each quantized tier is quantized
+    rotated: a head's keys and values times its R, quantized and dequantized, times R^T. That
+    is exactly what a server storing rotated tiers would compute (queries rotated at attention,
+    outputs rotated back): R is orthogonal, so softmax((q R)(K' R)^T)(V' R) R^T, with K' R and
+    V' R the dequantized rotated tiers, equals softmax(q K'^T) V' with K', V' rotated back
+    here. Exact (hi_fmt None) tokens are not rotated: R R^T is the identity."""
 
     tiers: Sequence[Sequence[RowTiers]]  # [L][H] (head_tiers)
     fmt: LowPrecision | None
     hi_fmt: LowPrecision | None = None
+    rotation: Rotation | None = None
 
     def keep(self, layer_idx: int, scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
         keep = torch.zeros_like(scores, dtype=torch.bool)
@@ -104,18 +113,25 @@ class TierSelection:
             hi, lo = select_tiers(scores[:, heads], t.hi, t.total, sinks)  # [N, H', hi|lo]
             for idx, fmt in ((hi, self.hi_fmt), (lo, self.fmt)):
                 if idx.shape[-1] and fmt is not None:
-                    _requantize(fmt, idx, heads, k, v)
+                    rotate = None if self.rotation is None else (self.rotation, layer_idx)
+                    _requantize(fmt, idx, heads, k, v, rotate)
         return k, v
 
 
 def _requantize(fmt: LowPrecision, idx: torch.Tensor, heads: list[int], k: torch.Tensor,
-                v: torch.Tensor) -> None:
+                v: torch.Tensor, rotate: tuple[Rotation, int] | None = None) -> None:
     """In place: the tokens idx [N, H', n] (per page, of the heads `heads`) of k, v [N, P, H, D]
-    replaced by their values quantized as one tier of `fmt` per page and head, dequantized."""
+    replaced by their values quantized as one tier of `fmt` per page and head, dequantized;
+    with `rotate` (rotation, layer) quantized rotated and rotated back (TierSelection)."""
     index = idx.transpose(1, 2)[..., None].expand(-1, -1, -1, k.shape[-1])  # [N, n, H', D]
     tier_k = torch.gather(k[:, :, heads], 1, index)
     tier_v = torch.gather(v[:, :, heads], 1, index)
+    if rotate is not None:
+        rot, layer = rotate
+        tier_k, tier_v = rot.apply(tier_k, layer, heads), rot.apply(tier_v, layer, heads)
     deq_k, deq_v = dequantize(fmt, quantize(fmt, tier_k, tier_v), k.dtype)
+    if rotate is not None:
+        deq_k, deq_v = rot.invert(deq_k, layer, heads), rot.invert(deq_v, layer, heads)
     for dst, src in ((k, deq_k), (v, deq_v)):
         part = dst[:, :, heads]
         part.scatter_(1, index, src)

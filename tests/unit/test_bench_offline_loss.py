@@ -43,11 +43,18 @@ def test_offline_loss_bench(tiny_llama: Path, tmp_path: Path, capsys: pytest.Cap
     # The dynamic row is the compressed forward's KL, recomputed here sample by sample.
     runner = CaptureRunner(str(model))
     loss = CompressedLoss(runner, make_scorer("snapkv"), TINY)
-    kls = []
+    kls, top1, agree = [], [], []
     for sample in build_samples(runner.tokenizer, 2, offline_loss.SEED, 128, 160, 16):
         full = loss.log_probs(sample.input_ids, None)
-        kls.append(float(token_kl(full, loss.log_probs(sample.input_ids, FlatTopSelection(0.5))).mean()))
+        logp = loss.log_probs(sample.input_ids, FlatTopSelection(0.5))
+        kls.append(float(token_kl(full, logp).mean()))
+        targets = sample.input_ids[TINY.chunk_size + 1 :]
+        top1.append(sum(int(logp[i].argmax()) == int(t) for i, t in enumerate(targets)) / len(targets))
+        agree.append(sum(int(logp[i].argmax()) == int(full[i].argmax()) for i in range(len(targets))) / len(targets))
     assert result["per_sample"]["dynamic-snapkv@0.5"]["kl"] == pytest.approx(kls, rel=1e-6)
+    assert result["per_sample"]["dynamic-snapkv@0.5"]["top1"] == pytest.approx(top1)
+    assert result["per_sample"]["dynamic-snapkv@0.5"]["agree"] == pytest.approx(agree)
+    assert result["per_sample"]["full"]["agree"] == [1.0, 1.0]
     assert (out / "offline_loss.md").read_text().startswith("2 held-out samples")
     assert (out / "kl_vs_memory.png").stat().st_size > 0
     assert "| uniform@0.5 | 0.5 | 0.500 |" in capsys.readouterr().out
@@ -79,3 +86,23 @@ def test_offline_loss_bench_precision_rows(tiny_llama: Path, tmp_path: Path) -> 
     pairs = {(d["a"], d["b"]) for d in result["comparisons"]}
     assert pairs == {("int4-all@0.375", "sglang-fp8"), ("int4@0.5", "sglang-fp8")}
 
+
+
+def test_offline_loss_bench_rotated_rows(tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    offline_loss.main([
+        "--model", str(tiny_llama), "--rho", "0.5", "--profile-dir", str(tmp_path), "--samples", "1",
+        "--min-tokens", "128", "--max-tokens", "128", "--page-size", "16", "--chunk-size", "32",
+        "--obs-window", "8", "--precision", "int4", "int4r", "int8+int4r", "--only", "int4@0.5",
+        "int4r@0.5", "int4-all@0.375", "int4r-all@0.375", "int8+int4r@0.5", "--out", str(out),
+    ])  # fmt: skip
+    result = json.loads((out / "offline_loss.json").read_text())
+    rows = {r["name"]: r for r in result["configs"]}
+    assert rows["int4r@0.5"]["memory"] == rows["int4@0.5"]["memory"]
+    assert rows["int4r-all@0.375"]["memory"] == rows["int4-all@0.375"]["memory"] == pytest.approx(0.375)
+    assert rows["int4r@0.5"]["kl"]["mean"] != rows["int4@0.5"]["kl"]["mean"]
+    assert all(rows[n]["kl"]["mean"] > 0 for n in rows if n != "full")
+    pairs = {(d["a"], d["b"]) for d in result["comparisons"]}
+    assert {("int4r@0.5", "int4@0.5"), ("int4r-all@0.375", "int4-all@0.375")} <= pairs
+    assert rows["int8+int4r@0.5"]["memory"] <= 0.5
+    assert "top-1 agreement with full" in (out / "offline_loss.md").read_text()
