@@ -5,10 +5,11 @@ The implementations are imported only when built (the Triton one imports Triton)
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from sgl_ragged.mem_pool.quant import FULL_PRECISION
+from sgl_ragged.precision import FULL_PRECISION, tier_precision
 
 if TYPE_CHECKING:
     from sgl_ragged.attention_backend.impl import AttentionImpl
@@ -24,11 +25,19 @@ def triton_refuses(head_dim: int, precision: str) -> str | None:
     (they pack low-tier codes planar in registers: a power-of-two head size), or None."""
     if precision == FULL_PRECISION:
         return None
+    if tier_precision(precision).high is not None:
+        return f"does not read a quantized high tier ({precision}) yet"
     if not TRITON_LOW_TIERS:
         return "does not read low-precision tiers yet"
     if head_dim & (head_dim - 1):
         return f"packs low-tier codes for power-of-two head sizes only, not {head_dim}"
     return None
+
+
+HIGH_TIER_READERS = ("reference",)
+"""--ragged-attention paths that read a quantized high tier (--ragged-precision H+L)."""
+
+logger = logging.getLogger(__name__)
 
 
 def _reference(storage: RaggedStorage, profile: BudgetProfile | None,
@@ -75,10 +84,18 @@ def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
         raise ValueError(f"--ragged-attention {choice} does not support the dynamic reference "
                          "mode (profile dynamic:<rho>); use auto or reference")
     layout = storage.layout
-    refused = triton_refuses(layout.head_dim, layout.low.name) if layout.low else None
+    refused = triton_refuses(layout.head_dim, layout.precision_name)
     if choice == "auto":
         cuda = storage.device.type == "cuda" and not refused
         choice = "reference" if dynamic else "triton" if cuda else "batched"
+        if layout.high is not None and choice not in HIGH_TIER_READERS:
+            logger.info("ragged attention: auto picks reference, the only path that reads a "
+                        "quantized high tier (--ragged-precision %s)", layout.precision_name)
+            choice = "reference"
+    if layout.high is not None and choice in IMPLEMENTATIONS and choice not in HIGH_TIER_READERS:
+        raise ValueError(f"--ragged-attention {choice} does not read a quantized high tier yet; "
+                         f"use --ragged-attention reference (or auto) with --ragged-precision "
+                         f"{layout.precision_name}")
     if choice == "triton" and refused:
         raise ValueError(f"--ragged-attention triton {refused}; use --ragged-attention batched "
                          f"(or auto) with --ragged-precision {layout.low.name}")
