@@ -15,8 +15,9 @@ multi-turn radix reuse are bench.accuracy's.
 ``--precision`` takes low precisions (int8 int4 int2 fp8: p@rho, the best tokens at bf16 over a
 p remainder, and p-all) and pairs ``hi+lo`` such as ``int8+int4``: ``int8+int4@rho`` spends rho
 of the bytes on the most tokens that fit in int4, the best of them upgraded to int8 while the
-bytes allow (emulator/mixed.py ``compose_mixed``; every tier's scales and zeros counted). Pairs
-are offline only: the server stores its high tier at the model dtype (bench.accuracy refuses them).
+bytes allow (mem_pool/tiers.py ``compose_mixed``; every tier's scales and zeros counted). The
+server stores the pairs --ragged-precision accepts (H int8 or fp8), served by the reference
+attention; others (e.g. int4+int2) are offline only.
 
 ``--stock fp8_e4m3 mxfp8 fp4_mx_block16 nvfp4`` adds SGLang's own quantized KV caches,
 ``sglang-<dtype>``, emulated as SGLang 0.5.23 stores them (emulator/sglang_caches.py) at their

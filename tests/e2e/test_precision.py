@@ -31,7 +31,7 @@ def _layout(precision: str, ratio: float, dtype_bytes: int) -> RaggedLayout:
     return RaggedLayout.from_profile(uniform_profile(ratio, 30, 3), 64, 64, dtype_bytes, precision)
 
 
-@pytest.fixture(scope="module", params=["int4", "int8", "int2", "fp8"])
+@pytest.fixture(scope="module", params=["int4", "int8", "int2", "fp8", "int8+int4", "fp8+int4"])
 def tiered_server(request: pytest.FixtureRequest, model_path: str):
     server = _start(request, ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
                               "--ragged-profile", f"uniform:{RATIO}", "--ragged-precision", request.param,
