@@ -61,7 +61,8 @@ FLAGS = (
          f"precision ({', '.join(PRECISION_CHOICES[1:])}) that keeps more tokens per byte: the "
          "page's best tokens at the model dtype, the next ones quantized, the rest dropped; or "
          f"a pair H{TIER_SEP}L (H one of {', '.join(HIGH_CHOICES[1:])}, e.g. int8{TIER_SEP}int4) that "
-         "quantizes the best tokens too, in H (the reference attention only)."),
+         "quantizes the best tokens too, in H (not read by the batched CPU path: auto serves it "
+         "with the reference on a CPU)."),
     Flag("check-integrity", "RAGGED_CHECK_INTEGRITY", "0",
          "1 = run the pool's integrity check after every forward pass (debugging, tests)."),
 )

@@ -123,3 +123,9 @@ def tier_precision(name: str) -> TierPrecision:
             f"than the low tier's {low.name}; put the costlier format first (e.g. "
             f"{low.name}{TIER_SEP}{high.name})")
     return TierPrecision(high, low)
+
+
+PAIR_CHOICES = tuple(f"{h}{TIER_SEP}{lo}" for h in HIGH_CHOICES[1:] for lo in LOW_PRECISIONS
+                     if (LOW_PRECISIONS[h].bits, LOW_PRECISIONS[h].params_per_scale)
+                     >= (LOW_PRECISIONS[lo].bits, LOW_PRECISIONS[lo].params_per_scale))
+"""Every H+L pair --ragged-precision accepts (tier_precision), e.g. int8+int4."""

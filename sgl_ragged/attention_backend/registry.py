@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from sgl_ragged.precision import FULL_PRECISION, tier_precision
+from sgl_ragged.precision import FULL_PRECISION
 
 if TYPE_CHECKING:
     from sgl_ragged.attention_backend.impl import AttentionImpl
@@ -25,8 +25,6 @@ def triton_refuses(head_dim: int, precision: str) -> str | None:
     (they pack low-tier codes planar in registers: a power-of-two head size), or None."""
     if precision == FULL_PRECISION:
         return None
-    if tier_precision(precision).high is not None:
-        return f"does not read a quantized high tier ({precision}) yet"
     if not TRITON_LOW_TIERS:
         return "does not read low-precision tiers yet"
     if head_dim & (head_dim - 1):
@@ -34,7 +32,7 @@ def triton_refuses(head_dim: int, precision: str) -> str | None:
     return None
 
 
-HIGH_TIER_READERS = ("reference",)
+HIGH_TIER_READERS = ("reference", "triton")
 """--ragged-attention paths that read a quantized high tier (--ragged-precision H+L)."""
 
 logger = logging.getLogger(__name__)
@@ -89,8 +87,8 @@ def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
         cuda = storage.device.type == "cuda" and not refused
         choice = "reference" if dynamic else "triton" if cuda else "batched"
         if layout.high is not None and choice not in HIGH_TIER_READERS:
-            logger.info("ragged attention: auto picks reference, the only path that reads a "
-                        "quantized high tier (--ragged-precision %s)", layout.precision_name)
+            logger.info("ragged attention: auto picks reference: %s does not read a quantized "
+                        "high tier (--ragged-precision %s)", choice, layout.precision_name)
             choice = "reference"
     if layout.high is not None and choice in IMPLEMENTATIONS and choice not in HIGH_TIER_READERS:
         raise ValueError(f"--ragged-attention {choice} does not read a quantized high tier yet; "

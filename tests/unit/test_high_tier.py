@@ -1,8 +1,8 @@
 """A quantized high tier in the server (--ragged-precision H+L, DESIGN.md section 11): the
 precision names, the layout's bytes and compositions against brute forces, the storage's write /
 read round trip, the torch reference against brute-force attention over dequantized tokens, the
-emulator (TierSelection.hi_fmt) and the server storing the same values, and the attention paths
-that refuse such rows."""
+emulator (TierSelection.hi_fmt) and the server storing the same values, and the attention path
+that refuses such rows (the Triton kernels' reading and sealing: tests/unit/test_kernels_*.py)."""
 
 from __future__ import annotations
 
@@ -248,18 +248,20 @@ def test_reference_attention_over_dequantized_tiers(pair: str, window: int) -> N
 # ---- the attention paths ---------------------------------------------------------------------
 
 
-def test_only_the_reference_reads_a_quantized_high_tier(caplog: pytest.LogCaptureFixture) -> None:
+def test_batched_refuses_a_quantized_high_tier(caplog: pytest.LogCaptureFixture) -> None:
+    """The batched CPU path (and the native one, to come) refuse H+L by name; auto on a CPU
+    picks the reference; the Triton kernels read it (tests/unit/test_kernels_*.py)."""
     storage = make_storage(uniform_profile(0.5, 2, 4, 2), 16, 16, 8, 2, precision="int8+int4")
     with caplog.at_level(logging.INFO):
         impl = make_attention_impl(storage, None, "auto")
     assert type(impl).__name__ == "TorchAttention"
     assert [r.message for r in caplog.records if "auto picks reference" in r.message] == [
-        "ragged attention: auto picks reference, the only path that reads a quantized high tier "
+        "ragged attention: auto picks reference: batched does not read a quantized high tier "
         "(--ragged-precision int8+int4)"]
     with pytest.raises(ValueError, match="--ragged-attention batched does not read a quantized high tier"):
         make_attention_impl(storage, None, "batched")
-    assert triton_refuses(64, "int8+int4") == "does not read a quantized high tier (int8+int4) yet"
-    assert triton_refuses(64, "int4") is None
+    assert triton_refuses(64, "int8+int4") is None and triton_refuses(64, "int4") is None
+    assert "power-of-two head sizes" in triton_refuses(48, "int8+int4")
     bf16_hi = make_storage(uniform_profile(0.5, 2, 4, 2), 16, 16, 8, 2, precision="bf16+int4")
     assert type(make_attention_impl(bf16_hi, None, "auto")).__name__ != "TorchAttention"
     assert LOW_PRECISIONS["int4"] == bf16_hi.layout.low and bf16_hi.layout.high is None
