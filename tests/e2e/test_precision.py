@@ -99,3 +99,11 @@ def test_precision_with_the_dynamic_reference_is_refused(model_path):
 def test_unknown_precision_is_refused(model_path):
     log = _launch_error(model_path, ["--ragged-profile", "uniform:0.3", "--ragged-precision", "int3"])
     assert "--ragged-precision 'int3' is unknown; choose one of ['bf16', 'int8', 'int4', 'int2', 'fp8']" in log
+
+
+def test_bad_pairs_and_the_batched_path_are_refused_by_name(model_path):
+    log = _launch_error(model_path, ["--ragged-profile", "uniform:0.5", "--ragged-precision", "int4+int2"])
+    assert "--ragged-precision 'int4+int2' is unknown; a pair is <high>+<low>" in log
+    log = _launch_error(model_path, ["--ragged-profile", "uniform:0.5", "--ragged-precision", "int8+int4",
+                                     "--ragged-attention", "batched"])
+    assert "--ragged-attention batched does not read a quantized high tier yet" in log
