@@ -72,7 +72,8 @@ def parse_args() -> argparse.Namespace:
                    help="calibrated profiles <scorer>-rho<rho>.json (default calib_profiles/<model>)")
     p.add_argument("--precision", nargs="*", default=[],
                    help="also row tiers at these low precisions (int8 int4 int2 fp8): p@rho per rho "
-                        "and p-all (every token at p)")
+                        f"and p-all (every token at p); a pair such as int8{MIXED_SEP}int4 (a "
+                        "quantized high tier, served by the reference attention): p@rho per rho")
     p.add_argument("--sessions", type=int, default=12)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--context-tokens", type=int, default=1024)
@@ -101,13 +102,16 @@ def main() -> None:
 
     model = args.model or str(ensure_smollm2())
     profile_dir = args.profile_dir or Path("calib_profiles") / Path(model).name.lower()
-    if any(MIXED_SEP in p for p in args.precision):
-        raise SystemExit(f"--precision {args.precision}: pairs such as int8{MIXED_SEP}int4 (a quantized "
-                         "high tier) are offline only (python -m bench.offline_loss); the server "
-                         "stores its high tier at the model dtype")
     if any(split_rotated(p)[1] for p in args.precision):
         raise SystemExit(f"--precision {args.precision}: rotated tiers (int4r, ...) are offline only "
                          "(python -m bench.offline_loss); the server does not rotate its tiers yet")
+    from sgl_ragged.precision import tier_precision
+
+    for pair in (p for p in args.precision if MIXED_SEP in p):
+        try:
+            tier_precision(pair)  # the pairs a server stores (bench.offline_loss has more)
+        except ValueError as e:
+            raise SystemExit(f"--precision {pair}: {e}") from None
     from sgl_ragged.profile import model_shape
 
     shape = model_shape(model)

@@ -43,10 +43,10 @@ def precision_configs(rhos: list[float], precisions: list[str], scorer: str, hea
     spends rho of the bytes by the default composition (tiers.compose: every token at p, the
     best upgraded, or the best at p and the rest dropped), and "p-all@r" keeps every token at p
     and nothing else (r: the budget that buys exactly that, in bf16 bytes). A pair "h+l" (e.g.
-    int8+int4, `MIXED_SEP`) gives "h+l@rho": both tiers quantized (mixed.compose_mixed; offline
-    only, bench.offline_loss). A trailing `ROTATED_SUFFIX` (int4r, int2r, int8+int4r) quantizes
-    every quantized tier rotated (rotation.py; same bytes, offline only), e.g. "int4r@0.3",
-    "int4r-all@0.28125"."""
+    int8+int4, `MIXED_SEP`) gives "h+l@rho": both tiers quantized (tiers.compose_mixed, as the
+    server's --ragged-precision h+l stores them). A trailing `ROTATED_SUFFIX` (int4r, int2r,
+    int8+int4r) quantizes every quantized tier rotated (rotation.py; same bytes, offline only),
+    e.g. "int4r@0.3", "int4r-all@0.28125"."""
     from sgl_ragged.precision import low_precision
 
     configs = []
@@ -118,9 +118,9 @@ def mixed_formats(precision: str) -> tuple[Any, Any]:
 
 
 def mixed_tiers(config: Config, shape: Any, page_size: int = PAGE_SIZE) -> tuple[list[list[Any]], float]:
-    """A "h+l@rho" configuration's row tiers [L][G] (mixed.compose_mixed per group of its
+    """A "h+l@rho" configuration's row tiers [L][G] (tiers.compose_mixed per group of its
     profile) and its KV bytes per token as a fraction of a full bf16 cache."""
-    from sgl_ragged.emulator.mixed import compose_mixed, mixed_tier_bytes
+    from sgl_ragged.mem_pool.tiers import compose_mixed, mixed_tier_bytes
     from sgl_ragged.profile import resolve_profile
     from sgl_ragged.scoring import SINK_TOKENS
 

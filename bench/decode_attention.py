@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_ragged.precision import FULL_PRECISION, PRECISION_CHOICES
+from sgl_ragged.precision import FULL_PRECISION, PAIR_CHOICES, PRECISION_CHOICES
 
 LAYERS, HEADS, HEAD_DIM, GQA, PAGE, TAIL = 32, 8, 128, 4, 64, 37
 
@@ -66,7 +66,7 @@ def add_case_args(parser: argparse.ArgumentParser, batch: list[int] | None,
     parser.add_argument("--profile", type=Path, default=None, help="a calibrated profile JSON "
                         f"({LAYERS} layers x {HEADS} KV heads); default: synthetic heterogeneous")
     parser.add_argument("--heads-per-group", type=int, default=2)
-    parser.add_argument("--precision", choices=PRECISION_CHOICES, default=FULL_PRECISION,
+    parser.add_argument("--precision", choices=[*PRECISION_CHOICES, *PAIR_CHOICES], default=FULL_PRECISION,
                         help="also run rows with this low tier from the same budgets (equal "
                         "bytes), beside the drop-only rows")
     parser.add_argument("--batch", type=int, nargs="+", default=batch)
@@ -89,7 +89,8 @@ def build_case(profile, batch: int, context: int, precision: str = "bf16"):
     storage = RaggedStorage(layout, batch * n + 1, batch, torch.bfloat16, "cuda", SnapKVScorer())
     for t in [x for rows in (storage.rows_k, storage.rows_v) for layer in rows for x in layer]:
         t.normal_()
-    for tier in (t for layer in storage.low_rows for t in layer if t is not None):
+    for tier in (t for rows in (storage.low_rows, storage.high_rows) for layer in rows
+                 for t in layer if t is not None):
         for codes in (tier.k_codes, tier.v_codes):  # fp8: no NaN codes (0x7f, 0xff)
             codes.copy_(torch.randint_like(codes, 256) & (0xF7 if tier.k_zero is None else 0xFF))
         for params in (tier.k_scale, tier.v_scale):

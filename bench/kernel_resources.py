@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_ragged.precision import PRECISION_CHOICES
+from sgl_ragged.precision import PAIR_CHOICES, PRECISION_CHOICES
 
 HEADS, GQA, PAGE = 8, 4, 64
 
@@ -203,7 +203,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="CUDA compute capability x 10")
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--precision", nargs="+", choices=PRECISION_CHOICES,
+    parser.add_argument("--precision", nargs="+", choices=[*PRECISION_CHOICES, *PAIR_CHOICES],
                         default=list(PRECISION_CHOICES))
     parser.add_argument("--out", type=Path, default=Path("results/kernel_resources"))
     args = parser.parse_args()

@@ -15,8 +15,9 @@ multi-turn radix reuse are bench.accuracy's.
 ``--precision`` takes low precisions (int8 int4 int2 fp8: p@rho, the best tokens at bf16 over a
 p remainder, and p-all) and pairs ``hi+lo`` such as ``int8+int4``: ``int8+int4@rho`` spends rho
 of the bytes on the most tokens that fit in int4, the best of them upgraded to int8 while the
-bytes allow (emulator/mixed.py ``compose_mixed``; every tier's scales and zeros counted). Pairs
-are offline only: the server stores its high tier at the model dtype (bench.accuracy refuses them).
+bytes allow (mem_pool/tiers.py ``compose_mixed``; every tier's scales and zeros counted). The
+server stores the pairs --ragged-precision accepts (H int8 or fp8); others (e.g. int4+int2)
+are offline only.
 A trailing ``r`` (``int4r``, ``int2r``, ``int8+int4r``: ``int4r@rho``, ``int4r-all@r``)
 quantizes every quantized tier after a fixed randomized Hadamard rotation per (layer, KV head)
 (sgl_ragged/rotation.py, ``TierSelection.rotation``): same bytes, offline only; each rotated row

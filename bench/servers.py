@@ -46,9 +46,9 @@ class Target:
             return cls("baseline", None)
         if kind == "ragged" and rest:
             if precision:
-                from sgl_ragged.precision import low_precision
+                from sgl_ragged.precision import tier_precision
 
-                low_precision(precision)  # raises for an unknown one
+                tier_precision(precision)  # raises for an unknown one
             return cls(spec, rest, precision or "bf16")
         raise ValueError(f"--launch {spec!r}: use 'baseline', 'ragged:<profile>' or "
                          "'ragged@<precision>:<profile>' (e.g. ragged:uniform:0.3, "

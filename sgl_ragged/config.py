@@ -11,7 +11,13 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from sgl_ragged.precision import FULL_PRECISION, PRECISION_CHOICES, low_precision
+from sgl_ragged.precision import (
+    FULL_PRECISION,
+    HIGH_CHOICES,
+    PRECISION_CHOICES,
+    TIER_SEP,
+    tier_precision,
+)
 from sgl_ragged.scoring import SCORERS
 
 SUPPORTED_ARCHITECTURES = (
@@ -54,7 +60,10 @@ FLAGS = (
     Flag("precision", "RAGGED_PRECISION", FULL_PRECISION,
          "How rows spend their bytes: bf16 (the model dtype; budgets drop tokens) or a low "
          f"precision ({', '.join(PRECISION_CHOICES[1:])}) that keeps more tokens per byte: the "
-         "page's best tokens at the model dtype, the next ones quantized, the rest dropped."),
+         "page's best tokens at the model dtype, the next ones quantized, the rest dropped; or "
+         f"a pair H{TIER_SEP}L (H one of {', '.join(HIGH_CHOICES[1:])}, e.g. int8{TIER_SEP}int4) that "
+         "quantizes the best tokens too, in H (not read by the batched or native CPU paths: auto serves it "
+         "with the reference on a CPU)."),
     Flag("check-integrity", "RAGGED_CHECK_INTEGRITY", "0",
          "1 = run the pool's integrity check after every forward pass (debugging, tests)."),
 )
@@ -91,7 +100,8 @@ class RaggedConfig:
             raise ValueError(
                 f"--ragged-attention {self.attention!r} is unknown; choose one of {ATTENTION_IMPLS}"
             )
-        low_precision(self.precision)  # raises for an unknown precision
+        # raises for an unknown precision; bf16+L is named L
+        object.__setattr__(self, "precision", tier_precision(self.precision).name)
         if self.precision != FULL_PRECISION and self.profile.strip().lower().startswith("dynamic:"):
             raise ValueError(
                 f"--ragged-precision {self.precision} cannot be combined with the dynamic "

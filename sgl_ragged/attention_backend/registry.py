@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from sgl_ragged.mem_pool.quant import FULL_PRECISION
+from sgl_ragged.precision import FULL_PRECISION
 
 if TYPE_CHECKING:
     from sgl_ragged.attention_backend.impl import AttentionImpl
@@ -28,6 +28,12 @@ def triton_refuses(head_dim: int, precision: str) -> str | None:
     if head_dim & (head_dim - 1):
         return f"packs low-tier codes for power-of-two head sizes only, not {head_dim}"
     return None
+
+
+HIGH_TIER_READERS = ("reference", "triton")
+"""--ragged-attention paths that read a quantized high tier (--ragged-precision H+L)."""
+
+logger = logging.getLogger(__name__)
 
 
 def _reference(storage: RaggedStorage, profile: BudgetProfile | None,
@@ -103,14 +109,22 @@ def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
         raise ValueError(f"--ragged-attention {choice} does not support the dynamic reference "
                          "mode (profile dynamic:<rho>); use auto or reference")
     layout = storage.layout
-    refused = triton_refuses(layout.head_dim, layout.low.name) if layout.low else None
+    refused = triton_refuses(layout.head_dim, layout.precision_name)
     if choice == "auto":
         if dynamic:
             choice = "reference"
         elif storage.device.type == "cuda":
             choice = "batched" if refused else "triton"
-        else:
-            choice = _cpu_choice(storage)
+        else:  # a quantized high tier: neither native nor batched reads it
+            choice = "batched" if layout.high is not None else _cpu_choice(storage)
+        if layout.high is not None and choice not in HIGH_TIER_READERS:
+            logger.info("ragged attention: auto picks reference: %s does not read a quantized "
+                        "high tier (--ragged-precision %s)", choice, layout.precision_name)
+            choice = "reference"
+    if layout.high is not None and choice in IMPLEMENTATIONS and choice not in HIGH_TIER_READERS:
+        raise ValueError(f"--ragged-attention {choice} does not read a quantized high tier yet; "
+                         f"use --ragged-attention reference (or auto) with --ragged-precision "
+                         f"{layout.precision_name}")
     if choice == "triton" and refused:
         raise ValueError(f"--ragged-attention triton {refused}; use --ragged-attention batched "
                          f"(or auto) with --ragged-precision {layout.low.name}")

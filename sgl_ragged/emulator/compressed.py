@@ -82,8 +82,8 @@ class FlatTopSelection:
 class TierSelection:
     """Static row tiers: head h of layer l keeps, of every page, its ``tiers[l][h].hi`` best
     tokens exactly and the next ``.lo`` quantized in ``fmt`` (as the server's rows). With
-    ``hi_fmt`` the hi tokens are quantized too, in that format (mixed.compose_mixed: e.g. int8
-    over int4; offline only, the server stores its hi tier at the model dtype).
+    ``hi_fmt`` the hi tokens are quantized too, in that format (tiers.compose_mixed: e.g. int8
+    over int4, as the server's --ragged-precision int8+int4 stores them).
 
     With ``rotation`` (rotation.py, offline only so far) each quantized tier is quantized
     rotated: a head's keys and values times its R, quantized and dequantized, times R^T. That

@@ -111,12 +111,13 @@ def _layer_splits(counts: Sequence[int], row: torch.Tensor) -> LayerSplits:
 
 def layout_split_ratios(layout: RaggedLayout) -> tuple[tuple[float, ...], ...]:
     """[L][G] work share of each group from the layout alone: the bytes of its rows one page
-    holds (what the split kernel reads: hi slots at the model dtype, then the low tier's codes
+    holds (what the split kernel reads: hi slots at the model dtype or quantized, then the low tier's codes
     and parameters; k[l][g] * H_p slots without a low tier) over the layer's total. Used when
     no profile ratios are at hand and for quantized layouts (profile ratios count slots)."""
     result = []
     for layer_groups, layer_tiers in zip(layout.groups, layout.tiers, strict=True):
-        work = [tier_bytes(t, layout.low, len(heads), layout.head_dim, layout.dtype_bytes)
+        work = [tier_bytes(t, layout.low, len(heads), layout.head_dim, layout.dtype_bytes,
+                           layout.high)
                 for heads, t in zip(layer_groups, layer_tiers, strict=True)]
         result.append(tuple(w / sum(work) for w in work))
     return tuple(result)

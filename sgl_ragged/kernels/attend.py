@@ -30,13 +30,23 @@ def softmax_step(logits, v, m_i, l_i, acc, PRECISION: tl.constexpr):
 def attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_row, table_row, hi_g, lo_g, j, p0, p1,
                   scale, H_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr,
-                  LOW_FLOAT: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """Member head j's sealed pages table_row[p0:p1] of a group with hi_g full-precision and
-    lo_g low-tier slots per page: first every page's high slots (k_base / v_base rows
-    [pages, hi_g, H_p, D]), then each page's low tier on its codes (LOW_BITS 0: the layout has
-    no low tier and that loop is not compiled)."""
-    m_i, l_i, acc = _attend_high(q, m_i, l_i, acc, k_base, v_base, table_row, hi_g, j, p0, p1,
-                                 scale, H_P, D, BLOCK_N, BLOCK_D, PRECISION)
+                  LOW_FLOAT: tl.constexpr, NATIVE_FP8: tl.constexpr, HIGH_BITS: tl.constexpr,
+                  HIGH_FLOAT: tl.constexpr):
+    """Member head j's sealed pages table_row[p0:p1] of a group with hi_g high and lo_g
+    low-tier slots per page: first every page's high slots (k_base / v_base rows
+    [pages, hi_g, H_p, D]; with HIGH_BITS > 0 a quantized high tier, read on its codes like the
+    low one through columns 6-11 of the low_ptr row, tables.py), then each page's low tier on
+    its codes (LOW_BITS 0: the layout has no low tier and that loop is not compiled)."""
+    if HIGH_BITS > 0:
+        p_hi = tl.where(hi_g > 0, p1, p0)  # no high slots: no high-tier tensors
+        for pi in range(p0, p_hi):
+            page = tl.load(table_row + pi).to(tl.int64)
+            m_i, l_i, acc = _attend_low_page(q, m_i, l_i, acc, low_row + 6, page, hi_g, j, scale,
+                                             H_P, D, BLOCK_N, BLOCK_D, PRECISION, HIGH_BITS,
+                                             HIGH_FLOAT, NATIVE_FP8)
+    else:
+        m_i, l_i, acc = _attend_high(q, m_i, l_i, acc, k_base, v_base, table_row, hi_g, j, p0,
+                                     p1, scale, H_P, D, BLOCK_N, BLOCK_D, PRECISION)
     if LOW_BITS > 0:
         # A group without low slots has no low-tier tensors (null addresses): skip its pages.
         p_lo = tl.where(lo_g > 0, p1, p0)
@@ -77,7 +87,8 @@ def _attend_low_page(q, m_i, l_i, acc, low_row, page, lo_g, j, scale, H_P: tl.co
                      D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      PRECISION: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr,
                      NATIVE_FP8: tl.constexpr):
-    """Logical page `page`'s lo_g low-tier slots of member head j, attended on the codes
+    """Logical page `page`'s lo_g slots of a quantized tier (low_row: its six addresses) of
+    member head j, attended on the codes
     (DESIGN.md section 11): keys k = code * s + z per channel, so q . k = (q * s) . code + q . z
     with q * s and q . z once per page; values v = code * s_t + z_t per token, so
     sum_t p_t v_t = sum_t (p_t s_t) code_t + sum_t p_t z_t."""

@@ -43,7 +43,7 @@ def _sealed_splits_kernel(
     H_P: tl.constexpr, GSIZE: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr,
-    NATIVE_FP8: tl.constexpr,
+    NATIVE_FP8: tl.constexpr, HIGH_BITS: tl.constexpr, HIGH_FLOAT: tl.constexpr,
 ):
     w = tl.program_id(0)
     b = tl.program_id(1)
@@ -70,10 +70,10 @@ def _sealed_splits_kernel(
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        m_i, l_i, acc = attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_ptr + g * 6,
+        m_i, l_i, acc = attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_ptr + g * 12,
                                       sealed_table + b * s_tb, hi_g, lo_g, j, p0, p1, scale,
                                       H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS, LOW_FLOAT,
-                                      NATIVE_FP8)
+                                      NATIVE_FP8, HIGH_BITS, HIGH_FLOAT)
         # Empty share (short request): lse = -inf, output 0.
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -193,6 +193,7 @@ def _split_launch(q: torch.Tensor, tables: LayerTables, splits: LayerSplits, bat
             *mid_l.stride()[:2], scale)
     options = {"H_P": tables.heads_per_group, "DTYPE": tl_dtype(tables.rows_dtype), **cfg,
                "LOW_BITS": tables.low_bits, "LOW_FLOAT": tables.low_float,
+               "HIGH_BITS": tables.high_bits, "HIGH_FLOAT": tables.high_float,
                "NATIVE_FP8": compiled_for_gpu(q), "num_warps": SPLIT_WARPS}
     return args, options
 

@@ -11,7 +11,8 @@ not be NaN. O(P^2) comparisons per (page, head): 4096 for P = 64.
 With a low tier (DESIGN.md section 11) the tokens of rank < hi[l][g] are the full-precision
 tier and the other kept ones the low tier (`select_tiers`), each in position order; the kernel
 quantizes and packs the low tier in place (kernels/quant.py: keys per channel over the page's
-low-tier tokens, values per token, as `quant.quantize`).
+low-tier tokens, values per token, as `quant.quantize`), and the high tier the same way when it
+is quantized too (--ragged-precision H+L: HIGH_BITS > 0, tables.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def _seal_kernel(
     rows_k_ptr, rows_v_ptr, slots, hi_slots, low_ptr, head_group, head_member, P,
     H_P: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr,
+    HIGH_BITS: tl.constexpr, HIGH_FLOAT: tl.constexpr,
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -63,16 +65,21 @@ def _seal_kernel(
     store_mask = hi[:, None] & mask_d[None, :] & (page >= 0)  # page -1: a padding entry
     x_k = tl.load(Src_K + src_off, mask=load_mask, other=0.0)
     x_v = tl.load(Src_V + src_off, mask=load_mask, other=0.0)
-    k_base = tl.load(rows_k_ptr + g).to(tl.pointer_type(DTYPE))
-    v_base = tl.load(rows_v_ptr + g).to(tl.pointer_type(DTYPE))
-    tl.store(k_base + dst_off, x_k, mask=store_mask)
-    tl.store(v_base + dst_off, x_v, mask=store_mask)
+    if HIGH_BITS > 0:  # a quantized high tier (columns 6-11 of the low_ptr row)
+        if hi_g > 0:
+            store_low(x_k.to(tl.float32), x_v.to(tl.float32), hi, slot, page, j, hi_g,
+                      low_ptr + g * 12 + 6, H_P, D, BLOCK_P, HIGH_BITS, HIGH_FLOAT)
+    else:
+        k_base = tl.load(rows_k_ptr + g).to(tl.pointer_type(DTYPE))
+        v_base = tl.load(rows_v_ptr + g).to(tl.pointer_type(DTYPE))
+        tl.store(k_base + dst_off, x_k, mask=store_mask)
+        tl.store(v_base + dst_off, x_v, mask=store_mask)
     # 5. Quantize the low tier into its slots (groups without one have k_g == hi_g).
     if LOW_BITS > 0:
         if hi_g < k_g:
             lo_slot = tl.sum((before & lo[None, :]).to(tl.int32), 1)
             store_low(x_k.to(tl.float32), x_v.to(tl.float32), lo, lo_slot, page, j, k_g - hi_g,
-                      low_ptr + g * 6, H_P, D, BLOCK_P, LOW_BITS, LOW_FLOAT)
+                      low_ptr + g * 12, H_P, D, BLOCK_P, LOW_BITS, LOW_FLOAT)
 
 
 def seal_pages(
@@ -99,5 +106,6 @@ def seal_pages(
         tables.rows_k_ptr, tables.rows_v_ptr, tables.slots, tables.hi_slots, tables.low_ptr,
         tables.head_group, tables.head_member, P, H_P=tables.heads_per_group, D=d,
         DTYPE=tl_dtype(tables.rows_dtype), BLOCK_P=next_pow2(P), BLOCK_D=next_pow2(d),
-        LOW_BITS=tables.low_bits, LOW_FLOAT=tables.low_float, num_warps=8,
+        LOW_BITS=tables.low_bits, LOW_FLOAT=tables.low_float, HIGH_BITS=tables.high_bits,
+        HIGH_FLOAT=tables.high_float, num_warps=8,
     )

@@ -9,7 +9,9 @@ pointer in the kernel. Index spaces: group g in [0, G), member j in [0, H_p), KV
 Rows with a low tier (mem_pool/quant.py, DESIGN.md section 11): slot s < hi[l][g] of a page is
 rows_k[l][g][page, s]; slot s >= hi is low-tier slot s - hi, whose codes and quantization
 parameters the kernels reach through `low_ptr[g]` (the six tensors of `low_rows[l][g]`, in
-`LOW_TENSORS` order; 0 where a group has no low tier or the format no zero points).
+`LOW_TENSORS` order; 0 where a group has no low tier or the format no zero points). With a
+quantized high tier (--ragged-precision H+L) the hi slots are not in rows_k (it keeps none) but
+in `high_rows[l][g]`, whose six tensors are columns 6-11 of the same `low_ptr[g]` row.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import triton.language as tl
 
+from sgl_ragged.mem_pool.quant import QuantTier
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.precision import LowPrecision
 
@@ -32,7 +35,11 @@ def tl_dtype(dtype: torch.dtype) -> tl.dtype:
 
 
 LOW_TENSORS = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
-"""Columns of LayerTables.low_ptr (the kernels index them by position)."""
+"""Columns of LayerTables.low_ptr (the kernels index them by position); columns
+len(LOW_TENSORS) + i hold the high tier's, in the same order."""
+
+TIER_COLUMNS = 2 * len(LOW_TENSORS)
+"""Width of a low_ptr row: the low tier's tensors, then the high tier's (the kernels' `g * 12`)."""
 
 
 def next_pow2(n: int) -> int:
@@ -47,7 +54,7 @@ class LayerTables:
     rows_v_ptr: torch.Tensor  # [G] int64 address of rows_v[l][g]
     slots: torch.Tensor  # [G] int32 k[l][g], row slots per logical page (hi + lo)
     hi_slots: torch.Tensor  # [G] int32 hi[l][g], the full-precision ones (rows_k's dim 1)
-    low_ptr: torch.Tensor  # [G, 6] int64 addresses of low_rows[l][g]'s tensors (LOW_TENSORS)
+    low_ptr: torch.Tensor  # [G, 12] int64 addresses of low_rows[l][g]'s tensors (LOW_TENSORS), then high_rows[l][g]'s
     group_heads: torch.Tensor  # [G, H_p] int32 KV heads of each group
     head_group: torch.Tensor  # [H] int32 group of each KV head
     head_member: torch.Tensor  # [H] int32 position j of the head inside its group
@@ -55,6 +62,7 @@ class LayerTables:
     max_slots: int
     rows_dtype: torch.dtype
     low: LowPrecision | None  # the low tier's format (None: no group has one)
+    high: LowPrecision | None = None  # the high tier's format (None: the model dtype)
 
     @property
     def num_groups(self) -> int:
@@ -69,6 +77,16 @@ class LayerTables:
     def low_float(self) -> bool:
         """The low tier is fp8 (e4m3, scale only; the kernels' LOW_FLOAT)."""
         return self.low is not None and self.low.is_float
+
+    @property
+    def high_bits(self) -> int:
+        """Code bits of a quantized high tier, 0 at the model dtype (the kernels' HIGH_BITS)."""
+        return 0 if self.high is None else self.high.bits
+
+    @property
+    def high_float(self) -> bool:
+        """The high tier is fp8 (the kernels' HIGH_FLOAT)."""
+        return self.high is not None and self.high.is_float
 
 
 def layer_tables(storage: RaggedStorage, layer: int) -> LayerTables:
@@ -87,10 +105,13 @@ def layer_tables(storage: RaggedStorage, layer: int) -> LayerTables:
     def i32(values: object) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=dev)
 
-    low = [[0] * len(LOW_TENSORS) if tier is None else
-            [0 if getattr(tier, name) is None else getattr(tier, name).data_ptr()
-             for name in LOW_TENSORS] for tier in storage.low_rows[layer]]
-    if layout.low is not None and layout.head_dim != next_pow2(layout.head_dim):
+    def tier_ptrs(tier: QuantTier | None) -> list[int]:
+        return [0 if tier is None or getattr(tier, name) is None else getattr(tier, name).data_ptr()
+                for name in LOW_TENSORS]
+
+    low = [tier_ptrs(lo) + tier_ptrs(hi)
+           for lo, hi in zip(storage.low_rows[layer], storage.high_rows[layer], strict=True)]
+    if layout.quantized and layout.head_dim != next_pow2(layout.head_dim):
         raise ValueError(f"the Triton kernels pack low-tier codes for power-of-two head sizes "
                          f"only, not {layout.head_dim} (attention_backend/registry.triton_refuses)")
     return LayerTables(
@@ -106,6 +127,7 @@ def layer_tables(storage: RaggedStorage, layer: int) -> LayerTables:
         max_slots=max(slots),
         rows_dtype=storage.dtype,
         low=layout.low,
+        high=layout.high,
     )
 
 

@@ -4,7 +4,8 @@ DESIGN.md section 2. A logical page of P tokens lives at row p of every group's 
 `[num_pages, k[l][g], H_p, head_dim]`; `k[l][g] = ceil(max_{h in g} B[l,h] * P)` clamped to
 [SINK_TOKENS, P]. With a low precision (DESIGN.md section 11) the same bytes are spent on tiers
 instead (tiers.py): `hi[l][g]` slots at the model dtype, then `lo[l][g]` quantized ones
-(quant.py). The bytes of one logical page are therefore fixed by the profile and the precision,
+(quant.py); with `--ragged-precision H+L` the hi slots are quantized too, in format H
+(`high`, tiers.compose_mixed). The bytes of one logical page are therefore fixed by the profile and the precision,
 which is what lets admission reserve exactly the post-compression footprint (Budget
 Reservation).
 """
@@ -14,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sgl_ragged.mem_pool.staging_stats import StagingStats
-from sgl_ragged.mem_pool.tiers import RowTiers, compose, tier_bytes
-from sgl_ragged.precision import FULL_PRECISION, LowPrecision, low_precision
+from sgl_ragged.mem_pool.tiers import RowTiers, compose, compose_mixed, tier_bytes
+from sgl_ragged.precision import FULL_PRECISION, TIER_SEP, LowPrecision, tier_precision
 from sgl_ragged.profile import BudgetProfile
 from sgl_ragged.scoring import SINK_TOKENS
 
@@ -31,6 +32,7 @@ class RaggedLayout:
     slots: tuple[tuple[int, ...], ...]  # [L][G] -> k, kept row slots per logical page (hi + lo)
     tiers: tuple[tuple[RowTiers, ...], ...] | None = None  # [L][G]; None: all slots full precision
     low: LowPrecision | None = None  # format of the lo slots
+    high: LowPrecision | None = None  # format of the hi slots (None: the model dtype)
 
     def __post_init__(self) -> None:
         if self.tiers is None:
@@ -41,6 +43,8 @@ class RaggedLayout:
             raise ValueError(f"row tiers {self.tiers} do not add up to the slots {self.slots}")
         if self.low is None and any(t.lo for layer in self.tiers for t in layer):
             raise ValueError("a layout with low-precision slots needs their format")
+        if self.high is not None and self.low is None:
+            raise ValueError("a layout with a quantized high tier names its low tier's format too")
 
     @classmethod
     def from_profile(
@@ -52,12 +56,14 @@ class RaggedLayout:
                 f"--page-size {page_size} is too small for the ragged backend: a page must hold "
                 f"the {SINK_TOKENS} sink tokens; use --page-size 64 (the default) or any >= {SINK_TOKENS}"
             )
-        fmt = low_precision(precision)
-        if fmt is not None and profile.tiers is not None and profile.tiers.precision == precision:
+        parsed = tier_precision(precision)
+        fmt, high = parsed.low, parsed.high
+        if (fmt is not None and profile.tiers is not None
+                and profile.tiers.precision == parsed.name):
             tiers = profile_tiers(profile, page_size)
         else:  # drop only, or the default composition of each group's byte budget
             budget_slots = profile.slots_per_group(page_size, min_slots=SINK_TOKENS)
-            tiers = tuple(tuple(compose(k, page_size, head_dim, dtype_bytes, fmt, SINK_TOKENS)
+            tiers = tuple(tuple(_compose(k, page_size, head_dim, dtype_bytes, fmt, high)
                                 for k in layer) for layer in budget_slots)
         return cls(
             page_size=page_size,
@@ -66,7 +72,8 @@ class RaggedLayout:
             groups=profile.groups,
             slots=tuple(tuple(t.total for t in layer) for layer in tiers),
             tiers=tiers,
-            low=fmt if any(t.lo for layer in tiers for t in layer) else None,
+            low=fmt if high is not None or any(t.lo for layer in tiers for t in layer) else None,
+            high=high,
         )
 
     @property
@@ -81,24 +88,34 @@ class RaggedLayout:
     def row_bytes_per_page(self) -> int:
         """Bytes of K+V rows one logical page occupies across all layers and groups."""
         return sum(
-            tier_bytes(t, self.low, len(heads), self.head_dim, self.dtype_bytes)
+            tier_bytes(t, self.low, len(heads), self.head_dim, self.dtype_bytes, self.high)
             for layer_groups, layer_tiers in zip(self.groups, self.tiers, strict=True)
             for heads, t in zip(layer_groups, layer_tiers, strict=True)
         )
 
     @property
     def quantized(self) -> bool:
-        """Some group keeps low-precision slots."""
-        return self.low is not None
+        """Some group keeps quantized slots (a low tier, or a quantized high tier)."""
+        return self.low is not None or self.high is not None
+
+    @property
+    def precision_name(self) -> str:
+        """The --ragged-precision these rows are stored in: bf16, L or H+L."""
+        if self.high is not None:
+            return f"{self.high.name}{TIER_SEP}{self.low.name}"
+        return self.low.name if self.low else FULL_PRECISION
 
     def describe_tiers(self) -> str:
-        """One line for logs: the low format and the mean slots per page of each tier."""
-        if self.low is None:
+        """One line for logs: the formats and the mean slots per page of each tier."""
+        if not self.quantized:
             return "full precision"
         flat = [t for layer in self.tiers for t in layer]
         hi = sum(t.hi for t in flat) / len(flat)
         lo = sum(t.lo for t in flat) / len(flat)
-        return f"{self.low.name}: {hi:.1f} full + {lo:.1f} {self.low.name} slots per page (mean)"
+        hi_name = "full" if self.high is None else self.high.name
+        lo_name = "low" if self.low is None else self.low.name
+        return (f"{self.precision_name}: {hi:.1f} {hi_name} + {lo:.1f} {lo_name} slots per page "
+                "(mean)")
 
     @property
     def full_bytes_per_page(self) -> int:
@@ -120,6 +137,15 @@ class RaggedLayout:
         the scratch page, RaggedStorage.scratch_stage) is taken out."""
         rest = available_bytes - (num_staging_pages + 1) * self.staging_bytes_per_page()
         return max(rest, 0) // self.row_bytes_per_page
+
+
+def _compose(slots: int, page_size: int, head_dim: int, dtype_bytes: int,
+             fmt: LowPrecision | None, high: LowPrecision | None) -> RowTiers:
+    """One group's default composition: tiers.compose, or compose_mixed with a quantized
+    high tier."""
+    if high is None:
+        return compose(slots, page_size, head_dim, dtype_bytes, fmt, SINK_TOKENS)
+    return compose_mixed(slots, page_size, head_dim, dtype_bytes, high, fmt, SINK_TOKENS)
 
 
 def profile_tiers(profile: BudgetProfile, page_size: int) -> tuple[tuple[RowTiers, ...], ...]:

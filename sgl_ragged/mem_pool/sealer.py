@@ -2,8 +2,8 @@
 
 One `Sealer` per storage does it for every caller (the torch reference, the batched paths,
 finish-time sealing in the scheduler hook): score the pages (the scorer over their
-`PageStats`), select per head (each group's tiers: the best `hi` tokens at the model dtype,
-the next `lo` quantized; sinks forced in; or TANGRAM Eq. 3 over the layer in the dynamic
+`PageStats`), select per head (each group's tiers: the best `hi` tokens at the model dtype
+or, with `--ragged-precision H+L`, quantized in H; the next `lo` quantized; sinks forced in; or TANGRAM Eq. 3 over the layer in the dynamic
 reference mode), write the rows, count. The Triton path's sealer (triton_impl.TritonSealer)
 differs only in `write`: the sealing kernel selects and scatters on the device.
 """

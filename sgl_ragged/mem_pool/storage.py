@@ -8,7 +8,8 @@ Index spaces (DESIGN.md sections 2 and 4):
     | logical page  | [0, pages+1)          | slot // P; row p of every group's tensor          |
     | row slot      | [0, k[l][g])          | composite slot j: each member head's j-th kept    |
     |               |                       | (slots [0, hi) at the model dtype, [hi, k) in the |
-    |               |                       | low tier, quantized: quant.py, tiers.py)          |
+    |               |                       | low tier, quantized: quant.py, tiers.py; with a   |
+    |               |                       | quantized high tier, [0, hi) in high_rows too)    |
     | staging page  | [0, S)                | a full page [P, H_kv, D] of a running request     |
     |               | S                     | the scratch page (CUDA-graph padding writes)      |
 
@@ -17,6 +18,7 @@ Page 0 is SGLang's padding page; it is never handed out.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -26,6 +28,8 @@ from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.quant import QuantTier, dequantize, empty_tier, quantize
 from sgl_ragged.mem_pool.sealer import Sealer
 from sgl_ragged.mem_pool.staging_stats import StagingStats
+from sgl_ragged.mem_pool.tiers import RowTiers
+from sgl_ragged.precision import LowPrecision
 from sgl_ragged.scoring import Scorer
 
 
@@ -49,6 +53,8 @@ class PageTiers(NamedTuple):
     hi_k: torch.Tensor  # [N, hi, H_p, D] storage dtype
     hi_v: torch.Tensor  # [N, hi, H_p, D]
     low: QuantTier | None  # the N pages' low tiers (quant.py's shapes with pages = N)
+    high: QuantTier | None = None  # their quantized high tiers (--ragged-precision H+L; hi_k,
+    # hi_v then have no slot)
 
 
 class RaggedStorage:
@@ -75,16 +81,17 @@ class RaggedStorage:
         self.scale = layout.head_dim**-0.5 if scale is None else scale
         P, H, D = layout.page_size, layout.num_kv_heads, layout.head_dim
         # rows_k[l][g]: [num_pages, hi[l][g], H_p, D] the full-precision slots (all k[l][g] of
-        # them without a low tier), indexed by logical page.
-        self.rows_k = [[self._zeros(num_pages, t.hi, len(heads), D) for heads, t in zip(gs, ts, strict=True)]
-                       for gs, ts in zip(layout.groups, layout.tiers, strict=True)]
-        self.rows_v = [[self._zeros(num_pages, t.hi, len(heads), D) for heads, t in zip(gs, ts, strict=True)]
-                       for gs, ts in zip(layout.groups, layout.tiers, strict=True)]
+        # them without a low tier; none with a quantized high tier), indexed by logical page.
+        full = [[0 if layout.high else t.hi for t in ts] for ts in layout.tiers]
+        self.rows_k = [[self._zeros(num_pages, n, len(heads), D) for heads, n in zip(gs, ns, strict=True)]
+                       for gs, ns in zip(layout.groups, full, strict=True)]
+        self.rows_v = [[self._zeros(num_pages, n, len(heads), D) for heads, n in zip(gs, ns, strict=True)]
+                       for gs, ns in zip(layout.groups, full, strict=True)]
         # low_rows[l][g]: the lo[l][g] quantized slots of every logical page (None if lo is 0).
-        self.low_rows: list[list[QuantTier | None]] = [
-            [empty_tier(layout.low, num_pages, t.lo, len(heads), D, self.device) if t.lo else None
-             for heads, t in zip(gs, ts, strict=True)]
-            for gs, ts in zip(layout.groups, layout.tiers, strict=True)]
+        self.low_rows = self._tiers(layout.low, num_pages, lambda t: t.lo)
+        # high_rows[l][g]: the hi[l][g] slots quantized in layout.high (--ragged-precision H+L;
+        # None without a quantized high tier or if hi is 0).
+        self.high_rows = self._tiers(layout.high, num_pages, lambda t: t.hi)
         # head_index[l][g]: [H_p] int64 KV-head indices of group g.
         self.head_index = [[torch.tensor(h, dtype=torch.long, device=self.device) for h in gs]
                            for gs in layout.groups]
@@ -100,7 +107,7 @@ class RaggedStorage:
         self.dynamic_rho = dynamic_rho
         self.row_keep: list[torch.Tensor] | None = None
         if dynamic_rho is not None:
-            if any(t.hi != P for layer in layout.tiers for t in layer):
+            if layout.high is not None or any(t.hi != P for layer in layout.tiers for t in layer):
                 raise ValueError("the dynamic reference mode needs full-size, full-precision rows "
                                  "(budgets of 1.0, --ragged-precision bf16)")
             self.row_keep = [torch.zeros(num_pages, H, P, dtype=torch.bool, device=self.device)
@@ -117,6 +124,14 @@ class RaggedStorage:
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+
+    def _tiers(self, fmt: LowPrecision | None, num_pages: int,
+               tokens: Callable[[RowTiers], int]) -> list[list[QuantTier | None]]:
+        """[L][G] zeroed quantized tiers of `tokens(tiers)` slots in `fmt` (None where 0)."""
+        layout = self.layout
+        return [[empty_tier(fmt, num_pages, tokens(t), len(heads), layout.head_dim, self.device)
+                 if fmt is not None and tokens(t) else None for heads, t in zip(gs, ts, strict=True)]
+                for gs, ts in zip(layout.groups, layout.tiers, strict=True)]
 
     # ---- sizes ------------------------------------------------------------------------------
 
@@ -135,8 +150,8 @@ class RaggedStorage:
 
     def nbytes(self) -> int:
         tensors = [t for rows in (self.rows_k, self.rows_v) for layer in rows for t in layer]
-        tensors += [t for layer in self.low_rows for tier in layer if tier is not None
-                    for t in tier.tensors()]
+        tensors += [t for rows in (self.low_rows, self.high_rows) for layer in rows
+                    for tier in layer if tier is not None for t in tier.tensors()]
         tensors += self.row_keep or []
         tensors += self.stage_k + self.stage_v + self.stats.tensors()
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -185,17 +200,20 @@ class RaggedStorage:
 
     def write_group(self, layer: int, group: int, pages: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> None:
-        """The full-precision slots k, v [N, hi, H_p, D] of one group's rows at these pages."""
+        """The high tiers k, v [N, hi, H_p, D] of one group's rows at these pages: at the model
+        dtype, or quantized in layout.high (keys per channel over the page's hi tokens, values
+        per token, as the low tier)."""
+        if self.layout.high is not None:
+            if k.shape[1]:
+                _write_tier(self.high_rows[layer][group], quantize(self.layout.high, k, v), pages)
+            return
         self.rows_k[layer][group][pages] = k.to(self.dtype)
         self.rows_v[layer][group][pages] = v.to(self.dtype)
 
     def write_low(self, layer: int, group: int, pages: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> None:
         """Quantize the low tiers k, v [N, lo, H_p, D] of these pages into their rows."""
-        tier = self.low_rows[layer][group]
-        q = quantize(self.layout.low, k, v)
-        for dst, src in zip(tier.tensors(), q.tensors(), strict=True):
-            dst[pages] = src
+        _write_tier(self.low_rows[layer][group], quantize(self.layout.low, k, v), pages)
 
     def write_full_rows(self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor,
                         v_tok: torch.Tensor, keep: torch.Tensor) -> None:
@@ -224,24 +242,33 @@ class RaggedStorage:
 
     def page_kv(self, layer: int, group: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of one group's rows at logical pages `pages` (any shape [*]): each
-        [*, k, H_p, D] in the storage dtype, hi slots then the dequantized lo slots."""
+        [*, k, H_p, D] in the storage dtype, hi slots (dequantized if the high tier is
+        quantized) then the dequantized lo slots."""
         rows = self.page_tiers(layer, group, pages.reshape(-1))
-        k = rows.hi_k.view(*pages.shape, *rows.hi_k.shape[1:])  # [*, hi, H_p, D]
-        v = rows.hi_v.view(k.shape)
-        if rows.low is None:
-            return k, v
-        lo_k, lo_v = dequantize(self.layout.low, rows.low, self.dtype)  # [N, lo, H_p, D]
-        shape = (*pages.shape, *lo_k.shape[1:])
-        return torch.cat([k, lo_k.view(shape)], -3), torch.cat([v, lo_v.view(shape)], -3)
+        ks = [rows.hi_k.view(*pages.shape, *rows.hi_k.shape[1:])]  # [*, hi, H_p, D]
+        vs = [rows.hi_v.view(ks[0].shape)]
+        for fmt, tier in ((self.layout.high, rows.high), (self.layout.low, rows.low)):
+            if tier is None:
+                continue
+            tier_k, tier_v = dequantize(fmt, tier, self.dtype)  # [N, n, H_p, D]
+            shape = (*pages.shape, *tier_k.shape[1:])
+            ks.append(tier_k.view(shape))
+            vs.append(tier_v.view(shape))
+        if len(ks) == 1:
+            return ks[0], vs[0]
+        return torch.cat(ks, -3), torch.cat(vs, -3)
 
     def page_tiers(self, layer: int, group: int, pages: torch.Tensor) -> PageTiers:
         """One group's rows at logical pages `pages` [N] as stored: hi slots at the storage
-        dtype and the raw low tier (codes and parameters, not dequantized; None without one)."""
-        tier = self.low_rows[layer][group]
-        low = None if tier is None else QuantTier(*(None if t is None else _take(t, pages) for t in (
-            tier.k_codes, tier.k_scale, tier.k_zero, tier.v_codes, tier.v_scale, tier.v_zero)))
-        return PageTiers(_take(self.rows_k[layer][group], pages),
-                         _take(self.rows_v[layer][group], pages), low)
+        dtype and the raw low tier (codes and parameters, not dequantized; None without one),
+        and the raw quantized high tier where there is one."""
+
+        def take(tier: QuantTier | None) -> QuantTier | None:
+            return None if tier is None else QuantTier(*(None if t is None else _take(t, pages) for t in (
+                tier.k_codes, tier.k_scale, tier.k_zero, tier.v_codes, tier.v_scale, tier.v_zero)))
+
+        return PageTiers(_take(self.rows_k[layer][group], pages), _take(self.rows_v[layer][group], pages),
+                         take(self.low_rows[layer][group]), take(self.high_rows[layer][group]))
 
     def sealed_keep(self, layer: int, group: int, pages: torch.Tensor) -> torch.Tensor | None:
         """Dynamic mode: [N * P, H_p] bool kept flags matching sealed_kv's order; else None."""
@@ -282,6 +309,12 @@ class RaggedStorage:
         assert not (self.page_to_stage[free] >= 0).any(), "a free page still holds a staging page"
         assert not self.sealed[free].any(), "a free page is still marked sealed"
         assert not self.sealed[0] and self.page_to_stage[0] < 0, "the padding page is in use"
+
+
+def _write_tier(tier: QuantTier, q: QuantTier, pages: torch.Tensor) -> None:
+    """Store the quantized tiers q of N pages at these logical pages of `tier`."""
+    for dst, src in zip(tier.tensors(), q.tensors(), strict=True):
+        dst[pages] = src
 
 
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

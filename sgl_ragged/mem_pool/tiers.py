@@ -12,6 +12,9 @@ KL, and upgrading the page's best tokens to full precision with what is left hel
    scorer, sinks first) to the model dtype while the bytes allow;
 2. else keep as many tokens as fit at the low precision (the best ones) and drop the rest:
    below what the low tier of a whole page costs, dropping on top of it beats a coarser format.
+
+With a quantized high tier (`--ragged-precision H+L`, `compose_mixed`): the most tokens that fit
+at L, then the best of them upgraded to H while the bytes allow.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ from sgl_ragged.precision import LowPrecision
 
 @dataclass(frozen=True)
 class RowTiers:
-    """Slots per page of one group's row: `hi` at the model dtype, then `lo` quantized."""
+    """Slots per page of one group's row: `hi` at the model dtype (or the high tier's format),
+    then `lo` quantized."""
 
     hi: int
     lo: int = 0
@@ -34,8 +38,14 @@ class RowTiers:
 
 
 def tier_bytes(tiers: RowTiers, fmt: LowPrecision | None, heads: int, head_dim: int,
-               dtype_bytes: int) -> int:
-    """Bytes of K+V one page's row takes in one group of `heads` heads."""
+               dtype_bytes: int, hi_fmt: LowPrecision | None = None) -> int:
+    """Bytes of K+V one page's row takes in one group of `heads` heads (its hi slots at the
+    model dtype, or quantized in `hi_fmt`: mixed_tier_bytes)."""
+    if hi_fmt is not None:
+        if tiers.lo and fmt is None:
+            raise ValueError("a row with a low tier needs a low precision")
+        lo = fmt.tier_bytes(tiers.lo, heads, head_dim) if tiers.lo else 0
+        return hi_fmt.tier_bytes(tiers.hi, heads, head_dim) + lo
     full = 2 * tiers.hi * heads * head_dim * dtype_bytes
     if tiers.lo == 0:
         return full
@@ -64,3 +74,37 @@ def compose(slots: int, page_size: int, head_dim: int, dtype_bytes: int,
     if lo < max(min_slots, slots):
         return RowTiers(slots)  # the format does not pay at this budget
     return RowTiers(0, lo)
+
+
+def mixed_tier_bytes(tiers: RowTiers, hi_fmt: LowPrecision, lo_fmt: LowPrecision, heads: int,
+                     head_dim: int) -> int:
+    """Bytes of K+V one page's row takes in one group of `heads` heads when its `hi` slots are
+    quantized in `hi_fmt` and its `lo` slots in `lo_fmt` (each tier with its own codes, key
+    channel parameters and value token parameters, as `LowPrecision.tier_bytes`)."""
+    return hi_fmt.tier_bytes(tiers.hi, heads, head_dim) + lo_fmt.tier_bytes(tiers.lo, heads, head_dim)
+
+
+def compose_mixed(slots: int, page_size: int, head_dim: int, dtype_bytes: int,
+                  hi_fmt: LowPrecision, lo_fmt: LowPrecision, min_slots: int) -> RowTiers:
+    """`compose` with the high tier at a low precision too (e.g. int8 over int4): the row of a
+    budget of `slots` model-dtype slots per page keeps as many tokens as fit at `lo_fmt` (every
+    token when a whole page fits), then upgrades the best of them (by the scorer, sinks first)
+    to `hi_fmt` while the bytes allow. Equivalently: the most tokens, then the most `hi` ones,
+    within the budget (hi_fmt must cost at least lo_fmt per token: `token_bytes`). Raises if
+    fewer than `min_slots` tokens fit (the sinks): such a budget needs a model-dtype high tier."""
+    if hi_fmt.token_bytes(head_dim) < lo_fmt.token_bytes(head_dim):
+        raise ValueError(f"the high tier's format {hi_fmt.name} is cheaper per token than the low "
+                         f"tier's {lo_fmt.name}; put the costlier format in the high tier")
+    budget = tier_bytes(RowTiers(slots), None, 1, head_dim, dtype_bytes)
+
+    def cost(hi: int, lo: int) -> int:
+        return mixed_tier_bytes(RowTiers(hi, lo), hi_fmt, lo_fmt, 1, head_dim)
+
+    # 1. The most tokens that fit, all at the low precision.
+    total = max((n for n in range(page_size + 1) if cost(0, n) <= budget), default=0)
+    if total < min_slots:
+        raise ValueError(f"{slots} slots per page cannot hold {min_slots} tokens at "
+                         f"{hi_fmt.name}+{lo_fmt.name}; use a bf16 high tier at this budget")
+    # 2. Upgrade the best of them while the bytes allow.
+    hi = max(u for u in range(total + 1) if cost(u, total - u) <= budget)
+    return RowTiers(hi, total - hi)

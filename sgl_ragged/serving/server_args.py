@@ -20,7 +20,7 @@ from sgl_ragged.config import (
     add_cli_args,
     move_cli_args_to_env,
 )
-from sgl_ragged.mem_pool.quant import low_precision
+from sgl_ragged.precision import tier_precision
 from sgl_ragged.profile import ModelFreeKind, ModelShape, model_free_kind, model_shape
 from sgl_ragged.tp import resolve_rank_profiles
 
@@ -171,8 +171,10 @@ def _check_model(shape: ModelShape, config: RaggedConfig, tp_size: int) -> None:
         )
     # Every rank's slice, so that a --tp-size the profile cannot be split by fails here.
     resolve_rank_profiles(config.profile, shape, config.heads_per_group, tp_size)
-    fmt = low_precision(config.precision)
-    if fmt is not None and (shape.head_dim * fmt.bits) % 8:
+    parsed = tier_precision(config.precision)
+    for fmt in (f for f in (parsed.high, parsed.low) if f is not None):
+        if (shape.head_dim * fmt.bits) % 8 == 0:
+            continue
         raise ValueError(f"--ragged-precision {fmt.name} packs {8 // fmt.bits} channels per byte, "
                          f"but head_dim {shape.head_dim} is not a multiple of {8 // fmt.bits}; "
                          "use int8 or fp8")

@@ -31,7 +31,7 @@ def _layout(precision: str, ratio: float, dtype_bytes: int) -> RaggedLayout:
     return RaggedLayout.from_profile(uniform_profile(ratio, 30, 3), 64, 64, dtype_bytes, precision)
 
 
-@pytest.fixture(scope="module", params=["int4", "int8", "int2", "fp8"])
+@pytest.fixture(scope="module", params=["int4", "int8", "int2", "fp8", "int8+int4", "fp8+int4"])
 def tiered_server(request: pytest.FixtureRequest, model_path: str):
     server = _start(request, ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
                               "--ragged-profile", f"uniform:{RATIO}", "--ragged-precision", request.param,
@@ -99,3 +99,11 @@ def test_precision_with_the_dynamic_reference_is_refused(model_path):
 def test_unknown_precision_is_refused(model_path):
     log = _launch_error(model_path, ["--ragged-profile", "uniform:0.3", "--ragged-precision", "int3"])
     assert "--ragged-precision 'int3' is unknown; choose one of ['bf16', 'int8', 'int4', 'int2', 'fp8']" in log
+
+
+def test_bad_pairs_and_the_batched_path_are_refused_by_name(model_path):
+    log = _launch_error(model_path, ["--ragged-profile", "uniform:0.5", "--ragged-precision", "int4+int2"])
+    assert "--ragged-precision 'int4+int2' is unknown; a pair is <high>+<low>" in log
+    log = _launch_error(model_path, ["--ragged-profile", "uniform:0.5", "--ragged-precision", "int8+int4",
+                                     "--ragged-attention", "batched"])
+    assert "--ragged-attention batched does not read a quantized high tier yet" in log

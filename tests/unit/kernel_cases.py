@@ -62,7 +62,8 @@ def random_storage(rng: random.Random, device: str, layers: int = 1, heads_per_g
                    dtype: torch.dtype = torch.float32, shape: Shape = SMALL,
                    precision: str = "bf16") -> RaggedStorage:
     """Random per-head budgets, adjacent groups, rows and staging pages filled with noise
-    (`precision`: the rows' low tier, DESIGN.md section 11, with random codes and parameters)."""
+    (`precision`: the rows' low tier, DESIGN.md section 11, and with H+L their high tier, with
+    random codes and parameters)."""
     H = shape.kv_heads
     budgets = [[rng.choice(BUDGETS) for _ in range(H)] for _ in range(layers)]
     groups = [tuple(tuple(range(s, s + heads_per_group)) for s in range(0, H, heads_per_group))
@@ -74,7 +75,8 @@ def random_storage(rng: random.Random, device: str, layers: int = 1, heads_per_g
     for t in [*(x for rows in (storage.rows_k, storage.rows_v) for layer in rows for x in layer),
               *storage.stage_k, *storage.stage_v]:
         t.copy_(torch.randn(t.shape, generator=gen).to(dtype))  # in place: row addresses stay
-    for tier in (t for layer in storage.low_rows for t in layer if t is not None):
+    for tier in (t for rows in (storage.low_rows, storage.high_rows) for layer in rows
+                 for t in layer if t is not None):
         _randomize_tier(tier, gen)
     # What staged pages accumulated in earlier forwards (non-negative, like the real ones).
     stats = storage.stats
@@ -188,8 +190,8 @@ def reference_lse(storage: RaggedStorage, layer: int, plan: RequestPlan, q: torc
 def storage_state(storage: RaggedStorage) -> list[torch.Tensor]:
     """Every tensor a forward may write: rows, staging pages and their statistics."""
     rows = [t for rows in (storage.rows_k, storage.rows_v) for layer in rows for t in layer]
-    rows += [t for layer in storage.low_rows for tier in layer if tier is not None
-             for t in tier.tensors()]
+    rows += [t for tiers in (storage.low_rows, storage.high_rows) for layer in tiers
+             for tier in layer if tier is not None for t in tier.tensors()]
     stats = storage.stats
     return [*rows, *storage.stage_k, *storage.stage_v, stats.attn, stats.q_sum, stats.q_sq_sum,
             stats.q_count]

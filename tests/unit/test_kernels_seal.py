@@ -20,6 +20,7 @@ from sgl_ragged.scoring.select import sink_mask
 from tests.unit.kernel_cases import H_KV, P, random_storage, storage_state
 
 LOW = ["int8", "int4", "int2", "fp8"]
+PAIRS = ["int8+int4", "fp8+int2"]  # a quantized high tier too
 
 
 def _scores(n: int, gen: torch.Generator, ties: bool) -> torch.Tensor:
@@ -44,12 +45,25 @@ def test_seal_quantizes_like_write_rows(kernel_device, precision, dtype):
     _check_seal(kernel_device, False, dtype, precision, 10)
 
 
+@pytest.mark.parametrize("precision", PAIRS)
+def test_seal_quantizes_both_tiers_like_write_rows(kernel_device, precision):
+    """A quantized high tier (--ragged-precision H+L): both tiers quantized and packed in the
+    kernel (seed 10, bfloat16: the sealed layer has groups with both tiers, and groups with
+    only one of them)."""
+    _check_seal(kernel_device, False, torch.bfloat16, precision, 10)
+
+
 def _check_seal(kernel_device, ties, dtype, precision, seed):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(5 + seed)
     kernel_store = random_storage(rng, kernel_device, layers=2, heads_per_group=rng.choice([1, 2]),
                                   dtype=dtype, precision=precision)
-    assert all(t.lo for t in kernel_store.layout.tiers[1]) == (precision != "bf16")
+    tiers = kernel_store.layout.tiers[1]
+    if "+" in precision:
+        assert any(t.hi and t.lo for t in tiers) and any(not (t.hi and t.lo) for t in tiers)
+        assert all(x.shape[1] == 0 for x in kernel_store.rows_k[1])
+    else:
+        assert all(t.lo for t in tiers) == (precision != "bf16")
     oracle = copy.deepcopy(kernel_store)  # same groups, rows and low tiers
     layer, n = 1, 5
     # The source in the storage dtype, as in serving (the interpreter's float32 -> bfloat16
@@ -74,7 +88,7 @@ def _check_seal(kernel_device, ties, dtype, precision, seed):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU shapes need CUDA")
-@pytest.mark.parametrize("precision", ["bf16", *LOW])
+@pytest.mark.parametrize("precision", ["bf16", *LOW, *PAIRS])
 def test_seal_gpu_shapes(precision):
     """P 64, D 128, 8 KV heads, bfloat16, many pages in one launch."""
     from tests.unit.kernel_cases import GPU

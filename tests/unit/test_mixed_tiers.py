@@ -1,4 +1,4 @@
-"""Row tiers with a quantized high tier (mixed.compose_mixed, TierSelection.hi_fmt, the
+"""Row tiers with a quantized high tier (tiers.compose_mixed, TierSelection.hi_fmt, the
 "hi+lo@rho" configurations of bench.offline_loss) against brute forces."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ import torch
 
 from bench.accuracy_configs import config_bytes, mixed_formats, mixed_tiers, precision_configs
 from sgl_ragged.emulator.compressed import CompressedLoss, TierSelection
-from sgl_ragged.emulator.mixed import compose_mixed, mixed_tier_bytes
 from sgl_ragged.emulator.runner import CaptureRunner, LayerQKV
-from sgl_ragged.mem_pool.tiers import RowTiers, compose
+from sgl_ragged.mem_pool.tiers import RowTiers, compose, compose_mixed, mixed_tier_bytes
 from sgl_ragged.precision import LOW_PRECISIONS, LowPrecision
 from sgl_ragged.scoring import SINK_TOKENS, make_scorer
 from tests.unit.test_compressed_tiers import assert_per_query_softmax, brute_sealed
@@ -87,11 +86,11 @@ def test_mixed_configs_parse_and_count_bytes() -> None:
     assert 0.45 < retention <= 0.5
 
 
-def test_bench_accuracy_refuses_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_accuracy_refuses_pairs_no_server_stores(monkeypatch: pytest.MonkeyPatch) -> None:
     import bench.accuracy as acc
 
-    monkeypatch.setattr("sys.argv", ["bench.accuracy", "--precision", "int8+int4", "--model", "/nonexistent"])
-    with pytest.raises(SystemExit, match="offline only"):
+    monkeypatch.setattr("sys.argv", ["bench.accuracy", "--precision", "int4+int2", "--model", "/nonexistent"])
+    with pytest.raises(SystemExit, match=r"--precision int4\+int2: --ragged-precision 'int4\+int2' is unknown"):
         acc.main()
 
 
