@@ -39,7 +39,7 @@ class Config:
 
 def precision_configs(rhos: list[float], precisions: list[str], scorer: str, head_dim: int,
                       page_size: int = PAGE_SIZE) -> list[Config]:
-    """Row tiers (DESIGN.md section 11) at uniform byte budgets: per low precision p, "p@rho"
+    """Row tiers (docs/architecture.md, "Row tiers") at uniform byte budgets: per low precision p, "p@rho"
     spends rho of the bytes by the default composition (tiers.compose: every token at p, the
     best upgraded, or the best at p and the rest dropped), and "p-all@r" keeps every token at p
     and nothing else (r: the budget that buys exactly that, in bf16 bytes). A pair "h+l" (e.g.

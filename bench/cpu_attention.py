@@ -11,7 +11,7 @@ which the server sends to batched torch: native_impl.EXTEND_ON_BATCHED) run on i
 one forward each per round (ratio = batched / native).
 
 With --precision, the comparison is instead batched attention over drop-only rows vs rows with
-a low-precision tier (DESIGN.md section 11) of the same profile: the same KV bytes per page,
+a low-precision tier (docs/architecture.md, "Row tiers") of the same profile: the same KV bytes per page,
 spent on more tokens (ratio = tiered / drop-only time).
 
 One measurement = what the backend does for one forward: `prepare` (per-forward tables) plus

@@ -7,7 +7,7 @@ Shapes: 32 layers x 8 KV heads x 128 head_dim, GQA 4, bfloat16, page size 64; ev
 has `context` tokens in sealed pages and a ragged tail of staged tokens. One measurement = the
 attention of one decode step over all layers (CUDA events, medians over repetitions after
 warm-up). Achieved bandwidth = bytes of the rows read / time, beside a device-to-device copy.
-With `--precision` (DESIGN.md section 11) every case also runs rows with that low tier, composed
+With `--precision` (docs/architecture.md, "Row tiers") every case also runs rows with that low tier, composed
 from the same budgets (tiers.compose: at most the drop-only bytes per page, so equal bytes up to
 rounding; the split map weighs groups by bytes read, registry.profile_split_ratios), beside the
 drop-only rows. Writes decode_attention.json and decode_attention.md. Needs CUDA; exits 0

@@ -3,7 +3,7 @@
 Index spaces: ``budgets[l][h]`` is the retention budget B of KV head h of layer l
 (a fraction of the tokens in (0, 1]); ``groups[l][g]`` lists the KV-head indices of
 head group g of layer l (H_p heads each); ``k[l][g]`` is the number of row slots a
-group keeps per logical page of P tokens (DESIGN.md section 2).
+group keeps per logical page of P tokens (docs/architecture.md, "The idea in one table").
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def slots_for_budget(budget: float, page_size: int, min_slots: int = 4) -> int:
 def group_slots(
     budgets: Budgets, groups: Groups, page_size: int, min_slots: int = 4
 ) -> tuple[tuple[int, ...], ...]:
-    """[L][G] row slots k[l][g] per logical page (DESIGN.md section 2)."""
+    """[L][G] row slots k[l][g] per logical page (docs/architecture.md, "The idea in one table")."""
     return tuple(
         tuple(slots_for_budget(b, page_size, min_slots) for b in layer)
         for layer in group_budgets(budgets, groups)

@@ -1,4 +1,4 @@
-"""Tensor parallelism: each rank's slice of a budget profile (DESIGN.md section 10).
+"""Tensor parallelism: each rank's slice of a budget profile (docs/architecture.md, "Scaling out").
 
 SGLang's tensor parallelism (`--tp-size T`) gives rank r the contiguous KV heads
 `[r * H / T, (r + 1) * H / T)` of every layer. Each rank stores only those, so it serves a

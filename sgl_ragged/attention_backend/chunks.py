@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 
 class PrefillChunks:
-    """Which requests' next extend is their last prefill chunk (DESIGN.md section 4: a chunk
+    """Which requests' next extend is their last prefill chunk (docs/architecture.md, "One forward pass": a chunk
     that is not the last seals all its complete pages, the last one keeps the window).
 
     The scheduler hook after `prepare_for_extend` (serving/scheduler_hooks.py) records each

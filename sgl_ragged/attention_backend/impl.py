@@ -1,4 +1,4 @@
-"""The attention implementation seam: one layer, the whole batch (DESIGN.md section 7).
+"""The attention implementation seam: one layer, the whole batch (docs/architecture.md, "Attention implementations").
 
 Every implementation -- the torch reference (torch_ref.TorchAttention, the oracle),
 batched torch (batched_torch.BatchedTorchAttention, the CPU default) and the Triton kernels

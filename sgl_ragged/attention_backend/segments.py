@@ -1,4 +1,4 @@
-"""Decode attention over a group's low tier, on its codes (DESIGN.md section 11): the low-tier
+"""Decode attention over a group's low tier, on its codes (docs/architecture.md, "Row tiers"): the low-tier
 segment of the batched torch path, explicit and in float32 (the other segments, and extend's
 low tier, run on the CPU flash kernel: segments_sdpa.py; their results merge by log-sum-exp).
 

@@ -1,4 +1,4 @@
-"""Row compositions searched on the compressed loss (DESIGN.md section 11), like BaKlaVa's
+"""Row compositions searched on the compressed loss (docs/architecture.md, "Row tiers"), like BaKlaVa's
 (r, t) search: a few candidate ways of spending every group's byte budget, each run through the
 offline emulator (emulator/compressed.py) on held-out samples, the one closest to the full cache (mean
 KL per scored token) written into the profile as its tiers (format version 2).

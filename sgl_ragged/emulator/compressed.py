@@ -9,7 +9,7 @@ serving (``chunk_page_stats`` + ``Scorer.page_scores`` + ``select_top_k``). As i
 a chunk's observation window scores its pages against the uncompressed prefix (serving scores
 them against the sealed rows), and decode is not modelled.
 
-Row tiers (DESIGN.md section 11, ``TierSelection``): sealed tokens of the low tier are seen
+Row tiers (docs/architecture.md, "Row tiers", ``TierSelection``): sealed tokens of the low tier are seen
 quantized and dequantized exactly as the server stores them (mem_pool/quant.py, per page and
 head), while a chunk's own tokens stay full precision, as in the server's staging pages.
 ``StockCache`` emulates SGLang's own quantized KV caches (``--kv-cache-dtype`` fp8_e4m3, mxfp8,

@@ -1,4 +1,4 @@
-"""Triton kernels over the ragged layout (DESIGN.md section 7).
+"""Triton kernels over the ragged layout (docs/architecture.md, "Attention implementations").
 
 One launch per layer for the whole batch; every kernel has a torch oracle in the tests
 (`attention_backend/torch_ref.py`, `mem_pool/sealer.Sealer.write`). The kernel modules import

@@ -89,7 +89,7 @@ def _attend_low_page(q, m_i, l_i, acc, low_row, page, lo_g, j, scale, H_P: tl.co
                      NATIVE_FP8: tl.constexpr):
     """Logical page `page`'s lo_g slots of a quantized tier (low_row: its six addresses) of
     member head j, attended on the codes
-    (DESIGN.md section 11): keys k = code * s + z per channel, so q . k = (q * s) . code + q . z
+    (docs/architecture.md, "Row tiers"): keys k = code * s + z per channel, so q . k = (q * s) . code + q . z
     with q * s and q . z once per page; values v = code * s_t + z_t per token, so
     sum_t p_t v_t = sum_t (p_t s_t) code_t + sum_t p_t z_t."""
     tl.static_assert(BLOCK_D == D, "low tiers need a power-of-two head size of at least 16")

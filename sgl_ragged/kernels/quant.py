@@ -1,4 +1,4 @@
-"""Triton device functions for rows' low tier (mem_pool/quant.py's format, DESIGN.md section 11):
+"""Triton device functions for rows' low tier (mem_pool/quant.py's format, docs/architecture.md, "Row tiers"):
 read a block of low-tier codes for attention (attend.py folds the scales and zero points into
 the query and the probabilities, so nothing is dequantized), quantize and pack a sealed page's
 low tier.

@@ -8,7 +8,7 @@ rank < k[l][g]. That is exactly `select_top_k` (a stable descending sort: earlie
 ties). Kept token i goes to row slot #{kept j < i}, so slots stay in position order. Scores must
 not be NaN. O(P^2) comparisons per (page, head): 4096 for P = 64.
 
-With a low tier (DESIGN.md section 11) the tokens of rank < hi[l][g] are the full-precision
+With a low tier (docs/architecture.md, "Row tiers") the tokens of rank < hi[l][g] are the full-precision
 tier and the other kept ones the low tier (`select_tiers`), each in position order; the kernel
 quantizes and packs the low tier in place (kernels/quant.py: keys per channel over the page's
 low-tier tokens, values per token, as `quant.quantize`), and the high tier the same way when it

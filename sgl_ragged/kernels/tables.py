@@ -6,7 +6,7 @@ kernel reaches group g through `rows_k_ptr[g]`, the address of `rows_k[l][g]`, c
 pointer in the kernel. Index spaces: group g in [0, G), member j in [0, H_p), KV head h in
 [0, H).
 
-Rows with a low tier (mem_pool/quant.py, DESIGN.md section 11): slot s < hi[l][g] of a page is
+Rows with a low tier (mem_pool/quant.py, docs/architecture.md, "Row tiers"): slot s < hi[l][g] of a page is
 rows_k[l][g][page, s]; slot s >= hi is low-tier slot s - hi, whose codes and quantization
 parameters the kernels reach through `low_ptr[g]` (the six tensors of `low_rows[l][g]`, in
 `LOW_TENSORS` order; 0 where a group has no low tier or the format no zero points). With a

@@ -1,8 +1,8 @@
 """The ragged layout: how many row slots each (layer, head group) keeps of a logical page.
 
-DESIGN.md section 2. A logical page of P tokens lives at row p of every group's tensor
+docs/architecture.md, "The idea in one table". A logical page of P tokens lives at row p of every group's tensor
 `[num_pages, k[l][g], H_p, head_dim]`; `k[l][g] = ceil(max_{h in g} B[l,h] * P)` clamped to
-[SINK_TOKENS, P]. With a low precision (DESIGN.md section 11) the same bytes are spent on tiers
+[SINK_TOKENS, P]. With a low precision (docs/architecture.md, "Row tiers") the same bytes are spent on tiers
 instead (tiers.py): `hi[l][g]` slots at the model dtype, then `lo[l][g]` quantized ones
 (quant.py); with `--ragged-precision H+L` the hi slots are quantized too, in format H
 (`high`, tiers.compose_mixed). The bytes of one logical page are therefore fixed by the profile and the precision,

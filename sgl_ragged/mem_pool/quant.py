@@ -1,6 +1,6 @@
 """Low-precision tier of a ragged row: KIVI-style quantization of one page's kept tokens.
 
-DESIGN.md section 11. A group's row may hold, besides its high tier (tokens at the model dtype),
+docs/architecture.md, "Row tiers". A group's row may hold, besides its high tier (tokens at the model dtype),
 a low tier of `lo` tokens per page stored as codes plus their quantization parameters:
 
     | tensor   | shape                         | dtype   | meaning                              |
@@ -122,7 +122,7 @@ def codes_into(fmt: LowPrecision, packed: torch.Tensor, out: torch.Tensor) -> to
     """Code values of packed uint8 codes [..., D * b / 8] written into `out` [..., D] (a float
     tensor or view of any layout): integer codes as 0 .. 2^b - 1, fp8 codes as their
     float8_e4m3fn values; the quantization parameters are not applied (readers fold them,
-    DESIGN.md section 11)."""
+    docs/architecture.md, "Row tiers")."""
     per = 8 // fmt.bits
     code_planes_into(fmt, packed, out.unflatten(-1, (per, -1)).movedim(-2, 0))
     return out

@@ -1,4 +1,4 @@
-"""Sealing: full pages leaving the recent window become rows (DESIGN.md sections 3, 4, 11).
+"""Sealing: full pages leaving the recent window become rows (docs/architecture.md, "One forward pass" and "Row tiers").
 
 One `Sealer` per storage does it for every caller (the torch reference, the batched paths,
 finish-time sealing in the scheduler hook): score the pages (the scorer over their

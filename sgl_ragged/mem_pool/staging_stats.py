@@ -1,6 +1,6 @@
 """What staged tokens observed while in the recent window: the scorers' accumulators.
 
-One set of tensors indexed by staging page (DESIGN.md section 4, 6), allocated with the staging
+One set of tensors indexed by staging page (docs/architecture.md, "One forward pass"), allocated with the staging
 pool, zeroed when a page is staged, written by every implementation when its pages stay staged,
 read back into `PageStats` when they are sealed, and counted in a staging page's bytes
 (layout.staging_bytes_per_page).

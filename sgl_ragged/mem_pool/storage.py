@@ -1,6 +1,6 @@
 """Ragged KV storage: compressed rows per (layer, head group) plus the staging pool.
 
-Index spaces (DESIGN.md sections 2 and 4):
+Index spaces (docs/architecture.md, "The idea in one table" and "One forward pass"):
 
     | name          | range                 | what it indexes                                  |
     |---------------|-----------------------|--------------------------------------------------|

@@ -1,5 +1,5 @@
 """How a group's byte budget per page is spent: tokens at the model dtype, tokens at a low
-precision, the rest dropped (DESIGN.md section 11).
+precision, the rest dropped (docs/architecture.md, "Row tiers").
 
 The budget of a group is what `k` full-precision slots cost (k = clamp(ceil(B * P), sinks, P),
 the drop-only layout's slots), so a precision never costs more bytes than dropping alone.

@@ -1,5 +1,5 @@
 """Budget profiles: per-(layer, KV head) budgets and head groups, their file format and the
-``--ragged-profile`` specs (DESIGN.md section 5).
+``--ragged-profile`` specs (docs/calibration.md).
 
 budget_profile.py (``BudgetProfile``, JSON I/O) <- model_shape.py, samples.py, tiers.py (its
 parts, with source.py: the typed ``source`` record) and validation.py (load-time checks,

@@ -1,4 +1,4 @@
-"""The budget profile: static per-(layer, KV head) budgets and head groups (DESIGN.md section 5).
+"""The budget profile: static per-(layer, KV head) budgets and head groups (docs/calibration.md).
 
 A profile is calibrated offline once per model (TANGRAM section 4.1) and loaded by
 the server, which sizes every group's ragged rows from it. On disk it is a

@@ -12,7 +12,7 @@ from sgl_ragged.profile.validation import ProfileError, as_lists, check_shape, f
 
 @dataclass(frozen=True)
 class ProfileTiers:
-    """Row compositions for one low precision (DESIGN.md section 11), per (layer, KV head):
+    """Row compositions for one low precision (docs/architecture.md, "Row tiers"), per (layer, KV head):
     the shares of a page's tokens kept at the model dtype (hi) and at `precision` (lo). Heads
     of a group share their group's composition. Used when the server runs with
     `--ragged-precision <precision>`; other precisions use the default rule (mem_pool/tiers.py).

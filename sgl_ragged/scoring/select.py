@@ -35,7 +35,7 @@ def select_top_k(scores: torch.Tensor, k: int, sinks: torch.Tensor) -> torch.Ten
 def select_tiers(scores: torch.Tensor, hi: int, total: int, sinks: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (page, head): the `total` best tokens (sinks forced in), split into the `hi` best of
-    them and the rest; each tier in ascending positions (DESIGN.md section 11).
+    them and the rest; each tier in ascending positions (docs/architecture.md, "Row tiers").
 
     scores: [N, H, P] float32; sinks: [N, P] bool. Returns hi_idx [N, H, hi] and lo_idx
     [N, H, total - hi] int64 token offsets. With hi == total this is select_top_k.

@@ -113,7 +113,7 @@ def _storage_of(tree: Any) -> RaggedStorage | None:
 def checkpoint(original: Any, tree: Any, req: Req, *args: Any, up_to: int, **kwargs: Any) -> Any:
     """AROUND the radix cache's checkpoint(req, up_to): only sealed pages enter the tree.
 
-    A finished request first seals its complete staged pages (DESIGN.md section 4); a running
+    A finished request first seals its complete staged pages (docs/architecture.md, "One forward pass"); a running
     one publishes only its sealed prefix and keeps its window pages to itself.
     """
     storage = _storage_of(tree)

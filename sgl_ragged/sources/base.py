@@ -59,7 +59,7 @@ class NoOptions:
 
 class BudgetSource(ABC):
     """Where a calibrated profile's per-(layer, KV head) budgets come from: TANGRAM's Eq. 3-5,
-    KVCompose's layer budgets or BaKlaVa's head-importance reallocation (DESIGN.md section 5).
+    KVCompose's layer budgets or BaKlaVa's head-importance reallocation (docs/calibration.md).
 
     A source has a ``--source`` name, its own CLI options and checks, and ``calibrate``, which
     turns a run into one profile per (scorer, rho); its profiles' ``source`` records say which

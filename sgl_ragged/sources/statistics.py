@@ -32,7 +32,7 @@ def reserved_budgets(mu: np.ndarray, sigma: np.ndarray, alpha: float) -> np.ndar
 
 BUDGET_MODES = ("margin", "mean")
 """margin: B = min(1, mu + alpha * sigma) with the given alpha (Eq. 5, the paper's rule);
-mean: the same rule with the alpha at which the mean of B is rho (DESIGN.md section 5)."""
+mean: the same rule with the alpha at which the mean of B is rho (docs/calibration.md)."""
 
 
 def mean_matched_alpha(mu: np.ndarray, sigma: np.ndarray, rho: float) -> float:

@@ -1,7 +1,7 @@
 """Turn recorded retention into a budget profile file (TANGRAM sections 4.1-4.3).
 
 Budgets B = min(1, mu + alpha * sigma) (Eq. 5; in mean mode alpha is the margin that makes the
-mean budget rho, DESIGN.md section 5), budget-aware clustering into groups of H_p
+mean budget rho, docs/calibration.md), budget-aware clustering into groups of H_p
 heads (section 4.2.2), the device-independent AOT split ratios (Algorithm 1), the source
 metadata and the regularity statistics, including the per-sample retention itself (for plots).
 """

@@ -1,4 +1,4 @@
-"""Row tiers end to end (--ragged-precision, DESIGN.md section 11): the server reserves exactly
+"""Row tiers end to end (--ragged-precision, docs/architecture.md, "Row tiers"): the server reserves exactly
 the bytes the tiered layout predicts at each low precision, serves multi-turn traffic from
 quantized sealed pages with the pool's integrity check after every forward, and with every
 sealed token in int8 stays within a tight tolerance of stock torch_native in float32."""

@@ -62,7 +62,7 @@ def random_storage(rng: random.Random, device: str, layers: int = 1, heads_per_g
                    dtype: torch.dtype = torch.float32, shape: Shape = SMALL,
                    precision: str = "bf16") -> RaggedStorage:
     """Random per-head budgets, adjacent groups, rows and staging pages filled with noise
-    (`precision`: the rows' low tier, DESIGN.md section 11, and with H+L their high tier, with
+    (`precision`: the rows' low tier, docs/architecture.md, "Row tiers", and with H+L their high tier, with
     random codes and parameters)."""
     H = shape.kv_heads
     budgets = [[rng.choice(BUDGETS) for _ in range(H)] for _ in range(layers)]

@@ -40,7 +40,7 @@ def test_batched_matches_reference(seed, decode):
 @pytest.mark.parametrize("precision", ["int8", "int4", "int2", "fp8"])
 @pytest.mark.parametrize("decode", [False, True])
 def test_batched_matches_reference_with_low_precision_tiers(precision, decode):
-    """Rows with a quantized tier (DESIGN.md section 11): both paths dequantize the same rows
+    """Rows with a quantized tier (docs/architecture.md, "Row tiers"): both paths dequantize the same rows
     and seal through the same quantizer."""
     for seed in range(3):
         rng = random.Random(100 + seed)

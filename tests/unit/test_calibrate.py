@@ -190,7 +190,7 @@ def test_output_patterns() -> None:
         output_paths("d/{model}.json", ["snapkv"], [0.3])
 
 
-# ----- mean budget mode (DESIGN.md section 5) -----------------------------------------------
+# ----- mean budget mode (docs/calibration.md) -----------------------------------------------
 
 
 @settings(max_examples=40, deadline=None)

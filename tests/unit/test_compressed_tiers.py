@@ -1,4 +1,4 @@
-"""The offline emulator's row tiers (emulator/compressed.py, DESIGN.md section 11) against a
+"""The offline emulator's row tiers (emulator/compressed.py, docs/architecture.md, "Row tiers") against a
 brute force: every query of a chunk attends to its own chunk at full precision and to earlier
 chunks' kept tokens as the server's rows hold them (hi tokens exact, lo tokens quantized per
 page and head, dropped tokens hidden); SGLang's stock FP8 cache casts them instead."""

@@ -1,4 +1,4 @@
-"""A quantized high tier in the server (--ragged-precision H+L, DESIGN.md section 11): the
+"""A quantized high tier in the server (--ragged-precision H+L, docs/architecture.md, "Row tiers"): the
 precision names, the layout's bytes and compositions against brute forces, the storage's write /
 read round trip, the torch reference against brute-force attention over dequantized tokens, the
 emulator (TierSelection.hi_fmt) and the server storing the same values, and the attention path

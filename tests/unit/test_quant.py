@@ -1,4 +1,4 @@
-"""Low-precision tiers (DESIGN.md section 11): quantization against a brute-force version,
+"""Low-precision tiers (docs/architecture.md, "Row tiers"): quantization against a brute-force version,
 bytes per page for every precision and composition, the default composition rule against a
 brute-force search, and tier selection against a brute-force ranking."""
 

@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sgl_ragged.config import RaggedConfig
@@ -142,13 +142,19 @@ def test_expected_attention_matches_brute_force(shape, unseen):
 
 @settings(max_examples=40, deadline=None)
 @given(_SHAPES)
+@example((0, 3, 3, 2, 2))  # a near-cancelling page (failed at atol 1e-5 in session 8)
 def test_keydiff_matches_brute_force(shape):
     stats = _random_stats(*shape)
+    # The anchor is the normalized mean of a page's unit keys: float32 rounding of that mean
+    # (~1e-7) grows by 1 / |mean|, which is small when a few keys nearly cancel (seed 0 with
+    # 2 keys of 2 channels: |mean| ~ 0.005). The brute force runs in float64.
+    unit = torch.nn.functional.normalize(stats.keys.double(), dim=-1)
+    smallest_mean = unit.mean(dim=1).norm(dim=-1).min().item()
     torch.testing.assert_close(
         KeyDiffScorer().page_scores(stats),
         torch.tensor(_brute_keydiff(stats)),
         rtol=1e-4,
-        atol=1e-5,
+        atol=max(1e-5, 5e-7 / max(smallest_mean, 1e-12)),
     )
 
 
