@@ -115,6 +115,20 @@ def timed_alternating(steps: dict[str, object], warmup: int, repeats: int) -> di
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def forward_step(impl: AttentionImpl, plans: list[RequestPlan], qkv: tuple, scale: float,
+                 decode: bool, num_layers: int):
+    """One measured forward: `prepare` plus every layer's attention, staging and sealing;
+    returns the last layer's output."""
+
+    def step() -> torch.Tensor:
+        prepared = impl.prepare(BatchPlan(requests=plans))
+        for layer in range(num_layers):
+            out = impl.forward(layer, prepared, *qkv, scale, decode)
+        return out
+
+    return step
+
+
 def measure_native(profile: BudgetProfile, batch: int, context: int, decode: bool,
                    precision: str, warmup: int, repeats: int) -> dict:
     """Batched torch vs the native kernels on one storage and batch of this precision."""
@@ -125,12 +139,7 @@ def measure_native(profile: BudgetProfile, batch: int, context: int, decode: boo
     steps, outs = {}, {}
     for name, impl in (("batched", BatchedTorchAttention(storage)),
                        ("native", NativeAttention(storage, extend_on_batched=False))):
-        def step(impl: AttentionImpl = impl) -> torch.Tensor:
-            prepared = impl.prepare(BatchPlan(requests=plans))
-            for layer in range(profile.num_layers):
-                out = impl.forward(layer, prepared, q, k, v, scale, decode)
-            return out
-
+        step = forward_step(impl, plans, (q, k, v), scale, decode, profile.num_layers)
         outs[name] = step()
         steps[name] = step
     for name, seconds in timed_alternating(steps, warmup, repeats).items():
@@ -160,12 +169,7 @@ def measure(profile: BudgetProfile, batch: int, context: int, decode: bool, warm
     outs = {}
     for name, impl in (("reference", TorchAttention(storage)),
                        ("batched", BatchedTorchAttention(storage))):
-        def step(impl: AttentionImpl = impl) -> torch.Tensor:
-            prepared = impl.prepare(BatchPlan(requests=plans))
-            for layer in range(profile.num_layers):
-                out = impl.forward(layer, prepared, q, k, v, scale, decode)
-            return out
-
+        step = forward_step(impl, plans, (q, k, v), scale, decode, profile.num_layers)
         outs[name] = step()
         result[f"{name}_s"] = timed(step, warmup, repeats)
     result["speedup"] = result["reference_s"] / result["batched_s"]
@@ -180,13 +184,8 @@ def measure_precision(profile: BudgetProfile, batch: int, context: int, decode: 
     result = {"phase": "decode" if decode else "prefill", "batch": batch, "context": context}
     for name in ("bf16", precision):
         storage, plans, (q, k, v) = build_case(profile, batch, context, decode, name)
-        impl = BatchedTorchAttention(storage)
-
-        def step(impl: AttentionImpl = impl, plans: list[RequestPlan] = plans, q=q, k=k, v=v) -> None:
-            prepared = impl.prepare(BatchPlan(requests=plans))
-            for layer in range(profile.num_layers):
-                impl.forward(layer, prepared, q, k, v, scale, decode)
-
+        step = forward_step(BatchedTorchAttention(storage), plans, (q, k, v), scale, decode,
+                            profile.num_layers)
         result[f"{name}_s"] = timed(step, warmup, repeats)
         result[f"{name}_tokens_per_page"] = sum(sum(layer) for layer in storage.layout.slots) / sum(
             len(layer) for layer in storage.layout.slots)

@@ -34,6 +34,7 @@ from tests.unit.kernel_cases import (
     Shape,
     Spec,
     assert_same_state,
+    batch_rows,
     compare_with_reference,
     random_plans,
     random_qkv,
@@ -88,7 +89,7 @@ def twin_forward(specs: Sequence[Spec], decode: bool, seed: int, shape: Shape, d
         for st in stores:
             poison_unused(st, plans)
         for x in (q, k, v):
-            x[~owned_rows(plans, x.shape[0])] = float("nan")
+            x[~batch_rows(plans, x.shape[0])] = float("nan")
     outs = []
     mine = NativeAttention(stores[0], serial_pairs=serial_pairs, extend_on_batched=False)
     for impl, cast in (mine, dtype), (TorchAttention(stores[1]), torch.float32):
@@ -105,13 +106,6 @@ def float32_twin(st: RaggedStorage) -> RaggedStorage:
     for a, b in zip(storage_state(st), storage_state(twin), strict=True):
         b.copy_(a)
     return twin
-
-
-def owned_rows(plans: Sequence[RequestPlan], n: int) -> torch.Tensor:
-    owned = torch.zeros(n, dtype=torch.bool)
-    for p in plans:
-        owned[p.q_start : p.q_start + p.q_len] = True
-    return owned
 
 
 def poison_unused(st: RaggedStorage, plans: Sequence[RequestPlan]) -> None:
