@@ -145,15 +145,17 @@ def random_qkv(plans: Sequence[RequestPlan], gen: torch.Generator, device: str,
     return q, k, v
 
 
-def random_specs(rng: random.Random, n: int, decode: bool) -> list[Spec]:
-    """n random requests: sealed pages, staged tokens (up to two pages), new tokens (1 for a
-    decode batch, else up to three pages) and how many complete tail pages they seal."""
+def random_specs(rng: random.Random, n: int, decode: bool, page: int = P,
+                 max_sealed: int = 3) -> list[Spec]:
+    """n random requests for pages of `page` tokens: sealed pages (up to max_sealed), staged
+    tokens (up to two pages), new tokens (1 for a decode batch, else up to three pages) and how
+    many complete tail pages they seal."""
     specs = []
     for _ in range(n):
-        staged = rng.randrange(2 * P)
-        q_len = 1 if decode else rng.randint(1, 3 * P)
-        specs.append(Spec(sealed=rng.randrange(4), staged=staged, q_len=q_len,
-                          seal=rng.randint(0, (staged + q_len) // P)))
+        staged = rng.randrange(2 * page)
+        q_len = 1 if decode else rng.randint(1, 3 * page)
+        specs.append(Spec(sealed=rng.randrange(max_sealed + 1), staged=staged, q_len=q_len,
+                          seal=rng.randint(0, (staged + q_len) // page)))
     return specs
 
 

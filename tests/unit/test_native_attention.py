@@ -61,17 +61,6 @@ def native_only(storage: RaggedStorage) -> NativeAttention:
     return NativeAttention(storage, extend_on_batched=False)
 
 
-def specs_for(rng: random.Random, n: int, decode: bool, page: int) -> list[Spec]:
-    """n random requests for page size `page` (kernel_cases.random_specs' shapes, scaled)."""
-    out = []
-    for _ in range(n):
-        staged = rng.randrange(2 * page)
-        q_len = 1 if decode else rng.randint(1, 3 * page)
-        out.append(Spec(sealed=rng.randrange(5), staged=staged, q_len=q_len,
-                        seal=rng.randint(0, (staged + q_len) // page)))
-    return out
-
-
 def twin_forward(specs: Sequence[Spec], decode: bool, seed: int, shape: Shape, dtype: torch.dtype,
                  precision: str, layer: int = 1, gap: int = 1, poison: bool = False,
                  serial_pairs: int = 0) -> tuple[RaggedStorage, RaggedStorage, list[RequestPlan], list[torch.Tensor]]:
@@ -154,7 +143,8 @@ def test_matches_reference_float32(precision, head_dim, gqa, serial_pairs):
     chunks, ragged tails): outputs, the window's log-sum-exps and the storage after."""
     shape = Shape(page_size=16, head_dim=head_dim, kv_heads=4, gqa=gqa)
     rng = random.Random(PRECISIONS.index(precision) * 1000 + head_dim * 10 + gqa)
-    specs = specs_for(rng, 3, False, 16) + specs_for(rng, 2, True, 16)
+    specs = (random_specs(rng, 3, False, page=16, max_sealed=4)
+             + random_specs(rng, 2, True, page=16, max_sealed=4))
     rng.shuffle(specs)
     got, want, plans, outs = twin_forward(specs, False, rng.randrange(999), shape, torch.float32,
                                           precision, serial_pairs=serial_pairs)
@@ -168,7 +158,7 @@ def test_matches_reference_float32(precision, head_dim, gqa, serial_pairs):
 def test_matches_reference_bfloat16(precision, decode):
     shape = Shape(page_size=16, head_dim=64, kv_heads=2, gqa=3)
     rng = random.Random(7 + decode)
-    specs = specs_for(rng, 4, decode, 16)
+    specs = random_specs(rng, 4, decode, page=16, max_sealed=4)
     _, _, plans, outs = twin_forward(specs, decode, 31, shape, torch.bfloat16, precision)
     rows = rows_of(plans)
     assert outs[0].dtype == torch.bfloat16
@@ -181,7 +171,8 @@ def test_log_sum_exp_of_every_query(precision):
     shape = Shape(page_size=16, head_dim=64, kv_heads=4, gqa=3)
     st = random_storage(random.Random(3), "cpu", layers=2, num_stages=64, shape=shape,
                         precision=precision)
-    plans = random_plans(st, specs_for(random.Random(4), 4, False, 16), random.Random(5), gap=2)
+    specs = random_specs(random.Random(4), 4, False, page=16, max_sealed=4)
+    plans = random_plans(st, specs, random.Random(5), gap=2)
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(6), "cpu", shape=shape)
     impl = NativeAttention(st, extend_on_batched=False)
     batch = impl.prepare(BatchPlan(requests=list(plans)))
@@ -203,7 +194,7 @@ def test_poisoned_padding_does_not_leak(precision, decode):
     """NaN in every page, staging page, low-tier parameter and q/k/v row the batch does not
     own: the owned rows' outputs stay finite and equal the reference's."""
     shape = Shape(page_size=16, head_dim=64, kv_heads=4, gqa=4)
-    specs = specs_for(random.Random(11), 4, decode, 16)
+    specs = random_specs(random.Random(11), 4, decode, page=16, max_sealed=4)
     _, _, plans, outs = twin_forward(specs, decode, 12, shape, torch.float32, precision,
                                      gap=2, poison=True)
     rows = rows_of(plans)
@@ -231,8 +222,7 @@ import json, math, random, sys, torch
 from sgl_ragged import native
 from sgl_ragged.attention_backend.native_impl import NativeAttention
 from sgl_ragged.attention_backend.plan import BatchPlan
-from tests.unit.kernel_cases import Shape, random_plans, random_qkv, random_storage
-from tests.unit.test_native_attention import specs_for
+from tests.unit.kernel_cases import Shape, random_plans, random_qkv, random_specs, random_storage
 torch.set_num_threads(2)
 shape = Shape(page_size=16, head_dim=64, kv_heads=4, gqa=3)
 outs = {}
@@ -240,7 +230,8 @@ for precision in ("bf16", "int8", "int4", "int2", "fp8"):
     for dtype in (torch.float32, torch.bfloat16):
         st = random_storage(random.Random(1), "cpu", layers=2, num_stages=64, shape=shape,
                             dtype=dtype, precision=precision)
-        specs = specs_for(random.Random(2), 3, False, 16) + specs_for(random.Random(3), 2, True, 16)
+        specs = (random_specs(random.Random(2), 3, False, page=16, max_sealed=4)
+                 + random_specs(random.Random(3), 2, True, page=16, max_sealed=4))
         plans = random_plans(st, specs, random.Random(4))
         q, k, v = random_qkv(plans, torch.Generator().manual_seed(5), "cpu", dtype, shape)
         impl = NativeAttention(st, serial_pairs=0 if dtype == torch.float32 else 2**30,
