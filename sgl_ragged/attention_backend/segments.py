@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_ragged.mem_pool.quant import LowPrecision, QuantTier, code_planes_into
+from sgl_ragged.mem_pool.quant import QuantTier, code_planes_into
+from sgl_ragged.precision import LowPrecision
 
 
 @dataclass(frozen=True)

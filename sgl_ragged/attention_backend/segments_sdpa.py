@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl_ragged.mem_pool.quant import LowPrecision, QuantTier, codes_into
+from sgl_ragged.mem_pool.quant import QuantTier, codes_into
+from sgl_ragged.precision import LowPrecision
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 """torch's CPU flash-attention kernel (what SDPA runs on the CPU), which also returns the

@@ -25,13 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_ragged.precision import (  # noqa: F401 (re-exported: the vocabulary's old home)
-    FULL_PRECISION,
-    LOW_PRECISIONS,
-    PRECISION_CHOICES,
-    LowPrecision,
-    low_precision,
-)
+from sgl_ragged.precision import LowPrecision
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

@@ -15,15 +15,14 @@ from sgl_ragged.config import RaggedConfig
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.quant import (
     FP8_MAX,
-    LOW_PRECISIONS,
     codes_into,
     dequantize,
-    low_precision,
     pack,
     quantize,
     unpack,
 )
 from sgl_ragged.mem_pool.tiers import RowTiers, compose, tier_bytes
+from sgl_ragged.precision import LOW_PRECISIONS, low_precision
 from sgl_ragged.profile import uniform_profile
 from sgl_ragged.scoring.select import select_tiers, select_top_k, sink_mask
 

@@ -10,7 +10,8 @@ import torch
 
 from sgl_ragged.attention_backend.segments import attend_low, low_kv
 from sgl_ragged.attention_backend.segments_sdpa import attend_segment, dequantized_low, merge
-from sgl_ragged.mem_pool.quant import LOW_PRECISIONS, QuantTier, dequantize, quantize
+from sgl_ragged.mem_pool.quant import QuantTier, dequantize, quantize
+from sgl_ragged.precision import LOW_PRECISIONS
 
 B, S, LO, HI, T, H_P, D = 3, 4, 6, 2, 9, 2, 16  # T > Lq: every query sees its own token
 NUM_SEALED = torch.tensor([4, 0, 2])  # request 1 has no sealed pages; request 2 two of S = 4
