@@ -33,8 +33,6 @@ def triton_refuses(head_dim: int, precision: str) -> str | None:
 HIGH_TIER_READERS = ("reference", "triton")
 """--ragged-attention paths that read a quantized high tier (--ragged-precision H+L)."""
 
-logger = logging.getLogger(__name__)
-
 
 def _reference(storage: RaggedStorage, profile: BudgetProfile | None,
                num_q_heads: int | None) -> AttentionImpl:
