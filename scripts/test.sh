@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
-SGL_RAGGED_MODEL="$(python -m sgl_ragged.models.smollm2)"
-export SGL_RAGGED_MODEL
+RAGGED_MODEL="$(python -m sgl_ragged.models.smollm2)"
+export RAGGED_MODEL
 exec python -m pytest -q "$@"

@@ -57,8 +57,8 @@ FALLBACK_CHAT_TEMPLATE = (
 
 
 def default_cache_dir() -> Path:
-    """``$SGL_RAGGED_CACHE`` or ``~/.cache/sgl-ragged``."""
-    return Path(os.environ.get("SGL_RAGGED_CACHE", Path.home() / ".cache" / "sgl-ragged"))
+    """``$RAGGED_CACHE`` or ``~/.cache/sgl-ragged``."""
+    return Path(os.environ.get("RAGGED_CACHE", Path.home() / ".cache" / "sgl-ragged"))
 
 
 def find_gguf() -> Path:

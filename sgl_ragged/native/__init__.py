@@ -1,7 +1,7 @@
 """Build and load the native CPU kernels (cuda_ext/ at the repository root).
 
 The extension is compiled with torch.utils.cpp_extension.load into a cache directory outside the
-clone, ~/.cache/sgl-ragged/native-<hash> (SGL_RAGGED_CACHE moves the root), keyed by the
+clone, ~/.cache/sgl-ragged/native-<hash> (RAGGED_CACHE moves the root), keyed by the
 sources, the compiler flags and the torch version: a checkout that changes nothing reuses it, an
 edit of cuda_ext/ builds a fresh one. The compiler's output goes to build.log in that directory.
 `python -m sgl_ragged.native build` builds it (scripts/env.sh runs it after installing the
@@ -38,7 +38,7 @@ class NativeUnavailableError(RuntimeError):
 def cache_dir() -> Path:
     """~/.cache/sgl-ragged/native-<hash of sources, flags, torch version>; torch's version is
     read from its version.py, not imported (env.sh's up-to-date check stays fast)."""
-    root = Path(os.environ.get("SGL_RAGGED_CACHE", Path.home() / ".cache" / "sgl-ragged"))
+    root = Path(os.environ.get("RAGGED_CACHE", Path.home() / ".cache" / "sgl-ragged"))
     digest = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         digest.update(name.encode())

@@ -25,7 +25,7 @@ INTEGRITY_ENV = {"RAGGED_CHECK_INTEGRITY": "1", "SGLANG_ENABLE_STRICT_MEM_CHECK_
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
-    return str(os.environ.get("SGL_RAGGED_MODEL") or ensure_smollm2())
+    return str(os.environ.get("RAGGED_MODEL") or ensure_smollm2())
 
 
 def cpu_bind(ranks: int) -> str:
@@ -41,7 +41,7 @@ def cpu_bind(ranks: int) -> str:
 
 def _start(request: pytest.FixtureRequest, args: list[str], name: str,
            env: dict[str, str] | None = None) -> ServerProcess:
-    log_dir = Path(os.environ.get("SGL_RAGGED_TEST_LOGS", "/tmp/sgl-ragged-test-logs"))
+    log_dir = Path(os.environ.get("RAGGED_TEST_LOGS", "/tmp/sgl-ragged-test-logs"))
     server = ServerProcess(args, env={**INTEGRITY_ENV, **(env or {})},
                            log_path=log_dir / f"{name}.log", startup_timeout=900)
     server.start()

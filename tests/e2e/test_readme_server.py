@@ -62,3 +62,9 @@ def test_readme_question_without_temperature(readme_server):
     answers = [_chat(readme_server.base_url, KEY)[1]["choices"][0]["message"]["content"]
                for _ in range(5)]
     assert sum("Paris" in a for a in answers) >= 4, answers
+
+
+def test_no_environment_warnings(readme_server):
+    """Our scripts export RAGGED_* variables only: SGLang rewrites every SGL_* variable of its
+    environment and warns about each ("... is deprecated, please use SGLANG_...")."""
+    assert "is deprecated, please use SGLANG_" not in readme_server.log_text()

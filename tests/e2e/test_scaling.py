@@ -61,7 +61,7 @@ def router_deployment(model_path: str):
     args = ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
             "--ragged-profile", "uniform:0.3", "--max-total-tokens", "4096",
             "--max-running-requests", "4", "--enable-metrics"]
-    log_dir = Path(os.environ.get("SGL_RAGGED_TEST_LOGS", "/tmp/sgl-ragged-test-logs")) / "router"
+    log_dir = Path(os.environ.get("RAGGED_TEST_LOGS", "/tmp/sgl-ragged-test-logs")) / "router"
     with RouterDeployment(args, num_workers=2, policy="cache_aware", log_dir=log_dir,
                           env=INTEGRITY_ENV) as deployment:
         yield deployment

@@ -45,7 +45,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], S
     root = tmp_path_factory.mktemp("tp")
     model = save_tiny_llama(root / "model", layers=LAYERS, kv_heads=KV_HEADS, q_heads=4)
     profiles = {"uniform": "uniform:1.0", "sliced": str(_profile(root / "profile.json"))}
-    log_dir = Path(os.environ.get("SGL_RAGGED_TEST_LOGS", "/tmp/sgl-ragged-test-logs"))
+    log_dir = Path(os.environ.get("RAGGED_TEST_LOGS", "/tmp/sgl-ragged-test-logs"))
     made = {}
     for name, spec in profiles.items():
         for tp in (1, 2):

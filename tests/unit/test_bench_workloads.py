@@ -22,7 +22,7 @@ def model_path() -> str:
     """The default model's checkpoint (its tokenizer and config.json; no server)."""
     from sgl_ragged.models.smollm2 import ensure_smollm2
 
-    return str(os.environ.get("SGL_RAGGED_MODEL") or ensure_smollm2())
+    return str(os.environ.get("RAGGED_MODEL") or ensure_smollm2())
 
 
 def test_same_seed_same_sessions_other_seed_differs():

@@ -271,9 +271,9 @@ def test_calibration_of_tiny_llama(tiny_llama: Path, tmp_path: Path) -> None:
 
 
 def test_calibration_of_default_model(tmp_path: Path) -> None:
-    model = os.environ.get("SGL_RAGGED_MODEL")
+    model = os.environ.get("RAGGED_MODEL")
     if not model or not Path(model, "config.json").is_file():
-        pytest.skip("SGL_RAGGED_MODEL does not name a checkpoint (scripts/test.sh exports it)")
+        pytest.skip("RAGGED_MODEL does not name a checkpoint (scripts/test.sh exports it)")
     cfg = CalibrationConfig(
         model_path=model, output=str(tmp_path / "p.json"), scorers=("snapkv",), rhos=(0.3,),
         samples=2, chunking=ChunkingConfig(64, 128, 32), min_tokens=256, max_tokens=256,

@@ -312,7 +312,7 @@ def test_build_command_finds_the_cached_build(capsys):
 def test_a_failed_build_names_its_compiler_log(monkeypatch, tmp_path):
     """What env.sh prints and `auto` logs: the error with the log's path (the compiler's
     output inside)."""
-    monkeypatch.setenv("SGL_RAGGED_CACHE", str(tmp_path))
+    monkeypatch.setenv("RAGGED_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "/bin/false")
     assert not native.is_built()
     with pytest.raises(native.NativeUnavailableError, match="compiler log: .*build.log") as e:

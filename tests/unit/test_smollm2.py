@@ -53,7 +53,7 @@ def test_serve_script_and_readme_serve_the_default():
 
     root = Path(__file__).parents[2]
     serve = (root / "scripts/serve.sh").read_text()
-    assert f'DEFAULT_PROFILE="$SGL_RAGGED_ROOT/{smollm2.DEFAULT_PROFILE}"' in serve
+    assert f'DEFAULT_PROFILE="$RAGGED_ROOT/{smollm2.DEFAULT_PROFILE}"' in serve
     assert f"--ragged-precision {smollm2.DEFAULT_PRECISION}" in serve
     readme = (root / "README.md").read_text()
     assert f"--ragged-profile {smollm2.DEFAULT_PROFILE}" in readme
