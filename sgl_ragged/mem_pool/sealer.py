@@ -5,7 +5,8 @@ The `Sealer` decides and the storage writes: `Sealer.select` scores the pages (t
 their `PageStats`), forces the sinks in and returns a `Selection`; `RaggedStorage.seal`
 (storage.py) writes the rows it describes through the storage's row writer and counts them
 with `Sealer.entries`. The sealer holds no storage: it takes the layout (each group's tiers),
-the scorer and the row policy of the mode, built once per server beside the storage.
+the scorer and the row policy of the mode. There is one per server: the storage builds it
+from its constructor's scorer and mode (`RaggedStorage.sealer`), every path seals through it.
 
 Row policies:
 
@@ -71,7 +72,7 @@ RowPolicy = TierRows | DynamicRows
 
 
 class Sealer:
-    """Scorer + selection rule + entry counts; one per server (serving/pool.py builds it)."""
+    """Scorer + selection rule + entry counts; one per server (`RaggedStorage.sealer`)."""
 
     def __init__(self, layout: RaggedLayout, scorer: Scorer, policy: RowPolicy = TierRows()) -> None:
         self.layout = layout
