@@ -7,8 +7,8 @@ group one pass over the batch instead of one per (request, group) as in the refe
 (torch_ref.py, still the oracle). The hi slots and the tail run on the CPU flash kernel in q's
 dtype (segments_sdpa.py); the low tier in decode on its codes in float32 with the scales folded
 into the query and probabilities (segments.py), in extend dequantized once then on the flash
-kernel. Staging and sealing run batched too (tail_batch.store_tails, sealed by the storage's
-`Sealer`).
+kernel. Staging and sealing run batched too (tail_batch.store_tails, through the storage's
+write API: `RaggedStorage.seal`).
 
 Key column c of request b in group g (hi + lo slots per sealed page, S sealed pages at most);
 query i sees it iff key_pos[b, c] <= q_pos[b, i]:
@@ -181,8 +181,7 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
             out.index_copy_(0, pb.q_rows_valid, take(out_pad.flatten(0, 1), pb.q_flat_valid))
             lse.index_copy_(0, pb.win_rows_valid, take(lse_pad.flatten(0, 1), pb.win_flat_valid))
         # 3. Seal what leaves the window, stage the rest.
-        store_tails(self.storage, layer, tails, k_pages, v_pages, q, lse, scale,
-                    self.storage.sealer)
+        store_tails(self.storage, layer, tails, k_pages, v_pages, q, lse, scale)
         return out
 
     def _attend(self, layer: int, pb: PaddedBatch, q: torch.Tensor, k_pages: torch.Tensor,

@@ -20,8 +20,8 @@ checks them anyway. The padding requests of SGLang's padded batch (rows past the
 are never planned: planning them would stage pages of req_to_token row 0.
 
 What the eager path does on the host inside the forward moves out of the graph: the seal
-counters are counted in `load` (the buffers' TailBatch is not `counted`, so the sealer counts
-nothing inside the graph), and the post-forward bookkeeping (`mark_sealed`) runs after the
+counters are counted in `load` (the buffers' TailBatch is not `counted`, so
+`RaggedStorage.seal` counts nothing inside the graph), and the post-forward bookkeeping (`mark_sealed`) runs after the
 replay (RaggedAttnBackend.finish_graph_replay).
 """
 
@@ -127,7 +127,7 @@ class DecodeGraphBuffers:
         for name in (*_TAIL_PER_PAGE, "seal_index", "seal_pages", "stay_index", "stay_stage"):
             _copy_leading(getattr(tails, name), getattr(live_tails, name))
         for layer in range(self.storage.layout.num_layers):
-            self.storage.sealer.count(layer, live_tails.num_seal)
+            self.storage.count_sealed(layer, live_tails.num_seal)
         return batch
 
     def _check_capacity(self, bs: int, kernel: KernelBatch, tails: TailBatch) -> None:

@@ -130,5 +130,5 @@ class NativeAttention(AttentionImpl[NativeBatch]):
             st.rows_v[layer], self.low[layer], self.head_map[layer], batch.requests,
             batch.sealed_off, batch.sealed_pages, self.bits, self.is_float, scale,
             self.serial_pairs)
-        store_tails(st, layer, batch.tails, k_pages, v_pages, q, lse, scale, st.sealer)
+        store_tails(st, layer, batch.tails, k_pages, v_pages, q, lse, scale)
         return out

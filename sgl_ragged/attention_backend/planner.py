@@ -142,6 +142,4 @@ def _write_obs(
 ) -> None:
     """Store the counts of the pages that stay staged (layer-independent)."""
     for i, s in enumerate(after.tolist()):
-        chunk = tail_obs[(num_seal + i) * P : (num_seal + i + 1) * P]
-        storage.stats.obs[s].zero_()
-        storage.stats.obs[s, : chunk.numel()] = chunk.to(storage.device)
+        storage.write_obs(s, tail_obs[(num_seal + i) * P : (num_seal + i + 1) * P])

@@ -3,8 +3,9 @@
 `tail_batch` runs once per forward (layer-independent bookkeeping from the request plans);
 `store_tails` then does one layer's staging and sealing for the whole batch with a fixed number
 of batched tensor ops and one sealing call -- no loop over requests. It is the batched form of
-`torch_ref.store_tail`, which stays the oracle; both seal through the storage's `Sealer`
-(mem_pool/sealer.py) or the Triton one.
+`torch_ref.store_tail`, which stays the oracle; both write through the storage's write API
+(`RaggedStorage.seal`: its sealer selects, its row writer writes -- torch, or the sealing
+kernel on the Triton path; `stage_kv`, `store_stats`).
 
 Tail page m (M in all: request 0's tail pages first, each request's in position order):
 
@@ -32,7 +33,7 @@ import torch
 
 from sgl_ragged.attention_backend.ops import take
 from sgl_ragged.attention_backend.plan import RequestPlan
-from sgl_ragged.mem_pool.sealer import SealBatch, Sealer
+from sgl_ragged.mem_pool.sealer import SealBatch
 from sgl_ragged.mem_pool.staging_stats import StagedQueryStats, page_stats
 from sgl_ragged.mem_pool.storage import RaggedStorage
 
@@ -140,8 +141,7 @@ def tail_pages(storage: RaggedStorage, layer: int, tails: TailBatch, k_new: torc
 
 
 def store_tails(storage: RaggedStorage, layer: int, tails: TailBatch, k_pages: torch.Tensor,
-                v_pages: torch.Tensor, q: torch.Tensor, lse: torch.Tensor, scale: float,
-                sealer: Sealer) -> None:
+                v_pages: torch.Tensor, q: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
     """One layer, whole batch: seal the tail pages leaving the window, stage the others.
 
     k_pages, v_pages: [M, P, H, D] from `tail_pages`; q: [N, H_q, D] this forward's queries;
@@ -164,14 +164,13 @@ def store_tails(storage: RaggedStorage, layer: int, tails: TailBatch, k_pages: t
         acc = StagedQueryStats(attn=take(attn, s), q_sum=take(q_sum, s), q_sq_sum=take(q_sq, s),
                                q_count=take(q_cnt, s))
         stats = page_stats(acc, take(tails.obs, s), take(k_pages, s), take(v_pages, s), scale)
-        sealer.seal(layer, SealBatch(stats, tails.seal_pages, take(tails.page_start, s),
-                                     count=tails.num_seal if tails.counted else 0))
+        storage.seal(layer, SealBatch(stats, tails.seal_pages, take(tails.page_start, s),
+                                      count=tails.num_seal if tails.counted else 0))
     # 4. Stage the rest with their statistics.
     if tails.num_stay:
         s, stages = tails.stay_index, tails.stay_stage
-        storage.stage_k[layer].index_copy_(0, stages, take(k_pages, s).to(storage.dtype))
-        storage.stage_v[layer].index_copy_(0, stages, take(v_pages, s).to(storage.dtype))
-        storage.stats.store(layer, stages, StagedQueryStats(
+        storage.stage_kv(layer, stages, take(k_pages, s), take(v_pages, s))
+        storage.store_stats(layer, stages, StagedQueryStats(
             attn=take(attn, s), q_sum=take(q_sum, s), q_sq_sum=take(q_sq, s),
             q_count=take(q_cnt, s)))
 

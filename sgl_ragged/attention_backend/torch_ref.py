@@ -170,12 +170,11 @@ def store_tail(
         acc = StagedQueryStats(attn=attn_pages[:n], q_sum=q_sum[:n], q_sq_sum=q_sq[:n],
                                q_count=q_cnt[:n])
         stats = page_stats(acc, obs_pages[:n], k_pages[:n], v_pages[:n], scale)
-        storage.sealer.seal(layer, SealBatch(stats, pages, start, count=n))
+        storage.seal(layer, SealBatch(stats, pages, start, count=n))
     if n < n_pages:
         stages = plan.after_stages
-        storage.stage_k[layer][stages] = k_pages[n:].to(storage.dtype)
-        storage.stage_v[layer][stages] = v_pages[n:].to(storage.dtype)
-        storage.stats.store(layer, stages, StagedQueryStats(
+        storage.stage_kv(layer, stages, k_pages[n:], v_pages[n:])
+        storage.store_stats(layer, stages, StagedQueryStats(
             attn=attn_pages[n:], q_sum=q_sum[n:], q_sq_sum=q_sq[n:], q_count=q_cnt[n:]))
 
 

@@ -4,14 +4,17 @@ Decode batches use the split-KV decode kernel driven by the static split map (ke
 extend and mixed batches the extend kernel. Both return the log-sum-exp of every query row, from
 which the window queries' attention over the tail (the scorer's input) is recomputed on the tail
 alone, without a second pass over the sealed rows. Staging and sealing then run for the whole
-batch at once (tail_batch.store_tails); `TritonSealer` scores like every sealer and leaves the
-selection and row scatter to the sealing kernel.
+batch at once (tail_batch.store_tails) through the storage's one sealer; the rows it selects
+are written by the sealing kernel, `KernelRowWriter`, which the constructor installs as the
+storage's row writer (`RaggedStorage.use_row_writer`: its address tables are the storage's
+tensors, so finish-time sealing takes the kernel too).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -31,27 +34,29 @@ from sgl_ragged.kernels.extend import extend_attention
 from sgl_ragged.kernels.occupancy import SMLimits, programs_per_sm
 from sgl_ragged.kernels.seal import seal_pages
 from sgl_ragged.kernels.tables import LayerTables, all_layer_tables
-from sgl_ragged.mem_pool.sealer import Sealer
+from sgl_ragged.mem_pool.sealer import Selection
 from sgl_ragged.mem_pool.storage import RaggedStorage
-from sgl_ragged.scoring import Scorer
-from sgl_ragged.scoring.select import sink_mask
 
 logger = logging.getLogger(__name__)
 
 
-class TritonSealer(Sealer):
-    """A `Sealer` whose selection and row writes are the sealing kernel (kernels/seal.py)."""
+@dataclass(frozen=True)
+class KernelRowWriter:
+    """The storage's row writer on the Triton path (mem_pool/storage.RowWriter): the sealing
+    kernel (kernels/seal.py) applies a TierRows selection's ranks and scatters the rows of one
+    layer in one launch; pages of -1 are padding and write nothing."""
 
-    def __init__(self, storage: RaggedStorage, scorer: Scorer, tables: Sequence[LayerTables]) -> None:
-        super().__init__(storage, scorer)
-        self.tables = tables
+    tables: Sequence[LayerTables]  # per layer, the addresses of the storage's row tensors
 
-    def write(self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor, v_tok: torch.Tensor,
-              scores: torch.Tensor, page_start: torch.Tensor) -> None:
-        """Pages of -1 are padding and write nothing."""
-        sinks = sink_mask(page_start, self.storage.layout.page_size)
+    def __call__(self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor,
+                 v_tok: torch.Tensor, selection: Selection) -> None:
+        if selection.keep is not None:
+            raise ValueError("the sealing kernel writes tiered rows, not the dynamic reference "
+                             "mode's keep masks; serve dynamic:<rho> with --ragged-attention "
+                             "reference")
         index = torch.arange(pages.numel(), dtype=torch.int32, device=pages.device)
-        seal_pages(self.tables[layer], k_tok, v_tok, index, pages.int(), scores, sinks)
+        seal_pages(self.tables[layer], k_tok, v_tok, index, pages.int(), selection.scores,
+                   selection.sinks)
 
 
 class TritonAttention(AttentionImpl[TritonBatch]):
@@ -69,7 +74,7 @@ class TritonAttention(AttentionImpl[TritonBatch]):
         if num_ctas is None:
             num_ctas = decode_parallelism(storage, self.tables[0], split_ratios, num_q_heads)
         self.splits = split_plan(split_ratios, num_ctas, storage.device, strategy)
-        self.sealer = TritonSealer(storage, storage.sealer.scorer, self.tables)
+        storage.use_row_writer(KernelRowWriter(self.tables))
 
     def prepare(self, plan: BatchPlan) -> TritonBatch:
         assert plan.staged, "planner.take_staging did not run for this plan"
@@ -79,7 +84,7 @@ class TritonAttention(AttentionImpl[TritonBatch]):
                 v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
         out, lse = self.attend(layer, batch.kernel, q, k, v, scale, decode)
         k_pages, v_pages = tail_pages(self.storage, layer, batch.tails, k, v)
-        store_tails(self.storage, layer, batch.tails, k_pages, v_pages, q, lse, scale, self.sealer)
+        store_tails(self.storage, layer, batch.tails, k_pages, v_pages, q, lse, scale)
         return out
 
     def attend(self, layer: int, batch: KernelBatch, q: torch.Tensor, k: torch.Tensor,

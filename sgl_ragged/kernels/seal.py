@@ -86,7 +86,8 @@ def seal_pages(
     tables: LayerTables, src_k: torch.Tensor, src_v: torch.Tensor, src_index: torch.Tensor,
     pages: torch.Tensor, scores: torch.Tensor, sinks: torch.Tensor,
 ) -> None:
-    """Write the rows of N sealed pages of one layer (the kernel form of `Sealer.write`, mem_pool/sealer.py).
+    """Write the rows of N sealed pages of one layer (the kernel form of the storage's torch row
+    writer, `RaggedStorage.write_sealed` with a TierRows `Selection`; triton_impl.KernelRowWriter).
 
     src_k, src_v: [M, P, H, D] full K/V of candidate pages (any float dtype; cast on store);
     src_index: [N] int rows of src_k/src_v to seal; pages: [N] int logical pages to write

@@ -1,25 +1,40 @@
-"""Sealing: full pages leaving the recent window become rows (docs/architecture.md, "One forward pass" and "Row tiers").
+"""Sealing decisions: which tokens of full pages leaving the recent window their rows keep
+(docs/architecture.md, "One sealed page" and "Row tiers").
 
-One `Sealer` per storage does it for every caller (the torch reference, the batched paths,
-finish-time sealing in the scheduler hook): score the pages (the scorer over their
-`PageStats`), select per head (each group's tiers: the best `hi` tokens at the model dtype
-or, with `--ragged-precision H+L`, quantized in H; the next `lo` quantized; sinks forced in; or TANGRAM Eq. 3 over the layer in the dynamic
-reference mode), write the rows, count. The Triton path's sealer (triton_impl.TritonSealer)
-differs only in `write`: the sealing kernel selects and scatters on the device.
+The `Sealer` decides and the storage writes: `Sealer.select` scores the pages (the scorer over
+their `PageStats`), forces the sinks in and returns a `Selection`; `RaggedStorage.seal`
+(storage.py) writes the rows it describes through the storage's row writer and counts them
+with `Sealer.entries`. The sealer holds no storage: it takes the layout (each group's tiers),
+the scorer and the row policy of the mode. There is one per server: the storage builds it
+from its constructor's scorer and mode (`RaggedStorage.sealer`), every path seals through it.
+
+Row policies:
+
+    | policy         | mode                       | what a Selection decides                         |
+    |----------------|----------------------------|--------------------------------------------------|
+    | `TierRows`     | budget profiles (default)  | per head of group g: the hi[l][g] best tokens by |
+    |                |                            | score (sinks first, ties to the earlier), then   |
+    |                |                            | the next lo[l][g] (`tier_tokens`)                |
+    | `DynamicRows`  | dynamic:<rho> (reference)  | `keep` [N, H, P]: TANGRAM Eq. 3 over all heads   |
+    |                |                            | of the layer, full rows with keep masks          |
+
+Under `TierRows` the selection is the rule plus its inputs (scores, sinks), not index tensors:
+the torch row writer applies it per group (`tier_tokens`, select_tiers), the Triton sealing
+kernel applies the same ranks on the device (kernels/seal.py; tests/unit/test_kernels_seal.py
+checks that both write the same rows), so the device path computes no torch top-k it would not
+read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from sgl_ragged.mem_pool.layout import RaggedLayout
+from sgl_ragged.mem_pool.tiers import RowTiers
 from sgl_ragged.scoring import PageStats, Scorer
 from sgl_ragged.scoring.select import select_flat_top_pages, select_tiers, sink_mask
-
-if TYPE_CHECKING:
-    from sgl_ragged.mem_pool.storage import RaggedStorage
 
 
 @dataclass(frozen=True)
@@ -32,71 +47,64 @@ class SealBatch:
     count: int  # pages the counters count now (host; 0 in a captured graph: graph.py counts)
 
 
+@dataclass(frozen=True)
+class Selection:
+    """What the rows of N pages of one layer keep (the Sealer's decision, the storage writes it)."""
+
+    scores: torch.Tensor  # [N, H, P] float32 token scores (the scorer's)
+    sinks: torch.Tensor  # [N, P] bool tokens kept whatever their score (a sequence's first)
+    keep: torch.Tensor | None = None  # [N, H, P] bool, DynamicRows only: the kept tokens
+
+
+@dataclass(frozen=True)
+class TierRows:
+    """Budget profiles: each group keeps its tiers' best tokens per head (module table)."""
+
+
+@dataclass(frozen=True)
+class DynamicRows:
+    """The dynamic reference mode: TANGRAM Eq. 3 over all heads of a layer at ratio rho."""
+
+    rho: float
+
+
+RowPolicy = TierRows | DynamicRows
+
+
 class Sealer:
-    """Scorer + per-head selection + row writes + seal counters, for one storage."""
+    """Scorer + selection rule + entry counts; one per server (`RaggedStorage.sealer`)."""
 
-    def __init__(self, storage: RaggedStorage, scorer: Scorer) -> None:
-        self.storage = storage
+    def __init__(self, layout: RaggedLayout, scorer: Scorer, policy: RowPolicy = TierRows()) -> None:
+        self.layout = layout
         self.scorer = scorer
+        self.policy = policy
 
-    def seal(self, layer: int, batch: SealBatch) -> None:
-        """Score, select, write and count one layer's pages."""
-        scores = self.scorer.page_scores(batch.stats)  # [N, H, P] float32
-        kept = self.write(layer, batch.pages, batch.stats.keys, batch.stats.values, scores,
-                          batch.page_start)
-        self.count(layer, batch.count, kept)
+    def select(self, stats: PageStats, page_start: torch.Tensor) -> Selection:
+        """The selection of N pages from what they observed; page_start: [N] int64 sequence
+        position of each page's first token (sinks are the first tokens of a sequence)."""
+        return self.choose(self.scorer.page_scores(stats), page_start)
 
-    def write(self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor, v_tok: torch.Tensor,
-              scores: torch.Tensor, page_start: torch.Tensor) -> int | None:
-        """Select per head and write the rows of full pages of one layer.
+    def choose(self, scores: torch.Tensor, page_start: torch.Tensor) -> Selection:
+        """The selection of N pages from their token scores [N, H, P] float32."""
+        sinks = sink_mask(page_start, self.layout.page_size)  # [N, P]
+        if isinstance(self.policy, DynamicRows):
+            return Selection(scores, sinks, select_flat_top_pages(scores, self.policy.rho, sinks))
+        return Selection(scores, sinks)
 
-        pages: [N] int64 logical pages; k_tok, v_tok: [N, P, H, D] their full K/V (post-RoPE);
-        scores: [N, H, P] float32 token scores; page_start: [N] int64 sequence position of
-        each page's first token (sinks are the first tokens of a sequence). Returns the
-        (token, KV head) entries kept where that depends on the data (dynamic mode), else None.
-        """
-        st = self.storage
-        sinks = sink_mask(page_start, st.layout.page_size)
-        if st.row_keep is not None:
-            keep = select_flat_top_pages(scores, st.dynamic_rho, sinks)  # [N, H, P]
-            st.write_full_rows(layer, pages, k_tok, v_tok, keep)
-            return int(keep.sum())
-        for g, t in enumerate(st.layout.tiers[layer]):
-            heads = st.head_index[layer][g]
-            hi_idx, lo_idx = select_tiers(scores[:, heads], t.hi, t.total, sinks)  # [N, H_p, *]
-            k_g, v_g = k_tok[:, :, heads], v_tok[:, :, heads]  # [N, P, H_p, D]
-            st.write_group(layer, g, pages, _gather_tokens(k_g, hi_idx), _gather_tokens(v_g, hi_idx))
-            if t.lo:
-                st.write_low(layer, g, pages, _gather_tokens(k_g, lo_idx), _gather_tokens(v_g, lo_idx))
-        return None
-
-    def count(self, layer: int, num_pages: int, kept: int | None = None) -> None:
-        """Counters for `num_pages` pages of one layer written into their rows (kept: the
-        entries kept when the layout does not fix them)."""
-        layout, counters = self.storage.layout, self.storage.counters
-        if kept is None:
-            per_page = sum(k * len(heads) for heads, k in
-                           zip(layout.groups[layer], layout.slots[layer], strict=True))
-            kept = num_pages * per_page
-        counters.entries_kept += kept
-        counters.entries_seen += num_pages * layout.page_size * layout.num_kv_heads
-
-    def seal_staged(self, pages: torch.Tensor, page_start: torch.Tensor) -> None:
-        """Seal staged pages in every layer from their staging copies (outside a forward pass,
-        e.g. at finish), then mark them sealed. pages, page_start: [N] int64 (CPU)."""
-        if pages.numel() == 0:
-            return
-        st = self.storage
-        stages = st.page_to_stage[pages].to(st.device)
-        for layer in range(st.layout.num_layers):
-            keys, values = st.stage_k[layer][stages], st.stage_v[layer][stages]
-            stats = st.stats.page_stats(layer, stages, keys, values, st.scale)
-            self.seal(layer, SealBatch(stats, pages.to(st.device), page_start.to(st.device),
-                                       count=pages.numel()))
-        st.mark_sealed(pages)
+    def entries(self, layer: int, num_pages: int, selection: Selection | None = None) -> tuple[int, int]:
+        """(token, KV head) entries kept and offered by `num_pages` pages of one layer: the
+        layout fixes the kept ones except in the dynamic mode (its selection counts them)."""
+        layout = self.layout
+        if selection is not None and selection.keep is not None:
+            kept = int(selection.keep.sum())
+        else:
+            kept = num_pages * sum(k * len(heads) for heads, k in
+                                   zip(layout.groups[layer], layout.slots[layer], strict=True))
+        return kept, num_pages * layout.page_size * layout.num_kv_heads
 
 
-def _gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x [N, P, H, D], idx [N, H, k] token offsets per head -> [N, k, H, D]."""
-    index = idx.transpose(1, 2).unsqueeze(-1).expand(-1, -1, -1, x.shape[-1])
-    return torch.gather(x, 1, index)
+def tier_tokens(selection: Selection, heads: torch.Tensor,
+                tiers: RowTiers) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token offsets one group keeps under TierRows: hi_idx [N, H_p, hi] and lo_idx
+    [N, H_p, lo] int64 per member head (heads: [H_p] its KV heads), each in position order."""
+    return select_tiers(selection.scores[:, heads], tiers.hi, tiers.total, selection.sinks)

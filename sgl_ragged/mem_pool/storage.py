@@ -14,20 +14,37 @@ Index spaces (docs/architecture.md, "The idea in one table" and "One forward pas
     |               | S                     | the scratch page (CUDA-graph padding writes)      |
 
 Page 0 is SGLang's padding page; it is never handed out.
+
+The storage owns its writes: every path (the torch reference, the batched and native CPU
+paths, the Triton kernels, finish-time sealing) changes its tensors only through the write
+API below -- `stage_kv`, `store_stats`, `write_obs` (staging), `seal` / `write_sealed` (rows,
+through the row writer: torch here, the sealing kernel once the Triton path installs it with
+`use_row_writer`), `mark_sealed`, `seal_staged`. The tensor fields (rows_k, rows_v, low_rows,
+high_rows, row_keep, stage_k, stage_v, stats, and the CPU bookkeeping page_to_stage,
+stage_owner, sealed) are read-only outside this module: readers (attention, planning, the
+kernels' address tables) read them directly.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.quant import QuantTier, dequantize, empty_tier, quantize
-from sgl_ragged.mem_pool.sealer import Sealer
-from sgl_ragged.mem_pool.staging_stats import StagingStats
+from sgl_ragged.mem_pool.sealer import (
+    DynamicRows,
+    SealBatch,
+    Sealer,
+    Selection,
+    TierRows,
+    tier_tokens,
+)
+from sgl_ragged.mem_pool.staging_stats import StagedQueryStats, StagingStats
 from sgl_ragged.mem_pool.tiers import RowTiers
 from sgl_ragged.precision import LowPrecision
 from sgl_ragged.scoring import Scorer
@@ -47,6 +64,18 @@ class SealCounters:
     entries_seen: int = 0  # (token, KV head) entries offered, summed over layers
 
 
+class RowWriter(Protocol):
+    """Writes the sealed rows of N pages of one layer as a `Selection` says: the storage's own
+    torch writes (`RaggedStorage.write_sealed`'s default) or the Triton sealing kernel
+    (triton_impl.KernelRowWriter), installed with `RaggedStorage.use_row_writer`.
+
+    pages: [N] int64 logical pages (-1: padding, writes nothing; only the kernel writer sees
+    it, inside captured decode graphs); k_tok, v_tok: [N, P, H, D] the pages' full K/V."""
+
+    def __call__(self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor,
+                 v_tok: torch.Tensor, selection: Selection) -> None: ...
+
+
 class PageTiers(NamedTuple):
     """Rows of N pages of one group, as stored (`RaggedStorage.page_tiers`)."""
 
@@ -58,8 +87,9 @@ class PageTiers(NamedTuple):
 
 
 class RaggedStorage:
-    """Owns every tensor of the ragged cache and the staging bookkeeping; its `sealer` turns
-    pages leaving the window into rows (sealer.py)."""
+    """Owns every tensor of the ragged cache and the staging bookkeeping, and every write to
+    them (module docstring); its `sealer` decides what the rows of pages leaving the window
+    keep (sealer.py), the storage writes them."""
 
     def __init__(
         self,
@@ -119,8 +149,10 @@ class RaggedStorage:
         self.free_stage: list[int] = list(range(num_staging_pages - 1, -1, -1))
         # sealed: [num_pages] bool, the page's rows hold its compressed KV.
         self.sealed = torch.zeros(num_pages, dtype=torch.bool)
-        self.counters = SealCounters()  # counted by the sealers and mark_sealed
-        self.sealer = Sealer(self, scorer)
+        self.counters = SealCounters()  # counted by seal, count_sealed and mark_sealed
+        # The one sealer of the server (its decisions; the storage writes what it selects).
+        self.sealer = Sealer(layout, scorer, TierRows() if dynamic_rho is None else DynamicRows(dynamic_rho))
+        self._row_writer: RowWriter | None = None  # None: the torch writes (_write_rows)
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.dtype, device=self.device)
@@ -196,7 +228,91 @@ class RaggedStorage:
         self.free_stage = list(range(self.num_staging_pages - 1, -1, -1))
         self.sealed.zero_()
 
-    # ---- row writes (the Sealer's, sealer.py) and sealed marks ------------------------------
+    # ---- staging writes ----------------------------------------------------------------------
+
+    def stage_kv(self, layer: int, stages: torch.Tensor, k_pages: torch.Tensor,
+                 v_pages: torch.Tensor) -> None:
+        """Whole pages k_pages, v_pages [N, P, H, D] (any float dtype) into this layer's
+        staging pages stages [N] int64 (distinct)."""
+        self.stage_k[layer].index_copy_(0, stages, k_pages.to(self.dtype))
+        self.stage_v[layer].index_copy_(0, stages, v_pages.to(self.dtype))
+
+    def store_stats(self, layer: int, stages: torch.Tensor, acc: StagedQueryStats) -> None:
+        """One layer's accumulators of the pages that stay staged, stages [N] int64."""
+        self.stats.store(layer, stages, acc)
+
+    def write_obs(self, stage: int, counts: torch.Tensor) -> None:
+        """Observation counts [n <= P] of one staging page's tokens (layer-independent; the
+        rest of the page zero)."""
+        self.stats.obs[stage].zero_()
+        self.stats.obs[stage, : counts.numel()] = counts.to(self.device)
+
+    # ---- sealing: rows, counters, sealed marks ------------------------------------------------
+
+    def use_row_writer(self, writer: RowWriter) -> None:
+        """Write sealed rows with `writer` from now on (the Triton path's sealing kernel, whose
+        address tables are this storage's tensors)."""
+        self._row_writer = writer
+
+    def __deepcopy__(self, memo: dict[int, object]) -> RaggedStorage:
+        """A copy with its own tensors (tests' twins); refused with an installed row writer,
+        whose tables would still address this storage's rows."""
+        if self._row_writer is not None:
+            raise TypeError("a storage whose row writer was installed (use_row_writer: the "
+                            "Triton path's sealing kernel addresses its tensors) cannot be "
+                            "deep-copied; copy it before building the Triton implementation")
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        return new
+
+    def seal(self, layer: int, batch: SealBatch) -> None:
+        """Seal N pages of one layer: the sealer selects, the row writer writes, `batch.count`
+        pages are counted (0 inside a captured decode graph: graph.py counts at load)."""
+        selection = self.sealer.select(batch.stats, batch.page_start)
+        self.write_sealed(layer, batch.pages, batch.stats.keys, batch.stats.values, selection)
+        self.count_sealed(layer, batch.count, selection)
+
+    def write_sealed(self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor,
+                     v_tok: torch.Tensor, selection: Selection) -> None:
+        """The rows of full pages of one layer as `selection` says (RowWriter's arguments)."""
+        writer = self._write_rows if self._row_writer is None else self._row_writer
+        writer(layer, pages, k_tok, v_tok, selection)
+
+    def count_sealed(self, layer: int, num_pages: int, selection: Selection | None = None) -> None:
+        """Count the entries of `num_pages` pages of one layer written into their rows."""
+        kept, seen = self.sealer.entries(layer, num_pages, selection)
+        self.counters.entries_kept += kept
+        self.counters.entries_seen += seen
+
+    def seal_staged(self, pages: torch.Tensor, page_start: torch.Tensor) -> None:
+        """Seal staged pages in every layer from their staging copies (outside a forward pass,
+        e.g. at finish), then mark them sealed. pages, page_start: [N] int64 (CPU)."""
+        if pages.numel() == 0:
+            return
+        stages = self.page_to_stage[pages].to(self.device)
+        for layer in range(self.layout.num_layers):
+            keys, values = self.stage_k[layer][stages], self.stage_v[layer][stages]
+            stats = self.stats.page_stats(layer, stages, keys, values, self.scale)
+            self.seal(layer, SealBatch(stats, pages.to(self.device), page_start.to(self.device),
+                                       count=pages.numel()))
+        self.mark_sealed(pages)
+
+    def _write_rows(self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor,
+                    v_tok: torch.Tensor, selection: Selection) -> None:
+        """The torch row writer: per group, the selected tokens' K/V into the tiers' rows
+        (dynamic mode: whole pages into full rows, with the keep masks)."""
+        if selection.keep is not None:
+            self.write_full_rows(layer, pages, k_tok, v_tok, selection.keep)
+            return
+        for g, t in enumerate(self.layout.tiers[layer]):
+            heads = self.head_index[layer][g]
+            hi_idx, lo_idx = tier_tokens(selection, heads, t)  # [N, H_p, *]
+            k_g, v_g = k_tok[:, :, heads], v_tok[:, :, heads]  # [N, P, H_p, D]
+            self.write_group(layer, g, pages, _gather_tokens(k_g, hi_idx), _gather_tokens(v_g, hi_idx))
+            if t.lo:
+                self.write_low(layer, g, pages, _gather_tokens(k_g, lo_idx), _gather_tokens(v_g, lo_idx))
 
     def write_group(self, layer: int, group: int, pages: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> None:
@@ -315,6 +431,12 @@ def _write_tier(tier: QuantTier, q: QuantTier, pages: torch.Tensor) -> None:
     """Store the quantized tiers q of N pages at these logical pages of `tier`."""
     for dst, src in zip(tier.tensors(), q.tensors(), strict=True):
         dst[pages] = src
+
+
+def _gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [N, P, H, D], idx [N, H, k] token offsets per head -> [N, k, H, D]."""
+    index = idx.transpose(1, 2).unsqueeze(-1).expand(-1, -1, -1, x.shape[-1])
+    return torch.gather(x, 1, index)
 
 
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

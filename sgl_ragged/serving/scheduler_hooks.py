@@ -125,7 +125,7 @@ def checkpoint(original: Any, tree: Any, req: Req, *args: Any, up_to: int, **kwa
     staged = storage.page_to_stage[pages] >= 0
     if req.finished():
         positions = torch.nonzero(staged).flatten() * P
-        storage.sealer.seal_staged(pages[staged], positions)
+        storage.seal_staged(pages[staged], positions)
     elif staged.any():
         up_to = int(torch.nonzero(staged)[0]) * P
     return original(tree, req, *args, up_to=up_to, **kwargs)

@@ -115,7 +115,7 @@ def _sealed(precision: str, seed: int):
     k, v = torch.randn(3, P, H, D, generator=gen), torch.randn(3, P, H, D, generator=gen)
     scores = torch.rand(3, H, P, generator=gen)
     pages, starts = torch.tensor([5, 2, 7]), torch.tensor([0, P, 2 * P])
-    storage.sealer.write(0, pages, k, v, scores, starts)
+    storage.write_sealed(0, pages, k, v, storage.sealer.choose(scores, starts))
     return storage, pages, starts, k, v, scores
 
 
@@ -134,7 +134,7 @@ def _roundtrip(fmt: LowPrecision, k: torch.Tensor, v: torch.Tensor) -> tuple[tor
 @pytest.mark.parametrize("pair", ["int8+int4", "fp8+int2", "fp8+int4"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sealed_rows_round_trip_per_head(pair: str, seed: int) -> None:
-    """Sealer.write + page_kv against a brute force per (page, head): the hi best tokens (sinks
+    """RaggedStorage.write_sealed + page_kv against a brute force per (page, head): the hi best tokens (sinks
     first) quantized in H, the next lo ones in L, each tier with its own parameters."""
     storage, pages, starts, k, v, scores = _sealed(pair, seed)
     layout, fmt = storage.layout, tier_precision(pair)
@@ -188,15 +188,16 @@ class _Brute(tra._Request):
 
     def __init__(self, storage, gen) -> None:
         super().__init__(storage, gen)
-        self.seals: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}  # (layer, page) ->
-        write = storage.sealer.write
+        # (layer, page) -> the scores [H, P] and sinks [P] its selection had
+        self.seals: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        write = storage.write_sealed
 
-        def recording(layer, pages, k_tok, v_tok, scores, page_start):
+        def recording(layer, pages, k_tok, v_tok, selection):
             for n, page in enumerate(pages.tolist()):
-                self.seals[layer, page] = (scores[n].clone(), int(page_start[n]))
-            return write(layer, pages, k_tok, v_tok, scores, page_start)
+                self.seals[layer, page] = (selection.scores[n].clone(), selection.sinks[n].clone())
+            return write(layer, pages, k_tok, v_tok, selection)
 
-        storage.sealer.write = recording
+        storage.write_sealed = recording
 
     def _dense(self, layer: int, q: torch.Tensor, plan) -> torch.Tensor:
         seq_len, tail = self.k.shape[1], plan.tail_start
@@ -207,10 +208,10 @@ class _Brute(tra._Request):
             keys, vals = [], []
             for page_idx in range(tail // tra.P):
                 page = int(self.req_to_token[0, page_idx * tra.P]) // tra.P
-                scores, start = self.seals[layer, page]
+                scores, sinks = self.seals[layer, page]
                 g, t = next((g, t) for g, (hs, t) in enumerate(zip(
                     self.storage.layout.groups[layer], self.storage.layout.tiers[layer], strict=True)) if h in hs)
-                ranked = _ranked(scores[h], sink_mask(torch.tensor([start]), tra.P)[0])
+                ranked = _ranked(scores[h], sinks)
                 span = slice(page_idx * tra.P, (page_idx + 1) * tra.P)
                 for idx, f in ((sorted(ranked[: t.hi]), fmt.high), (sorted(ranked[t.hi: t.total]), fmt.low)):
                     if idx:

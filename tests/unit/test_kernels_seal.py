@@ -76,7 +76,8 @@ def _check_seal(kernel_device, ties, dtype, precision, seed):
     scores = _scores(n, gen, ties).to(kernel_device)
     seal_pages(layer_tables(kernel_store, layer), src_k, src_v, src_index.int(), pages.int(),
                scores, sink_mask(start, P))
-    oracle.sealer.write(layer, pages, src_k[src_index], src_v[src_index], scores, start)
+    oracle.write_sealed(layer, pages, src_k[src_index], src_v[src_index],
+                        oracle.sealer.choose(scores, start))
     # Every row and low-tier tensor of both layers (the other layer must stay untouched).
     for i, (got, want) in enumerate(zip(storage_state(kernel_store), storage_state(oracle),
                                         strict=True)):
@@ -106,7 +107,7 @@ def test_seal_gpu_shapes(precision):
     scores = torch.rand(n, h, p, generator=gen).to("cuda")
     seal_pages(layer_tables(storage, 0), src_k, src_v, torch.arange(n, device="cuda").int(),
                pages.int(), scores, sink_mask(start, p))
-    oracle.sealer.write(0, pages, src_k, src_v, scores, start)
+    oracle.write_sealed(0, pages, src_k, src_v, oracle.sealer.choose(scores, start))
     for i, (got, want) in enumerate(zip(storage_state(storage), storage_state(oracle),
                                         strict=True)):
         if got.dtype == torch.uint8:  # codes: rounding ties may go either way

@@ -103,9 +103,9 @@ def test_sealer_counts_only_what_the_batch_says():
     keys = torch.randn(2, P, 2, D)
     stats = storage.stats.page_stats(0, stages, keys, keys, storage.scale)
     batch = SealBatch(stats, torch.tensor([3, 4]), torch.tensor([0, P]), count=0)
-    storage.sealer.seal(0, batch)
+    storage.seal(0, batch)
     assert storage.counters.entries_seen == 0
-    twin.sealer.seal(0, SealBatch(stats, batch.pages, batch.page_start, count=2))
+    twin.seal(0, SealBatch(stats, batch.pages, batch.page_start, count=2))
     assert twin.counters.entries_seen == 2 * P * 2
     assert twin.counters.entries_kept == 2 * sum(twin.layout.slots[0]) * 1
     for a, b in zip(storage.rows_k[0], twin.rows_k[0], strict=True):

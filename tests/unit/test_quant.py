@@ -226,7 +226,7 @@ def test_config_refuses_bad_precisions():
 
 @pytest.mark.parametrize("precision", sorted(LOW_PRECISIONS))
 def test_sealed_rows_hold_the_best_tokens_then_the_next_ones_quantized(precision):
-    """Sealer.write + page_kv against a brute force: per (page, head), the hi best tokens by
+    """RaggedStorage.write_sealed + page_kv against a brute force: per (page, head), the hi best tokens by
     score (sinks first) exactly, then the next lo ones quantized and dequantized."""
     from sgl_ragged.mem_pool.storage import RaggedStorage
     from sgl_ragged.profile import BudgetProfile
@@ -242,7 +242,7 @@ def test_sealed_rows_hold_the_best_tokens_then_the_next_ones_quantized(precision
     k, v = torch.randn(3, P, H, D, generator=gen), torch.randn(3, P, H, D, generator=gen)
     scores = torch.rand(3, H, P, generator=gen)
     pages, starts = torch.tensor([5, 2, 7]), torch.tensor([0, P, 2 * P])
-    storage.sealer.write(0, pages, k, v, scores, starts)
+    storage.write_sealed(0, pages, k, v, storage.sealer.choose(scores, starts))
     fmt = LOW_PRECISIONS[precision]
     sinks = sink_mask(starts, P)
     for g, (heads, t) in enumerate(zip(layout.groups[0], layout.tiers[0], strict=True)):

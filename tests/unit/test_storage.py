@@ -3,6 +3,10 @@ integrity check catching each kind of corruption."""
 
 from __future__ import annotations
 
+import ast
+import copy
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import settings
@@ -108,3 +112,105 @@ def test_integrity_catches_lost_staging_page():
     storage.free_stage.append(storage.page_to_stage[2].item())  # corrupt: free while owned
     with pytest.raises(AssertionError):
         storage.check_integrity(torch.tensor([1]))
+
+
+# ---- the write API: the storage's tensors change only through it -----------------------------
+
+
+def test_staging_writes_and_finish_time_sealing():
+    """stage_kv / store_stats / write_obs fill a staging page; seal_staged turns it into rows
+    through the sealer (the same rows as write_sealed with the sealer's selection) and frees it."""
+    storage = _storage()
+    H, D = storage.layout.num_kv_heads, storage.layout.head_dim
+    gen = torch.Generator().manual_seed(0)
+    page, s = 4, storage.stage(4)
+    k, v = torch.randn(1, P, H, D, generator=gen), torch.randn(1, P, H, D, generator=gen)
+    stages = torch.tensor([s])
+    acc = storage.stats.layer(0, stages)
+    acc = type(acc)(attn=torch.rand(acc.attn.shape, generator=gen), q_sum=acc.q_sum,
+                    q_sq_sum=acc.q_sq_sum, q_count=acc.q_count + 1)
+    twin = copy.deepcopy(storage)
+    storage.stage_kv(0, stages, k, v)
+    storage.store_stats(0, stages, acc)
+    storage.write_obs(s, torch.arange(1.0, P - 1))  # a partial count: the rest zero
+    assert torch.equal(storage.stage_k[0][s], k[0]) and torch.equal(storage.stage_v[0][s], v[0])
+    assert torch.equal(storage.stats.attn[s, 0], acc.attn[0])
+    assert storage.stats.obs[s].tolist() == [*range(1, P - 1), 0.0, 0.0]
+    stats = storage.stats.page_stats(0, stages, k, v, storage.scale)
+    storage.seal_staged(torch.tensor([page]), torch.tensor([0]))
+    twin.write_sealed(0, torch.tensor([page]), k, v,
+                      twin.sealer.select(stats, torch.tensor([0])))
+    for a, b in zip(storage.rows_k[0] + storage.rows_v[0], twin.rows_k[0] + twin.rows_v[0],
+                    strict=True):
+        assert torch.equal(a[page], b[page]) and a[page].abs().sum() > 0
+    assert storage.sealed[page] and storage.page_to_stage[page] < 0 and storage.staging_in_use == 0
+    assert storage.counters.pages_sealed == 1
+    assert storage.counters.entries_seen == storage.layout.num_layers * P * H
+
+
+def test_an_installed_row_writer_takes_every_row_write_and_refuses_copies():
+    storage = _storage()
+    calls = []
+    storage.use_row_writer(lambda layer, pages, k, v, sel: calls.append((layer, pages.tolist())))
+    s = storage.stage(3)
+    storage.seal_staged(torch.tensor([3]), torch.tensor([P]))
+    assert calls == [(layer, [3]) for layer in range(storage.layout.num_layers)]
+    assert s not in storage.stage_owner.tolist() and storage.sealed[3]
+    with pytest.raises(TypeError, match="deep-copied"):
+        copy.deepcopy(storage)
+
+
+STORAGE_FIELDS = {"rows_k", "rows_v", "low_rows", "high_rows", "row_keep", "stage_k", "stage_v",
+                  "stats", "page_to_stage", "stage_owner", "sealed", "free_stage", "counters"}
+"""RaggedStorage's tensor and bookkeeping fields: read-only outside mem_pool/."""
+
+
+def _attribute_chain(node: ast.AST) -> set[str]:
+    """Attribute names along x.a[i].b...: {'a', 'b', ...}."""
+    names = set()
+    while isinstance(node, ast.Attribute | ast.Subscript):
+        if isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        node = node.value
+    return names
+
+
+def storage_writes(source: str) -> list[int]:
+    """Lines that write a storage field in place: item assignment into it (x.rows_k[l][g][p] =
+    ..., +=), an assignment of one of its attributes (x.stats.attn = ...), or an in-place method
+    called on it (x.stage_k[l].index_copy_(...), x.free_stage.append(...))."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for t in targets:
+            if isinstance(t, ast.Subscript) and _attribute_chain(t) & STORAGE_FIELDS:
+                lines.append(node.lineno)
+            elif isinstance(t, ast.Attribute) and _attribute_chain(t.value) & STORAGE_FIELDS:
+                lines.append(node.lineno)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            method = node.func.attr
+            mutating = (method.endswith("_") and not method.startswith("_")) or method in (
+                "append", "pop", "extend", "clear", "store", "reset")
+            if mutating and _attribute_chain(node.func.value) & STORAGE_FIELDS:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_write_finder_finds_writes():
+    source = ("st.stage_k[layer][s] = x\nst.rows_k[0][1][p] += y\nst.stats.attn = z\n"
+              "st.stage_v[layer].index_copy_(0, s, x)\nst.stats.store(0, s, a)\n"
+              "st.free_stage.append(3)\nx = st.rows_k[0][1][p]\nst.stats.layer(0, s)\n"
+              "tails.stay_stage.fill_(0)\nout.index_copy_(0, r, y)\n")
+    assert storage_writes(source) == [1, 2, 3, 4, 5, 6]
+
+
+def test_nothing_outside_mem_pool_writes_a_storage_field():
+    """Every path changes the storage through its write API (storage.py's docstring)."""
+    root = Path(__file__).resolve().parents[2] / "sgl_ragged"
+    found = {str(p.relative_to(root)): lines for p in sorted(root.rglob("*.py"))
+             if p.parent.name != "mem_pool" and (lines := storage_writes(p.read_text()))}
+    assert not found, f"storage fields written outside mem_pool/ (file: lines): {found}"

@@ -49,7 +49,7 @@ def _run_both(seed: int, specs: list[Spec], layer: int, gap: int) -> None:
         lse[rows] = reference_lse(batched, layer, p, q[rows], k[rows], SCALE)
     tails = tail_batch(plans, P, torch.device("cpu"))
     k_pages, v_pages = tail_pages(batched, layer, tails, k, v)
-    store_tails(batched, layer, tails, k_pages, v_pages, q, lse, SCALE, batched.sealer)
+    store_tails(batched, layer, tails, k_pages, v_pages, q, lse, SCALE)
     TorchAttention(ref).forward(layer, BatchPlan(requests=plans), q, k, v, SCALE, decode=False)
     assert_same_state(batched, ref)
 
