@@ -3,7 +3,7 @@ token, from a bench.accuracy run (the server: answer-token top-1) and a bench.of
 (the emulator: top-1 agreement with the full cache), every configuration a point and every
 family (the name before "@": uniform = drop only, int4 = int4 tiers under a bf16 high tier,
 int8+int4 = a quantized high tier, sglang-<dtype> = SGLang's own caches, a --profile-config
-name such as perhead@0.2) a line; a black dashed line joins our best point per budget.
+name such as perhead@0.2) a line; a black dashed line joins our lowest-KL point per budget.
 
     python -m bench.frontier --server results/accuracy-frontier-20/accuracy.json \
         --offline results/offline-frontier-20/offline_loss.json --out docs/figures/frontier.png
@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from bench.accuracy_configs import FULL, STOCK
+
+LABELS = {"uniform": "drop (uniform)", "int4": "int4 tiers (bf16 high)", "int2": "int2 tiers (bf16 high)",
+          "int2-all": "every token int2"}
 
 
 class Point(NamedTuple):
@@ -65,7 +68,7 @@ def draw(panels: list[tuple[str, list[Point], str]], path: Path) -> None:
 
     fig, axes = plt.subplots(len(panels), 2, figsize=(12, 4.6 * len(panels)), squeeze=False)
     families = sorted({p.family for _, pts, _ in panels for p in pts if p.family != FULL})
-    colors = dict(zip(families, plt.get_cmap("tab10").colors * 3, strict=False))
+    colors = dict(zip(families, plt.get_cmap("tab20").colors * 2, strict=False))
     for (title, points, top1_label), (ax_kl, ax_top) in zip(panels, axes, strict=True):
         full = [p for p in points if p.family == FULL]
         for fam in families:
@@ -73,13 +76,13 @@ def draw(panels: list[tuple[str, list[Point], str]], path: Path) -> None:
             if not pts:
                 continue
             style = {"marker": "s" if pts[0].stock else "o", "capsize": 3, "color": colors[fam],
-                     "label": fam, "linestyle": "none" if pts[0].stock else "-"}
+                     "label": LABELS.get(fam, fam), "linestyle": "none" if pts[0].stock else "-"}
             ax_kl.errorbar([p.bytes for p in pts], [p.kl for p in pts], yerr=[p.kl_se for p in pts], **style)
             ax_top.errorbar([p.bytes for p in pts], [p.top1 for p in pts],
                             yerr=[p.top1_se for p in pts], **style)
         best = best_per_budget(points)
         for ax, ys in ((ax_kl, [p.kl for p in best]), (ax_top, [p.top1 for p in best])):
-            ax.plot([p.bytes for p in best], ys, "k--", lw=1, label="ours, best per budget")
+            ax.plot([p.bytes for p in best], ys, "k--", lw=1, label="ours, lowest KL per budget")
         if full:
             ax_top.axhline(full[0].top1, color="grey", lw=1, ls=":", label="full")
         ax_kl.set_yscale("symlog", linthresh=1e-3)
