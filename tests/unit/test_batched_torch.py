@@ -105,7 +105,7 @@ def test_small_forwards_attend_on_one_thread(monkeypatch, limit, inside):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "int8", "int4", "int2", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int4", "int2", "fp8", "int8+int4", "fp8+int2"])
 @pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("dtype,gqa,heads_per_group", [
     (torch.float32, 1, 2), (torch.float32, 3, 1), (torch.bfloat16, 1, 1), (torch.bfloat16, 3, 2)])
