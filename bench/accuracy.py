@@ -16,7 +16,8 @@ over the answer tokens and the closing <|im_end|>. Two metrics per question:
 
 Writes raw/<config>.json (per question), accuracy.json, accuracy.md and kl_vs_rho.png. `--resume`
 skips configurations whose raw file matches the workload; `--base-url` evaluates one running
-server as `--config NAME` (the reference `full` first).
+server as `--config NAME` (the reference `full` first). `--profile-config NAME=PATH[=PRECISION]`
+adds a profile file as is (e.g. per-head precision from `sgl-ragged profile tiers`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from bench.accuracy_configs import (
     Config,
     config_bytes,
     plan_configs,
+    profile_config,
     split_rotated,
 )
 from bench.accuracy_report import markdown, plot
@@ -58,9 +60,17 @@ def run_one(config: Config, model: str, args: argparse.Namespace, plans: list[Se
     from sgl_ragged.testing.server import ServerProcess
 
     log = args.out / "logs" / f"{config.name}.log"
-    with ServerProcess([*server_args(model, args), *config.server_args()], log_path=log) as server:
+    attention = [] if args.ragged_attention is None else ["--ragged-attention", args.ragged_attention]
+    with ServerProcess([*server_args(model, args), *config.server_args(), *attention],
+                       log_path=log) as server:
         print(f"    server up in {server.startup_seconds:.0f} s (log {log})", flush=True)
         return evaluate(server.base_url, plans, args.top_k, ref, config.name), server.startup_seconds or 0.0
+
+
+def planned(args: argparse.Namespace, profile_dir: Path, shape: Any) -> tuple[list[Config], list[str]]:
+    """plan_configs' configurations, then the --profile-config ones; and the missing profiles."""
+    configs, missing = plan_configs(args.rho, args.scorer, profile_dir, shape.head_dim, args.precision)
+    return configs + [profile_config(spec, args.scorer[0], shape) for spec in args.profile_config], missing
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,7 +83,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--precision", nargs="*", default=[],
                    help="also row tiers at these low precisions (int8 int4 int2 fp8): p@rho per rho "
                         f"and p-all (every token at p); a pair such as int8{MIXED_SEP}int4 (a "
-                        "quantized high tier, served by the reference attention): p@rho per rho")
+                        "quantized high tier): p@rho per rho")
+    p.add_argument("--profile-config", nargs="*", default=[], metavar="NAME=PATH[=PRECISION]",
+                   help="also these profile files as is, one configuration each (e.g. a per-head "
+                        "precision profile of `sgl-ragged profile tiers`); PRECISION defaults to "
+                        "the profile's own")
+    p.add_argument("--ragged-attention", default=None,
+                   help="--ragged-attention of every ragged server (default: the server's auto)")
     p.add_argument("--sessions", type=int, default=12)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--context-tokens", type=int, default=1024)
@@ -115,7 +131,7 @@ def main() -> None:
     from sgl_ragged.profile import model_shape
 
     shape = model_shape(model)
-    configs, missing = plan_configs(args.rho, args.scorer, profile_dir, shape.head_dim, args.precision)
+    configs, missing = planned(args, profile_dir, shape)
     if args.base_url or args.only:
         wanted = {args.config} if args.base_url else set(args.only)
         configs = [c for c in configs if c.name in wanted or (c.name == FULL and not args.base_url)]
@@ -165,8 +181,7 @@ def main() -> None:
         raw.write_text(json.dumps({"meta": meta, "config": asdict(config),
                                    "timing": timings[config.name], "records": recs}))
 
-    done = [c for c in plan_configs(args.rho, args.scorer, profile_dir, shape.head_dim, args.precision)[0]
-            if c.name in records]
+    done = [c for c in planned(args, profile_dir, shape)[0] if c.name in records]
     summaries = [summarize(c, records[c.name], config_bytes(c, shape)) for c in done]
     comps = comparisons(done, records)
     result = {"meta": meta, "missing_profiles": missing, "timings": timings,

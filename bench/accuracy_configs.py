@@ -1,6 +1,7 @@
 """The configurations bench.accuracy and bench.offline_loss compare: their grammar (names such as
-"static-snapkv@0.3", "int4@0.5", "int8+int4@0.3", "int4r@0.3"), which exist for a profile directory, and the KV
-bytes each keeps per token."""
+"static-snapkv@0.3", "int4@0.5", "int8+int4@0.3", "int4r@0.3"), which exist for a profile directory, one
+profile file as one named configuration (`profile_config`), and the KV bytes each keeps per
+token."""
 
 from __future__ import annotations
 
@@ -137,6 +138,30 @@ def mixed_tiers(config: Config, shape: Any, page_size: int = PAGE_SIZE) -> tuple
     return tiers, kept / full
 
 
+PROFILE = "profile"  # kind of a configuration named on the command line: one profile file as is
+
+
+def profile_config(spec: str, scorer: str, shape: Any, page_size: int = PAGE_SIZE) -> Config:
+    """`NAME=PATH` or `NAME=PATH=PRECISION` (--profile-config) -> a configuration serving that
+    profile file as is (its compositions where it has them: a `sgl-ragged profile tiers`
+    output, e.g. per-head precision), at PRECISION (default: the profile's own compositions'
+    precision, else bf16). Its rho is its KV bytes per token (fraction of bf16), to 3 places."""
+    from sgl_ragged.profile import resolve_profile
+
+    parts = spec.split("=")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ValueError(f"--profile-config {spec!r}: expected NAME=PATH or NAME=PATH=PRECISION, "
+                         "e.g. perhead@0.2=calib_profiles/smollm2-135m-instruct/perhead-rho0.2.json")
+    name, path = parts[:2]
+    if not Path(path).is_file():
+        raise ValueError(f"--profile-config {spec!r}: no profile file at {path}")
+    profile = resolve_profile(path, shape)
+    precision = parts[2] if len(parts) == 3 else (profile.tiers.precision if profile.tiers else "bf16")
+    config = Config(name, PROFILE, 0.0, scorer, path, precision)
+    return Config(name, PROFILE, round(config_bytes(config, shape, page_size), 3), scorer, path,
+                  precision)
+
+
 def config_bytes(config: Config, shape: Any, page_size: int = PAGE_SIZE) -> float:
     """KV bytes per logical token of a configuration, as a fraction of a full bf16 cache (the
     dynamic reference counts the entries it keeps, rho; its pages stay full-size)."""
@@ -149,7 +174,7 @@ def config_bytes(config: Config, shape: Any, page_size: int = PAGE_SIZE) -> floa
         from sgl_ragged.emulator.sglang_caches import stock_format
 
         return stock_format(config.precision).bytes_fraction(shape.head_dim)
-    if MIXED_SEP in config.precision:
+    if MIXED_SEP in config.precision and config.kind != PROFILE:
         return mixed_tiers(config, shape, page_size)[1]
     profile = resolve_profile(config.profile, shape)
     base = split_rotated(config.precision)[0]  # a rotation costs no bytes

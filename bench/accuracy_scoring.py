@@ -26,12 +26,14 @@ def summarize(config: Config, records: list[dict[str, Any]], kv_bytes: float) ->
 def comparisons(configs: list[Config], records: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """static vs dynamic (same scorer and rho) and static vs uniform (same rho); static-mean
     (equal memory) vs uniform, dynamic and static; kvcompose and baklava (equal memory) vs
-    uniform and static-mean; paired over the same questions."""
+    uniform and static-mean; row tiers vs uniform, and a quantized high tier (h+l@rho) vs int4
+    tiers too; paired over the same questions."""
     by_name = {c.name: c for c in configs if c.name in records}
     versus = {"static": ("dynamic-{s}@{r}", "uniform@{r}"),
               "static-mean": ("uniform@{r}", "dynamic-{s}@{r}", "static-{s}@{r}"),
               **{source: ("uniform@{r}", "static-mean-{s}@{r}") for source in other_sources()},
-              "tiers": ("uniform@{r}",)}
+              "tiers": ("uniform@{r}",),
+              "tiers-mixed": ("uniform@{r}", "int4@{r}")}  # vs int4 tiers with a bf16 high tier
     pairs = []
     for c in by_name.values():
         for other in versus.get(c.kind, ()):

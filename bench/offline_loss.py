@@ -27,7 +27,8 @@ top-1 agreement with the full cache (the fraction of tokens whose argmax is full
 ``--stock fp8_e4m3 mxfp8 fp4_mx_block16 nvfp4`` adds SGLang's own quantized KV caches,
 ``sglang-<dtype>``, emulated as SGLang 0.5.23 stores them (emulator/sglang_caches.py) at their
 own bytes (scales included); every other configuration is also compared, paired, with each of
-them that costs at least its bytes. ``--stock-fp8`` adds ``sglang-fp8``, the earlier name of
+them that costs at least its bytes. ``--profile-config NAME=PATH[=PRECISION]`` adds a profile
+file as is (e.g. per-head precision from ``sgl-ragged profile tiers``), named NAME. ``--stock-fp8`` adds ``sglang-fp8``, the earlier name of
 ``sglang-fp8_e4m3``.
 
     python -m bench.offline_loss --rho 0.7 0.5 0.3 --scorer snapkv --samples 12 --out results/offline-loss
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 from bench.accuracy_configs import (
     FULL,
     MIXED_SEP,
+    PROFILE,
     STOCK,
     Config,
     config_bytes,
@@ -52,6 +54,7 @@ from bench.accuracy_configs import (
     mixed_tiers,
     other_sources,
     plan_configs,
+    profile_config,
     split_rotated,
     stock_configs,
 )
@@ -89,7 +92,7 @@ def selection_for(config: Config, shape: Any, page_size: int) -> tuple[Any, floa
         return StockCache(config.precision), config_bytes(config, shape, page_size)
     base, rotated = split_rotated(config.precision)
     rotation = Rotation(shape.head_dim) if rotated else None
-    if MIXED_SEP in base:
+    if MIXED_SEP in base and config.kind != PROFILE:
         tiers, retention = mixed_tiers(config, shape, page_size)
         hi_fmt, lo_fmt = mixed_formats(base)
         groups = resolve_profile(config.profile, shape).groups
@@ -97,8 +100,8 @@ def selection_for(config: Config, shape: Any, page_size: int) -> tuple[Any, floa
     profile = resolve_profile(config.profile, shape)
     layout = RaggedLayout.from_profile(profile, page_size, shape.head_dim, 2, base)
     if layout.quantized:
-        return TierSelection(head_tiers(layout.tiers, layout.groups), layout.low,
-                             rotation=rotation), layout.retention
+        return TierSelection(head_tiers(layout.tiers, layout.groups), layout.low, layout.high,
+                             rotation), layout.retention
     return SlotSelection(head_slots(profile.budgets, profile.groups, page_size)), layout.retention
 
 
@@ -221,6 +224,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--kv-cache-dtype value (fp8_e4m3 mxfp8 fp4_mx_block16 nvfp4)")
     p.add_argument("--stock-fp8", action="store_true",
                    help="also sglang-fp8: the earlier name of SGLang's fp8_e4m3 cache (float8_e4m3fn, scale 1)")
+    p.add_argument("--profile-config", nargs="*", default=[], metavar="NAME=PATH[=PRECISION]",
+                   help="also these profile files as is, one configuration each (e.g. a per-head "
+                        "precision profile of `sgl-ragged profile tiers`); PRECISION defaults to "
+                        "the profile's own")
     p.add_argument("--samples", type=int, default=12)
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--min-tokens", type=int, default=1024)
@@ -245,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
     configs, missing = plan_configs(args.rho, args.scorer, profile_dir, head_dim, args.precision,
                                     args.page_size)
     configs += stock_configs(args.stock, args.scorer[0])
+    configs += [profile_config(spec, args.scorer[0], model_shape(model), args.page_size)
+                for spec in args.profile_config]
     if args.stock_fp8:
         configs.append(Config("sglang-fp8", STOCK, 0.5, args.scorer[0], "uniform:1.0", "fp8_e4m3"))
     if args.only:

@@ -7,8 +7,9 @@ group one pass over the batch instead of one per (request, group) as in the refe
 (torch_ref.py, still the oracle). The hi slots and the tail run on the CPU flash kernel in q's
 dtype (segments_sdpa.py); the low tier in decode on its codes in float32 with the scales folded
 into the query and probabilities (segments.py), in extend dequantized once then on the flash
-kernel. Staging and sealing run batched too (tail_batch.store_tails, through the storage's
-write API: `RaggedStorage.seal`).
+kernel. A quantized high tier (--ragged-precision H+L: the hi slots in int8 or fp8, stored as
+the low tier is) is one more segment read the low tier's way. Staging and sealing run batched
+too (tail_batch.store_tails, through the storage's write API: `RaggedStorage.seal`).
 
 Key column c of request b in group g (hi + lo slots per sealed page, S sealed pages at most);
 query i sees it iff key_pos[b, c] <= q_pos[b, i]:
@@ -42,6 +43,7 @@ from sgl_ragged.attention_backend.tail_batch import (
 )
 from sgl_ragged.mem_pool.quant import QuantTier
 from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.precision import LowPrecision
 
 NEVER = 2**62
 """Position of padded keys: after every query."""
@@ -236,21 +238,23 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
                 out_s, lse_s = attend_segment(q_g, k, v, _sealed_bias(pb.num_sealed, S, hi, q_g.dtype),
                                               scale)
                 parts.append((out_s, lse_s + empty))
-            if rows.low is not None:
-                out_s, lse_s = self._low_segment(rows.low, pb, q_g, scale, decode)
-                parts.append((out_s, lse_s + empty))
+            for fmt, tier in ((st.layout.high, rows.high), (st.layout.low, rows.low)):
+                if tier is not None:  # a quantized high tier (H+L), the low tier
+                    out_s, lse_s = self._quantized_segment(fmt, tier, pb, q_g, scale, decode)
+                    parts.append((out_s, lse_s + empty))
             out_g, lse_g = merge(parts)  # [B, H_p * G, Lq, D], [B, H_p * G, Lq]
             return (out_g.view(B, H_p, G, Lq, D).permute(0, 3, 1, 2, 4),
                     lse_g.view(B, H_p, G, Lq).permute(0, 3, 1, 2))
 
         return attend_group
 
-    def _low_segment(self, tier: QuantTier, pb: PaddedBatch, q_g: torch.Tensor, scale: float,
-                     decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention of q_g [B, H_p * G, Lq, D] over the low tier of the run's sealed pages
-        (tier: quant.py's shapes, pages = B * S): out [B, H_p * G, Lq, D], lse [B, H_p * G, Lq]
-        float32."""
-        fmt = self.storage.layout.low
+    def _quantized_segment(self, fmt: LowPrecision, tier: QuantTier, pb: PaddedBatch,
+                           q_g: torch.Tensor, scale: float, decode: bool,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of q_g [B, H_p * G, Lq, D] over one quantized tier of the run's sealed
+        pages in format fmt (the low tier, or a quantized high tier: both store keys per (page,
+        channel) and values per token; tier: quant.py's shapes, pages = B * S): out
+        [B, H_p * G, Lq, D], lse [B, H_p * G, Lq] float32."""
         B, H_q, Lq, D = q_g.shape
         S, lo, H_p = pb.sealed_table.shape[1], tier.k_codes.shape[1], tier.k_codes.shape[2]
         if not decode:  # a chunk: dequantize once, then the flash kernel

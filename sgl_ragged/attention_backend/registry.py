@@ -30,7 +30,7 @@ def triton_refuses(head_dim: int, precision: str) -> str | None:
     return None
 
 
-HIGH_TIER_READERS = ("reference", "triton")
+HIGH_TIER_READERS = ("reference", "triton", "batched")
 """--ragged-attention paths that read a quantized high tier (--ragged-precision H+L)."""
 
 
@@ -98,8 +98,8 @@ IMPLEMENTATIONS: dict[str, Callable[[RaggedStorage, BudgetProfile | None, int | 
 def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
                         choice: str = "auto", num_q_heads: int | None = None) -> AttentionImpl:
     """The implementation `choice` names (config.ATTENTION_IMPLS); auto = the Triton kernels on
-    CUDA, the native kernels on the CPU where they are built (else batched torch), and the
-    reference for the dynamic reference mode (its
+    CUDA, the native kernels on the CPU where they are built and read the layout (else batched
+    torch), and the reference for the dynamic reference mode (its
     per-head keep masks are a reference feature no other implementation reads). num_q_heads
     (per rank) lets the Triton path measure its decode kernel's occupancy."""
     dynamic = storage.row_keep is not None
@@ -113,15 +113,16 @@ def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
             choice = "reference"
         elif storage.device.type == "cuda":
             choice = "batched" if refused else "triton"
-        else:  # a quantized high tier: neither native nor batched reads it
-            choice = "batched" if layout.high is not None else _cpu_choice(storage)
-        if layout.high is not None and choice not in HIGH_TIER_READERS:
-            logger.info("ragged attention: auto picks reference: %s does not read a quantized "
-                        "high tier (--ragged-precision %s)", choice, layout.precision_name)
-            choice = "reference"
+        elif layout.high is not None and "native" not in HIGH_TIER_READERS:
+            logger.info("ragged attention: auto uses the batched torch path: the native kernels "
+                        "do not read a quantized high tier (--ragged-precision %s)",
+                        layout.precision_name)
+            choice = "batched"
+        else:
+            choice = _cpu_choice(storage)
     if layout.high is not None and choice in IMPLEMENTATIONS and choice not in HIGH_TIER_READERS:
         raise ValueError(f"--ragged-attention {choice} does not read a quantized high tier yet; "
-                         f"use --ragged-attention reference (or auto) with --ragged-precision "
+                         f"use --ragged-attention batched (or auto) with --ragged-precision "
                          f"{layout.precision_name}")
     if choice == "triton" and refused:
         raise ValueError(f"--ragged-attention triton {refused}; use --ragged-attention batched "

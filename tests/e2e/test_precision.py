@@ -101,9 +101,7 @@ def test_unknown_precision_is_refused(model_path):
     assert "--ragged-precision 'int3' is unknown; choose one of ['bf16', 'int8', 'int4', 'int2', 'fp8']" in log
 
 
-def test_bad_pairs_and_the_batched_path_are_refused_by_name(model_path):
+def test_bad_pairs_are_refused_by_name(model_path):
+    """(Paths that cannot read a quantized high tier refuse it: tests/unit/test_high_tier.py.)"""
     log = _launch_error(model_path, ["--ragged-profile", "uniform:0.5", "--ragged-precision", "int4+int2"])
     assert "--ragged-precision 'int4+int2' is unknown; a pair is <high>+<low>" in log
-    log = _launch_error(model_path, ["--ragged-profile", "uniform:0.5", "--ragged-precision", "int8+int4",
-                                     "--ragged-attention", "batched"])
-    assert "--ragged-attention batched does not read a quantized high tier yet" in log

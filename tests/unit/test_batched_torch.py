@@ -105,7 +105,7 @@ def test_small_forwards_attend_on_one_thread(monkeypatch, limit, inside):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "int8", "int4", "int2", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int4", "int2", "fp8", "int8+int4", "fp8+int2"])
 @pytest.mark.parametrize("decode", [False, True])
 @pytest.mark.parametrize("dtype,gqa,heads_per_group", [
     (torch.float32, 1, 2), (torch.float32, 3, 1), (torch.bfloat16, 1, 1), (torch.bfloat16, 3, 2)])
@@ -139,3 +139,89 @@ def test_batched_matches_reference_across_dtypes_and_gqa(precision, decode, dtyp
     else:
         got, want = outs[0][rows].float(), outs[1][rows].float()
         torch.testing.assert_close(got, want, atol=2**-7 * want.abs().max().item(), rtol=2e-2)
+
+
+# ---- a quantized high tier (--ragged-precision H+L) -----------------------------------------
+
+HIGH_PAIRS = ["int8+int8", "int8+int4", "int8+int2", "int8+fp8", "fp8+int4", "fp8+int2", "fp8+fp8"]
+"""Every valid H+L pair (fp8+int8 is refused: its high tier would cost less than its low)."""
+
+
+@pytest.mark.parametrize("precision", HIGH_PAIRS)
+@pytest.mark.parametrize("decode", [False, True])
+def test_batched_reads_a_quantized_high_tier(precision, decode):
+    """The hi slots in int8 / fp8 read on their codes (decode) or dequantized once (extend),
+    as the low tier is: outputs, rows (both tiers sealed by the same quantizer), staging,
+    statistics and counters equal the reference's."""
+    for seed in range(3):
+        rng = random.Random(400 + seed)
+        specs = random_specs(rng, rng.randint(1, 5), decode)
+        compare_with_reference(BatchedTorchAttention, specs, decode, 400 + seed, "cpu",
+                               layer=seed % 2, gap=seed % 2, precision=precision)
+
+
+@pytest.mark.parametrize("precision", ["int8+int4", "fp8+int2"])
+@pytest.mark.parametrize("specs,decode", [
+    ([Spec(sealed=0, staged=0, q_len=1), Spec(sealed=3, staged=5, q_len=1)], True),
+    ([Spec(sealed=3, staged=0, q_len=1), Spec(0, 2 * P - 1, 1, seal=1)], True),  # seals a page
+    ([Spec(sealed=0, staged=0, q_len=3 * P, seal=3), Spec(5, P, 1)], False),  # mixed batch
+    ([Spec(sealed=2, staged=3, q_len=2 * P + 1, seal=1), Spec(1, 0, P - 3)], False),
+])
+def test_batched_high_tier_ragged_tails(precision, specs, decode):
+    """Requests of different sealed lengths (padded), partial tail pages and sealing in the
+    same forward."""
+    compare_with_reference(BatchedTorchAttention, specs, decode, 11, "cpu", layer=1, gap=2,
+                           precision=precision)
+
+
+GARBAGE = 1e3
+"""What unread pages hold in the poisoned test: large and finite. Padded sealed slots read
+page 0, which the server never writes (zeros), so this path masks padding (-inf logits, zero
+probabilities) without guarding against non-finite values there (0 * NaN is NaN); large
+values would dominate any row that saw them."""
+
+
+def _poison_unread(st, plans) -> None:
+    """GARBAGE in every sealed page no plan reads (page 0, the padding page, included): its
+    full-precision rows and both tiers' parameters; and in every staging page no plan holds
+    (the scratch page included)."""
+    used = torch.zeros(st.num_pages, dtype=torch.bool)
+    held = torch.zeros(st.num_staging_pages + 1, dtype=torch.bool)
+    for p in plans:
+        used[p.sealed_pages] = True
+        held[p.prior_stages] = True
+    for layer in range(st.layout.num_layers):
+        tiers = [t for t in (*st.low_rows[layer], *st.high_rows[layer]) if t is not None]
+        for t in (*st.rows_k[layer], *st.rows_v[layer],
+                  *(x for tier in tiers for x in (tier.k_scale, tier.k_zero, tier.v_scale, tier.v_zero)
+                    if x is not None)):
+            t[~used] = GARBAGE
+        st.stage_k[layer][~held] = GARBAGE
+        st.stage_v[layer][~held] = GARBAGE
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4", "int8+int4", "fp8+int2"])
+@pytest.mark.parametrize("decode", [False, True])
+def test_poisoned_padding_does_not_leak(precision, decode):
+    """Garbage in every page, tier parameter and staging page the batch does not read
+    (padded sealed slots read page 0) and NaN in the q/k/v rows it does not own: the owned
+    rows' outputs stay finite and equal the reference's (run on the unpoisoned twin)."""
+    stores = [random_storage(random.Random(21), "cpu", layers=2, num_stages=64, precision=precision)
+              for _ in range(2)]
+    specs = [Spec(0, 3, 1), Spec(3, 5, 1 if decode else 2 * P, seal=0 if decode else 1),
+             Spec(1, 0, 1 if decode else 5)]
+    plans = random_plans(stores[0], specs, random.Random(22), gap=2)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(23), "cpu")
+    _poison_unread(stores[0], plans)
+    owned = torch.zeros(q.shape[0], dtype=torch.bool)
+    for p in plans:
+        owned[p.q_start : p.q_start + p.q_len] = True
+    outs = []
+    poisoned = [x.masked_fill(~owned[:, None, None], float("nan")) for x in (q, k, v)]
+    for impl, (qq, kk, vv) in ((BatchedTorchAttention(stores[0]), poisoned),
+                               (TorchAttention(stores[1]), (q, k, v))):
+        outs.append(impl.forward(1, impl.prepare(BatchPlan(requests=list(plans))), qq, kk, vv,
+                                 P**-0.5, decode))
+    rows = owned.nonzero().flatten()
+    assert torch.isfinite(outs[0][rows]).all()
+    torch.testing.assert_close(outs[0][rows], outs[1][rows], atol=2e-5, rtol=1e-4)

@@ -4,6 +4,7 @@ rest bucket against brute force, standard errors, paired differences and their f
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -167,3 +168,30 @@ def test_other_budget_sources_join_as_equal_memory_configs(tmp_path: Path):
     pairs = {(c["a"], c["b"]) for c in comparisons(configs, {c.name: rec for c in configs})}
     assert {("kvcompose-snapkv@0.5", "uniform@0.5"), ("kvcompose-snapkv@0.5", "static-mean-snapkv@0.5"),
             ("baklava-snapkv@0.5", "uniform@0.5"), ("baklava-snapkv@0.5", "static-mean-snapkv@0.5")} <= pairs
+
+
+def test_quantized_high_tiers_pair_with_drop_and_int4_tiers(tmp_path: Path):
+    configs, _ = plan_configs([0.2], ["snapkv"], tmp_path, 64, ["int4", "int8+int2"])
+    rec = [{"session": 0, "turn": 0, "exact": True, "kl": 0.1, "top1": [True]}]
+    pairs = {(c["a"], c["b"]) for c in comparisons(configs, {c.name: rec for c in configs})}
+    assert {("int8+int2@0.2", "uniform@0.2"), ("int8+int2@0.2", "int4@0.2"),
+            ("int4@0.2", "uniform@0.2")} <= pairs
+
+
+def test_a_profile_file_is_one_config(tmp_path: Path):
+    from bench.accuracy_configs import PROFILE, profile_config
+    from sgl_ragged.profile import model_shape, uniform_profile
+
+    shape = model_shape(os.environ["SGL_RAGGED_MODEL"]) if os.environ.get("SGL_RAGGED_MODEL") else None
+    if shape is None:
+        pytest.skip("needs SGL_RAGGED_MODEL (scripts/env.sh sets it)")
+    path = tmp_path / "p.json"
+    uniform_profile(0.2, shape.num_layers, shape.num_kv_heads).save(path)
+    config = profile_config(f"perhead@0.2={path}=int8+int2", "snapkv", shape)
+    assert (config.name, config.kind, config.profile, config.precision) == (
+        "perhead@0.2", PROFILE, str(path), "int8+int2")
+    assert config.server_args()[-4:] == ["--ragged-scorer", "snapkv", "--ragged-precision", "int8+int2"]
+    assert config.rho == 0.201  # 5 int8 + 59 int2 a page, as int8+int2@0.2
+    assert profile_config(f"drop={path}", "snapkv", shape).precision == "bf16"
+    with pytest.raises(ValueError, match="no profile file"):
+        profile_config(f"x={tmp_path / 'none.json'}", "snapkv", shape)

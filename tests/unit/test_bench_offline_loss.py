@@ -106,3 +106,28 @@ def test_offline_loss_bench_rotated_rows(tiny_llama: Path, tmp_path: Path) -> No
     assert {("int4r@0.5", "int4@0.5"), ("int4r-all@0.375", "int4-all@0.375")} <= pairs
     assert rows["int8+int4r@0.5"]["memory"] <= 0.5
     assert "top-1 agreement with full" in (out / "offline_loss.md").read_text()
+
+
+def test_offline_loss_bench_profile_config(tiny_llama: Path, tmp_path: Path) -> None:
+    """--profile-config NAME=PATH[=PRECISION]: a profile file as one configuration. A uniform
+    file served at int8+int4 is the bench's own int8+int4@0.5 (same composition, same bytes,
+    same KL); without =PRECISION a file without compositions is drop-only (bf16)."""
+    from sgl_ragged.profile import model_shape, uniform_profile
+
+    shape = model_shape(str(tiny_llama))
+    path = tmp_path / "half.json"
+    uniform_profile(0.5, shape.num_layers, shape.num_kv_heads).save(path)
+    out = tmp_path / "out"
+    offline_loss.main([
+        "--model", str(tiny_llama), "--rho", "0.5", "--profile-dir", str(tmp_path), "--samples", "1",
+        "--min-tokens", "128", "--max-tokens", "128", "--page-size", "16", "--chunk-size", "32",
+        "--obs-window", "8", "--precision", "int8+int4", "--profile-config", f"mine={path}=int8+int4",
+        f"drop={path}", "--only", "int8+int4@0.5", "uniform@0.5", "mine", "drop", "--out", str(out),
+    ])  # fmt: skip
+    rows = {r["name"]: r for r in json.loads((out / "offline_loss.json").read_text())["configs"]}
+    assert rows["mine"]["memory"] == pytest.approx(rows["int8+int4@0.5"]["memory"])
+    assert rows["mine"]["kl"]["mean"] == pytest.approx(rows["int8+int4@0.5"]["kl"]["mean"], rel=1e-6)
+    assert rows["drop"]["kl"]["mean"] == pytest.approx(rows["uniform@0.5"]["kl"]["mean"], rel=1e-6)
+    assert rows["mine"]["kl"]["mean"] < rows["drop"]["kl"]["mean"]
+    with pytest.raises(ValueError, match="expected NAME=PATH or NAME=PATH=PRECISION"):
+        offline_loss.main(["--model", str(tiny_llama), "--profile-config", str(path)])

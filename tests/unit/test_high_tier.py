@@ -1,8 +1,8 @@
 """A quantized high tier in the server (--ragged-precision H+L, docs/architecture.md, "Row tiers"): the
 precision names, the layout's bytes and compositions against brute forces, the storage's write /
 read round trip, the torch reference against brute-force attention over dequantized tokens, the
-emulator (TierSelection.hi_fmt) and the server storing the same values, and the attention path
-that refuses such rows (the Triton kernels' reading and sealing: tests/unit/test_kernels_*.py)."""
+emulator (TierSelection.hi_fmt) and the server storing the same values, and which attention
+paths read or refuse such rows (the Triton kernels' reading and sealing: tests/unit/test_kernels_*.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ import random
 import pytest
 import torch
 
-from sgl_ragged.attention_backend.registry import make_attention_impl, triton_refuses
+from sgl_ragged.attention_backend.registry import (
+    HIGH_TIER_READERS,
+    IMPLEMENTATIONS,
+    make_attention_impl,
+    triton_refuses,
+)
 from sgl_ragged.config import RaggedConfig
 from sgl_ragged.emulator.compressed import TierSelection, head_tiers
 from sgl_ragged.kernels.aot import layout_split_ratios
@@ -249,18 +254,24 @@ def test_reference_attention_over_dequantized_tiers(pair: str, window: int) -> N
 # ---- the attention paths ---------------------------------------------------------------------
 
 
-def test_batched_refuses_a_quantized_high_tier(caplog: pytest.LogCaptureFixture) -> None:
-    """The batched CPU path (and the native one, to come) refuse H+L by name; auto on a CPU
-    picks the reference; the Triton kernels read it (tests/unit/test_kernels_*.py)."""
+def test_paths_that_cannot_read_a_quantized_high_tier_refuse_it(caplog: pytest.LogCaptureFixture) -> None:
+    """auto on a CPU picks the batched path (it reads H+L: tests/unit/test_batched_torch.py)
+    until the native kernels read it too; a path not in HIGH_TIER_READERS refuses H+L by
+    name; the Triton kernels read it (tests/unit/test_kernels_*.py)."""
     storage = make_storage(uniform_profile(0.5, 2, 4, 2), 16, 16, 8, 2, precision="int8+int4")
     with caplog.at_level(logging.INFO):
         impl = make_attention_impl(storage, None, "auto")
-    assert type(impl).__name__ == "TorchAttention"
-    assert [r.message for r in caplog.records if "auto picks reference" in r.message] == [
-        "ragged attention: auto picks reference: batched does not read a quantized high tier "
-        "(--ragged-precision int8+int4)"]
-    with pytest.raises(ValueError, match="--ragged-attention batched does not read a quantized high tier"):
-        make_attention_impl(storage, None, "batched")
+    if "native" in HIGH_TIER_READERS:
+        assert type(impl).__name__ in ("NativeAttention", "BatchedTorchAttention")
+    else:
+        assert type(impl).__name__ == "BatchedTorchAttention"
+        assert [r.message for r in caplog.records if "auto uses the batched" in r.message] == [
+            "ragged attention: auto uses the batched torch path: the native kernels do not read "
+            "a quantized high tier (--ragged-precision int8+int4)"]
+    assert type(make_attention_impl(storage, None, "batched")).__name__ == "BatchedTorchAttention"
+    for name in set(IMPLEMENTATIONS) - set(HIGH_TIER_READERS):
+        with pytest.raises(ValueError, match=f"--ragged-attention {name} does not read a quantized high tier"):
+            make_attention_impl(storage, None, name)
     assert triton_refuses(64, "int8+int4") is None and triton_refuses(64, "int4") is None
     assert "power-of-two head sizes" in triton_refuses(48, "int8+int4")
     bf16_hi = make_storage(uniform_profile(0.5, 2, 4, 2), 16, 16, 8, 2, precision="bf16+int4")
