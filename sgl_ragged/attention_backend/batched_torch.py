@@ -42,6 +42,7 @@ from sgl_ragged.attention_backend.tail_batch import (
 )
 from sgl_ragged.mem_pool.quant import QuantTier
 from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.precision import LowPrecision
 
 NEVER = 2**62
 """Position of padded keys: after every query."""
@@ -238,7 +239,8 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
                                               scale)
                 parts.append((out_s, lse_s + empty))
             if rows.low is not None:
-                out_s, lse_s = self._low_segment(rows.low, pb, q_g, scale, decode)
+                fmt = st.layout.low_format(layer, g)
+                out_s, lse_s = self._low_segment(fmt, rows.low, pb, q_g, scale, decode)
                 parts.append((out_s, lse_s + empty))
             out_g, lse_g = merge(parts)  # [B, H_p * G, Lq, D], [B, H_p * G, Lq]
             return (out_g.view(B, H_p, G, Lq, D).permute(0, 3, 1, 2, 4),
@@ -246,12 +248,11 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
 
         return attend_group
 
-    def _low_segment(self, tier: QuantTier, pb: PaddedBatch, q_g: torch.Tensor, scale: float,
-                     decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _low_segment(self, fmt: LowPrecision, tier: QuantTier, pb: PaddedBatch, q_g: torch.Tensor,
+                     scale: float, decode: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of q_g [B, H_p * G, Lq, D] over the low tier of the run's sealed pages
-        (tier: quant.py's shapes, pages = B * S): out [B, H_p * G, Lq, D], lse [B, H_p * G, Lq]
-        float32."""
-        fmt = self.storage.layout.low
+        (tier: quant.py's shapes in format `fmt`, the group's, pages = B * S): out
+        [B, H_p * G, Lq, D], lse [B, H_p * G, Lq] float32."""
         B, H_q, Lq, D = q_g.shape
         S, lo, H_p = pb.sealed_table.shape[1], tier.k_codes.shape[1], tier.k_codes.shape[2]
         if not decode:  # a chunk: dequantize once, then the flash kernel
