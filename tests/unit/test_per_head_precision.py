@@ -299,3 +299,15 @@ def test_mixed_search_cli_writes_a_profile_the_server_layout_reads(tiny_llama: P
     layout = RaggedLayout.from_profile(profile, 16, shape.head_dim, 2, "mixed")
     assert layout.retention == pytest.approx(rows[search["chosen"]]["bytes"])
     assert main(["profile", "show", str(out)]) == 0
+
+
+def test_tensor_parallel_ranks_keep_their_heads_compositions_and_formats():
+    from sgl_ragged.tp import slice_all
+
+    profile = mixed_profile()  # 4 heads in groups (0, 1), (2, 3): one group per rank
+    for rank, part in enumerate(slice_all(profile, 2)):
+        heads = (2 * rank, 2 * rank + 1)
+        for li in range(2):
+            assert part.tiers.formats[li] == tuple(profile.tiers.formats[li][h] for h in heads)
+            assert part.tiers.lo[li] == tuple(profile.tiers.lo[li][h] for h in heads)
+        RaggedLayout.from_profile(part, 8, 16, 2, "mixed")  # each rank lays its rows out
