@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "total bytes (served with --ragged-precision mixed)")
     tiers.add_argument("--formats", nargs="+", help="--precision mixed: the low formats searched "
                        "(default int8 int4 int2)")
+    tiers.add_argument("--heads-per-group", type=int, default=1, help="--precision mixed: H_p of "
+                       "the profile searched (default 1: a format and composition per KV head)")
     tiers.add_argument("--sens-samples", type=int, default=2, help="--precision mixed: calibration "
                        "samples of the per-group sensitivity step (default 2)")
     tiers.add_argument("-o", "--output", type=Path, required=True, help="new profile path")
@@ -159,6 +161,8 @@ def _mixed_tiers(args: argparse.Namespace, model: str) -> int:
                                 page_size=args.page_size, chunk_size=args.chunk_size,
                                 min_tokens=args.min_tokens, max_tokens=args.max_tokens)
     profile = load_profile(args.profile, model)
+    if profile.heads_per_group != args.heads_per_group:
+        profile = profile.regrouped(args.heads_per_group)
     tiered, rows = search_precisions(profile, cfg)
     tiered.save(args.output)
     chosen = tiered.stats["tier_search"]["chosen"]

@@ -287,6 +287,7 @@ def test_mixed_search_cli_writes_a_profile_the_server_layout_reads(tiny_llama: P
     printed = capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["version"] == 3 and data["tiers"]["precision"] == "mixed"
+    assert data["groups"] == [[[0], [1]]] * 2  # --heads-per-group 1: a format per KV head
     search = data["stats"]["tier_search"]
     rows = {r["name"]: r for r in search["candidates"]}
     assert set(rows) == {"knapsack", "rule:int8", "rule:int4", "rule:int2"} and "<- chosen" in printed
