@@ -312,3 +312,19 @@ def test_tensor_parallel_ranks_keep_their_heads_compositions_and_formats():
             assert part.tiers.formats[li] == tuple(profile.tiers.formats[li][h] for h in heads)
             assert part.tiers.lo[li] == tuple(profile.tiers.lo[li][h] for h in heads)
         RaggedLayout.from_profile(part, 8, 16, 2, "mixed")  # each rank lays its rows out
+
+
+SHIPPED_MIXED = sorted((ROOT / "calib_profiles/smollm2-135m-instruct").glob("mixed-*.json"))
+
+
+@pytest.mark.parametrize("path", SHIPPED_MIXED, ids=[p.name for p in SHIPPED_MIXED])
+def test_shipped_mixed_profiles_serve_at_their_bytes(path):
+    """Each shipped per-head profile lays out (SmolLM2: 30 layers, 3 KV heads, head_dim 64, bf16)
+    at the chosen candidate's bytes, within what its drop-only rows cost."""
+    profile = BudgetProfile.load(path)
+    search = profile.stats["tier_search"]
+    layout = RaggedLayout.from_profile(profile, 64, 64, 2, "mixed")
+    drop_only = RaggedLayout.from_profile(uniform_profile(profile.source["rho"], 30, 3, 1), 64, 64, 2)
+    chosen = next(c for c in search["candidates"] if c["name"] == search["chosen"])
+    assert layout.retention == pytest.approx(chosen["bytes"])
+    assert layout.row_bytes_per_page <= drop_only.row_bytes_per_page
