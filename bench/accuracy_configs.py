@@ -68,6 +68,7 @@ def precision_configs(rhos: list[float], precisions: list[str], scorer: str, hea
 
 
 MIXED_SEP = "+"  # "int8+int4": the high tier's format + the low tier's
+PER_HEAD = "mixed"  # --precision mixed: mixed-uniform-rho<r>.json of the profile directory
 ROTATED_SUFFIX = "r"  # "int4r", "int8+int4r": every quantized tier rotated (rotation.py)
 
 
@@ -225,4 +226,13 @@ def plan_configs(rhos: list[float], scorers: list[str], profile_dir: Path, head_
                 if (profile_dir / file).is_file():
                     configs.append(Config(f"{source}-{s}@{rho}", source, rho, s, str(profile_dir / file)))
             configs.append(Config(f"dynamic-{s}@{rho}", "dynamic", rho, s, f"dynamic:{rho}"))
+    if PER_HEAD in precisions:  # the shipped per-head precision profiles (calibrate/precision_search.py)
+        precisions = [p for p in precisions if p != PER_HEAD]
+        for rho in sorted(rhos):
+            path = profile_dir / f"{PER_HEAD}-uniform-rho{rho:g}.json"
+            if path.is_file():
+                configs.append(Config(f"{PER_HEAD}@{rho}", "tiers-per-head", rho, scorers[0], str(path),
+                                      PER_HEAD))
+            else:
+                missing.append(str(path))
     return configs + precision_configs(rhos, list(precisions), scorers[0], head_dim, page_size), missing

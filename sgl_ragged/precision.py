@@ -2,7 +2,9 @@
 
 A name is `L` (the page's best tokens at the model dtype, the next ones in format L; `bf16+L` is
 the same), `H+L` (the best tokens in format H, the next ones in L: a quantized high tier), or
-`bf16` (no low tier, budgets drop tokens). `TierPrecision` is the parsed pair.
+`bf16` (no low tier, budgets drop tokens), or `mixed` (each head group's low tier in its own
+format, as a profile's per-head precisions say: `sgl-ragged profile tiers --precision mixed`).
+`TierPrecision` is the parsed pair.
 
 A leaf (docs/architecture.md, "Row tiers"): the server's config and layout, profiles, kernels
 and the offline emulator all name precisions; quantization itself lives in mem_pool/quant.py.
@@ -66,6 +68,7 @@ LOW_PRECISIONS: dict[str, LowPrecision] = {
 }
 FULL_PRECISION = "bf16"  # --ragged-precision's name for "no low tier" (the model dtype)
 PRECISION_CHOICES = (FULL_PRECISION, *LOW_PRECISIONS)
+MIXED_PRECISION = "mixed"  # --ragged-precision's name for the profile's per-head low formats
 
 
 def low_precision(name: str) -> LowPrecision | None:
@@ -74,7 +77,8 @@ def low_precision(name: str) -> LowPrecision | None:
         return None
     if name not in LOW_PRECISIONS:
         raise ValueError(
-            f"--ragged-precision {name!r} is unknown; choose one of {list(PRECISION_CHOICES)}"
+            f"--ragged-precision {name!r} is unknown; choose one of {list(PRECISION_CHOICES)}, "
+            f"{MIXED_PRECISION} (a profile's per-head formats) or a pair <high>{TIER_SEP}<low>"
         )
     if LOW_PRECISIONS[name].is_float and not hasattr(torch, "float8_e4m3fn"):
         raise ValueError(f"--ragged-precision {name}: this torch has no float8_e4m3fn dtype")
@@ -92,19 +96,24 @@ class TierPrecision:
 
     high: LowPrecision | None
     low: LowPrecision | None
+    per_head: bool = False  # `mixed`: each group's low format from the profile (high, low None)
 
     @property
     def name(self) -> str:
-        """The canonical name: bf16, L (a model-dtype high tier) or H+L."""
+        """The canonical name: bf16, L (a model-dtype high tier), H+L or mixed."""
+        if self.per_head:
+            return MIXED_PRECISION
         if self.low is None:
             return FULL_PRECISION
         return self.low.name if self.high is None else f"{self.high.name}{TIER_SEP}{self.low.name}"
 
 
 def tier_precision(name: str) -> TierPrecision:
-    """Parse a --ragged-precision value (`bf16`, `L`, `bf16+L` or `H+L`, H in HIGH_CHOICES,
+    """Parse a --ragged-precision value (`bf16`, `L`, `bf16+L`, `mixed` or `H+L`, H in HIGH_CHOICES,
     L in LOW_PRECISIONS); raises ValueError saying what is wrong. H must cost at least L per
     token (more code bits, or as many with as many parameters), as tiers.compose_mixed needs."""
+    if name == MIXED_PRECISION:
+        return TierPrecision(None, None, per_head=True)
     if TIER_SEP not in name:
         return TierPrecision(None, low_precision(name))
     parts = name.split(TIER_SEP)

@@ -79,7 +79,8 @@ def slice_profile(profile: BudgetProfile, tp_size: int, rank: int,
 
     Per layer, the profile's groups are kept if each lies within the rank's heads and has
     the rank's group size; otherwise the rank's heads are clustered by budget
-    (budgets.cluster_heads). Split ratios are recomputed over the rank's heads.
+    (budgets.cluster_heads). Split ratios are recomputed over the rank's heads; row tiers (and
+    per-head formats) are the rank's heads' own.
     """
     heads = rank_heads(profile.num_kv_heads, tp_size, rank)
     size = rank_group_size(profile, len(heads), heads_per_group)
@@ -96,8 +97,11 @@ def slice_profile(profile: BudgetProfile, tp_size: int, rank: int,
     ratios = None if profile.split_ratios is None else budget_math.split_ratios(budgets, groups)
     source = profile.source.updated({TP_SOURCE_KEY: {"size": tp_size, "rank": rank, "heads": list(heads)}})
     stats = {k: v for k, v in profile.stats.items() if k != "samples"}  # [S][L][H]: whole model
+    tiers = profile.tiers and dataclasses.replace(  # each head's composition (and format)
+        profile.tiers, hi=pick(profile.tiers.hi), lo=pick(profile.tiers.lo),
+        formats=profile.tiers.formats and pick(profile.tiers.formats))
     return BudgetProfile(model, budgets, groups, source, pick(profile.mu), pick(profile.sigma),
-                         ratios, stats)
+                         ratios, stats, tiers)
 
 
 def _rank_groups(layer_groups: Sequence[Sequence[int]], local_budgets: Sequence[float],

@@ -238,7 +238,7 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
                 out_s, lse_s = attend_segment(q_g, k, v, _sealed_bias(pb.num_sealed, S, hi, q_g.dtype),
                                               scale)
                 parts.append((out_s, lse_s + empty))
-            for fmt, tier in ((st.layout.high, rows.high), (st.layout.low, rows.low)):
+            for fmt, tier in ((st.layout.high, rows.high), (st.layout.low_format(layer, g), rows.low)):
                 if tier is not None:  # a quantized high tier (H+L), the low tier
                     out_s, lse_s = self._quantized_segment(fmt, tier, pb, q_g, scale, decode)
                     parts.append((out_s, lse_s + empty))

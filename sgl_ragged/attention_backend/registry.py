@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from sgl_ragged.precision import FULL_PRECISION
+from sgl_ragged.precision import FULL_PRECISION, MIXED_PRECISION
 
 if TYPE_CHECKING:
     from sgl_ragged.attention_backend.impl import AttentionImpl
@@ -25,6 +25,9 @@ def triton_refuses(head_dim: int, precision: str) -> str | None:
     (they pack low-tier codes planar in registers: a power-of-two head size), or None."""
     if precision == FULL_PRECISION:
         return None
+    if precision == MIXED_PRECISION:
+        return (f"reads one low-tier format per launch (a constexpr), not a format per head "
+                f"group (--ragged-precision {MIXED_PRECISION})")
     if head_dim & (head_dim - 1):
         return f"packs low-tier codes for power-of-two head sizes only, not {head_dim}"
     return None
@@ -32,6 +35,9 @@ def triton_refuses(head_dim: int, precision: str) -> str | None:
 
 HIGH_TIER_READERS = ("reference", "triton", "batched")
 """--ragged-attention paths that read a quantized high tier (--ragged-precision H+L)."""
+
+MIXED_FORMAT_READERS = ("reference", "batched")
+"""--ragged-attention paths that read a low format per head group (--ragged-precision mixed)."""
 
 
 def _reference(storage: RaggedStorage, profile: BudgetProfile | None,
@@ -108,6 +114,8 @@ def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
                          "mode (profile dynamic:<rho>); use auto or reference")
     layout = storage.layout
     refused = triton_refuses(layout.head_dim, layout.precision_name)
+    if layout.mixed_formats:
+        return _mixed_formats_impl(storage, profile, choice, num_q_heads)
     if choice == "auto":
         if dynamic:
             choice = "reference"
@@ -127,6 +135,27 @@ def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
     if choice == "triton" and refused:
         raise ValueError(f"--ragged-attention triton {refused}; use --ragged-attention batched "
                          f"(or auto) with --ragged-precision {layout.low.name}")
+    if choice not in IMPLEMENTATIONS:
+        raise ValueError(f"--ragged-attention {choice!r} is unknown; choose one of "
+                         f"{['auto', *IMPLEMENTATIONS]}")
+    return IMPLEMENTATIONS[choice](storage, profile, num_q_heads)
+
+
+def _mixed_formats_impl(storage: RaggedStorage, profile: BudgetProfile | None, choice: str,
+                        num_q_heads: int | None) -> AttentionImpl:
+    """A layout whose groups store their low tiers in different formats (--ragged-precision
+    mixed): auto serves it with the batched torch path (one log line), the paths that read one
+    format per launch (triton, native) refuse it by name."""
+    if choice == "auto":
+        logger.warning("ragged attention: auto uses the batched torch path: the %s kernels read "
+                       "one low-tier format, this profile has one per head group "
+                       "(--ragged-precision %s)", "triton" if storage.device.type == "cuda"
+                       else "native", MIXED_PRECISION)
+        choice = "batched"
+    if choice in IMPLEMENTATIONS and choice not in MIXED_FORMAT_READERS:
+        raise ValueError(f"--ragged-attention {choice} reads one low-tier format, but the profile "
+                         f"has one per head group (--ragged-precision {MIXED_PRECISION}); use "
+                         f"--ragged-attention batched (or auto, or reference)")
     if choice not in IMPLEMENTATIONS:
         raise ValueError(f"--ragged-attention {choice!r} is unknown; choose one of "
                          f"{['auto', *IMPLEMENTATIONS]}")

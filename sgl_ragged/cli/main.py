@@ -4,6 +4,7 @@
     sgl-ragged profile plot FILE [-o out.png] [--layers 3 10 20]
     sgl-ragged profile derive FILE -o OUT [--budget-mode mean] [--alpha A] [--heads-per-group N]
     sgl-ragged profile tiers FILE|uniform:R --precision int4 -o OUT [--model PATH] [--samples 6]
+    sgl-ragged profile tiers FILE|uniform:R --precision mixed -o OUT [--formats int8 int4 int2]
     sgl-ragged calibrate ...        (same as python -m sgl_ragged.calibrate)
 """
 
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from sgl_ragged.precision import MIXED_PRECISION
 from sgl_ragged.profile import (
     BudgetProfile,
     ProfileError,
@@ -53,9 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
     derive.add_argument("--heads-per-group", type=int, help="H_p (default: the profile's)")
     tiers = actions.add_parser(
         "tiers", help="search how each group spends its bytes at a low precision (full-precision "
-                      "vs quantized slots) on the compressed loss; writes a version-2 profile")  # fmt: skip
+                      "vs quantized slots) on the compressed loss; writes a version-2 profile "
+                      "(version 3 with --precision mixed: a low format per head group)")  # fmt: skip
     tiers.add_argument("profile", help="profile JSON file or uniform:<ratio>")
-    tiers.add_argument("--precision", required=True, help="low precision: int8, int4, int2 or fp8")
+    tiers.add_argument("--precision", required=True, help="low precision: int8, int4, int2 or fp8; "
+                       "or mixed: search each group's format and composition at the profile's "
+                       "total bytes (served with --ragged-precision mixed)")
+    tiers.add_argument("--formats", nargs="+", help="--precision mixed: the low formats searched "
+                       "(default int8 int4 int2)")
+    tiers.add_argument("--heads-per-group", type=int, default=1, help="--precision mixed: H_p of "
+                       "the profile searched (default 1: a format and composition per KV head)")
+    tiers.add_argument("--sens-samples", type=int, default=2, help="--precision mixed: calibration "
+                       "samples of the per-group sensitivity step (default 2)")
     tiers.add_argument("-o", "--output", type=Path, required=True, help="new profile path")
     tiers.add_argument("--model", help="HF checkpoint (default: SmolLM2-135M-Instruct, built if needed)")
     tiers.add_argument("--samples", type=int, default=6, help="held-out samples (default 6)")
@@ -120,6 +131,8 @@ def _tiers(args: argparse.Namespace) -> int:
     from sgl_ragged.models.smollm2 import ensure_smollm2
 
     model = args.model or str(ensure_smollm2())
+    if args.precision.lower() == MIXED_PRECISION:
+        return _mixed_tiers(args, model)
     cfg = TierSearchConfig(model_path=model, precision=args.precision.lower(),
                            shares=tuple(args.shares or DEFAULT_SHARES), samples=args.samples,
                            page_size=args.page_size, chunk_size=args.chunk_size,
@@ -132,6 +145,34 @@ def _tiers(args: argparse.Namespace) -> int:
         mark = "  <- chosen" if r["name"] == chosen else ""
         print(f"{r['name']:>12}: bytes {r['bytes']:.3f}, KL {r['kl']:.4f} ± {r['kl_se']:.4f}{mark}")
     print(f"{args.output}: {cfg.precision} tiers ({chosen}) for {args.profile}")
+    return 0
+
+
+def _mixed_tiers(args: argparse.Namespace, model: str) -> int:
+    """`profile tiers --precision mixed`: the per-head precision search."""
+    from sgl_ragged.calibrate.precision_search import (
+        DEFAULT_FORMATS,
+        PrecisionSearchConfig,
+        search_precisions,
+    )
+
+    cfg = PrecisionSearchConfig(model_path=model, formats=tuple(f.lower() for f in args.formats or DEFAULT_FORMATS),
+                                samples=args.samples, sens_samples=args.sens_samples,
+                                page_size=args.page_size, chunk_size=args.chunk_size,
+                                min_tokens=args.min_tokens, max_tokens=args.max_tokens)
+    profile = load_profile(args.profile, model)
+    if profile.heads_per_group != args.heads_per_group:
+        profile = profile.regrouped(args.heads_per_group)
+    tiered, rows = search_precisions(profile, cfg)
+    tiered.save(args.output)
+    chosen = tiered.stats["tier_search"]["chosen"]
+    for r in rows:
+        mark = "  <- chosen" if r["name"] == chosen else ""
+        vs = (f", vs rule:int4 {r['kl_vs_int4']:+.4f} ± {r['kl_vs_int4_se']:.4f}"
+              if "kl_vs_int4" in r else "")
+        print(f"{r['name']:>12}: bytes {r['bytes']:.3f}, KL {r['kl']:.4f} ± {r['kl_se']:.4f}{vs}{mark}")
+    print(f"{args.output}: per-head precisions ({chosen}) for {args.profile}; serve with "
+          f"--ragged-precision {MIXED_PRECISION}")
     return 0
 
 

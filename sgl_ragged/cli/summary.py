@@ -67,8 +67,13 @@ def _tiers_line(profile: BudgetProfile, page_size: int) -> str:
     lo = sum(map(sum, t.lo)) / (profile.num_layers * profile.num_kv_heads) * page_size
     search = profile.stats.get("tier_search", {})
     chosen = f", searched: {search['chosen']}" if "chosen" in search else ""
+    low = t.precision
+    if t.formats is not None:  # per-head formats: how many heads keep a low tier in each
+        used = [f for f_row, lo_row in zip(t.formats, t.lo, strict=True)
+                for f, share in zip(f_row, lo_row, strict=True) if share > 0]
+        low = "low (heads: " + ", ".join(f"{used.count(n)} {n}" for n in sorted(set(used))) + ")"
     return (f"tiers      --ragged-precision {t.precision}: mean {hi:.1f} full + {lo:.1f} "
-            f"{t.precision} slots per page of {page_size}{chosen}")
+            f"{low} slots per page of {page_size}{chosen}")
 
 
 def _source(record: SourceRecord) -> str:

@@ -90,12 +90,16 @@ class TierSelection:
     is exactly what a server storing rotated tiers would compute (queries rotated at attention,
     outputs rotated back): R is orthogonal, so softmax((q R)(K' R)^T)(V' R) R^T, with K' R and
     V' R the dequantized rotated tiers, equals softmax(q K'^T) V' with K', V' rotated back
-    here. Exact (hi_fmt None) tokens are not rotated: R R^T is the identity."""
+    here. Exact (hi_fmt None) tokens are not rotated: R R^T is the identity.
+
+    With ``formats`` ([L][H], --ragged-precision mixed) each head's lo tokens are quantized in
+    its own format instead of ``fmt``."""
 
     tiers: Sequence[Sequence[RowTiers]]  # [L][H] (head_tiers)
     fmt: LowPrecision | None
     hi_fmt: LowPrecision | None = None
     rotation: Rotation | None = None
+    formats: Sequence[Sequence[LowPrecision | None]] | None = None  # [L][H] (head_tiers)
 
     def keep(self, layer_idx: int, scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
         keep = torch.zeros_like(scores, dtype=torch.bool)
@@ -109,9 +113,11 @@ class TierSelection:
         """k, v [N, P, H, D] of a chunk's pages -> the values its kept tokens are read as
         (each quantized tier dequantized; other entries unchanged, the mask hides them)."""
         k, v = k.clone(), v.clone()
-        for heads, t in _heads_by_tiers(self.tiers[layer_idx]):
+        layer_tiers = self.tiers[layer_idx]
+        formats = [self.fmt] * len(layer_tiers) if self.formats is None else self.formats[layer_idx]
+        for heads, (t, lo_fmt) in _heads_by_tiers(list(zip(layer_tiers, formats, strict=True))):
             hi, lo = select_tiers(scores[:, heads], t.hi, t.total, sinks)  # [N, H', hi|lo]
-            for idx, fmt in ((hi, self.hi_fmt), (lo, self.fmt)):
+            for idx, fmt in ((hi, self.hi_fmt), (lo, lo_fmt)):
                 if idx.shape[-1] and fmt is not None:
                     rotate = None if self.rotation is None else (self.rotation, layer_idx)
                     _requantize(fmt, idx, heads, k, v, rotate)
@@ -172,7 +178,8 @@ def head_tiers(layout_tiers: Any, groups: Any) -> list[list[RowTiers]]:
     return out
 
 
-def _heads_by_tiers(tiers: Sequence[RowTiers]) -> list[tuple[list[int], RowTiers]]:
+def _heads_by_tiers(tiers: Sequence[Any]) -> list[tuple[list[int], Any]]:
+    """Heads with equal entries (RowTiers, or (RowTiers, format) pairs) together."""
     return [([h for h, x in enumerate(tiers) if x == t], t) for t in sorted(set(tiers), key=repr)]
 
 

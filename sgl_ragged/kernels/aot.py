@@ -20,7 +20,6 @@ import torch
 
 from sgl_ragged.budgets import split_map_from_ratios
 from sgl_ragged.mem_pool.layout import RaggedLayout
-from sgl_ragged.mem_pool.tiers import tier_bytes
 
 CPU_PARALLELISM = 8
 """N_CTA used on a CPU (Triton interpreter, tests): a fixed small value, no meaning for speed."""
@@ -115,9 +114,7 @@ def layout_split_ratios(layout: RaggedLayout) -> tuple[tuple[float, ...], ...]:
     and parameters; k[l][g] * H_p slots without a low tier) over the layer's total. Used when
     no profile ratios are at hand and for quantized layouts (profile ratios count slots)."""
     result = []
-    for layer_groups, layer_tiers in zip(layout.groups, layout.tiers, strict=True):
-        work = [tier_bytes(t, layout.low, len(heads), layout.head_dim, layout.dtype_bytes,
-                           layout.high)
-                for heads, t in zip(layer_groups, layer_tiers, strict=True)]
+    for li, layer_groups in enumerate(layout.groups):
+        work = [layout.group_bytes(li, g) for g in range(len(layer_groups))]  # each in its format
         result.append(tuple(w / sum(work) for w in work))
     return tuple(result)

@@ -118,10 +118,11 @@ class RaggedStorage:
         self.rows_v = [[self._zeros(num_pages, n, len(heads), D) for heads, n in zip(gs, ns, strict=True)]
                        for gs, ns in zip(layout.groups, full, strict=True)]
         # low_rows[l][g]: the lo[l][g] quantized slots of every logical page (None if lo is 0).
-        self.low_rows = self._tiers(layout.low, num_pages, lambda t: t.lo)
+        # (each group's in its own format, layout.low_format, with --ragged-precision mixed)
+        self.low_rows = self._tiers(layout.low_format, num_pages, lambda t: t.lo)
         # high_rows[l][g]: the hi[l][g] slots quantized in layout.high (--ragged-precision H+L;
         # None without a quantized high tier or if hi is 0).
-        self.high_rows = self._tiers(layout.high, num_pages, lambda t: t.hi)
+        self.high_rows = self._tiers(lambda layer, group: layout.high, num_pages, lambda t: t.hi)
         # head_index[l][g]: [H_p] int64 KV-head indices of group g.
         self.head_index = [[torch.tensor(h, dtype=torch.long, device=self.device) for h in gs]
                            for gs in layout.groups]
@@ -157,13 +158,20 @@ class RaggedStorage:
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.dtype, device=self.device)
 
-    def _tiers(self, fmt: LowPrecision | None, num_pages: int,
+    def _tiers(self, fmt: Callable[[int, int], LowPrecision | None], num_pages: int,
                tokens: Callable[[RowTiers], int]) -> list[list[QuantTier | None]]:
-        """[L][G] zeroed quantized tiers of `tokens(tiers)` slots in `fmt` (None where 0)."""
+        """[L][G] zeroed quantized tiers of `tokens(tiers)` slots in `fmt(layer, group)` (None
+        where 0)."""
         layout = self.layout
-        return [[empty_tier(fmt, num_pages, tokens(t), len(heads), layout.head_dim, self.device)
-                 if fmt is not None and tokens(t) else None for heads, t in zip(gs, ts, strict=True)]
-                for gs, ts in zip(layout.groups, layout.tiers, strict=True)]
+
+        def tier(li: int, g: int, heads: tuple[int, ...], t: RowTiers) -> QuantTier | None:
+            f = fmt(li, g)
+            if f is None or not tokens(t):
+                return None
+            return empty_tier(f, num_pages, tokens(t), len(heads), layout.head_dim, self.device)
+
+        return [[tier(li, g, heads, t) for g, (heads, t) in enumerate(zip(gs, ts, strict=True))]
+                for li, (gs, ts) in enumerate(zip(layout.groups, layout.tiers, strict=True))]
 
     # ---- sizes ------------------------------------------------------------------------------
 
@@ -329,7 +337,8 @@ class RaggedStorage:
     def write_low(self, layer: int, group: int, pages: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> None:
         """Quantize the low tiers k, v [N, lo, H_p, D] of these pages into their rows."""
-        _write_tier(self.low_rows[layer][group], quantize(self.layout.low, k, v), pages)
+        fmt = self.layout.low_format(layer, group)
+        _write_tier(self.low_rows[layer][group], quantize(fmt, k, v), pages)
 
     def write_full_rows(self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor,
                         v_tok: torch.Tensor, keep: torch.Tensor) -> None:
@@ -363,7 +372,7 @@ class RaggedStorage:
         rows = self.page_tiers(layer, group, pages.reshape(-1))
         ks = [rows.hi_k.view(*pages.shape, *rows.hi_k.shape[1:])]  # [*, hi, H_p, D]
         vs = [rows.hi_v.view(ks[0].shape)]
-        for fmt, tier in ((self.layout.high, rows.high), (self.layout.low, rows.low)):
+        for fmt, tier in ((self.layout.high, rows.high), (self.layout.low_format(layer, group), rows.low)):
             if tier is None:
                 continue
             tier_k, tier_v = dequantize(fmt, tier, self.dtype)  # [N, n, H_p, D]

@@ -22,6 +22,7 @@ from sgl_ragged.profile.tiers import ProfileTiers
 from sgl_ragged.profile.validation import (
     PROFILE_FORMAT,
     PROFILE_VERSION,
+    TIERS_VERSION,
     ProfileError,
     as_lists,
     check_budget_range,
@@ -188,7 +189,8 @@ class BudgetProfile:
         """JSON-able dict with the format marker and version."""
         return {
             "format": PROFILE_FORMAT,
-            "version": PROFILE_VERSION,
+            "version": PROFILE_VERSION if self.tiers is not None and self.tiers.per_head
+            else TIERS_VERSION,
             "model": None if self.model is None else self.model.to_dict(),
             "source": self.source.to_json(),
             "budgets": as_lists(self.budgets),
@@ -207,7 +209,8 @@ class BudgetProfile:
             raise ProfileError(f"a profile must be a JSON object, got {type(data).__name__}")
         check_header(data)
         model = None if data["model"] is None else ModelShape.from_dict(data["model"])
-        tiers = None if data.get("tiers") is None else ProfileTiers.from_dict(data["tiers"])
+        tiers = (None if data.get("tiers") is None
+                 else ProfileTiers.from_dict(data["tiers"], data["version"]))
         return cls(
             model, data["budgets"], data["groups"], data["source"], data.get("mu"),
             data.get("sigma"), data.get("split_ratios"), data.get("stats", {}), tiers,

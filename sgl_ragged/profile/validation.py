@@ -13,8 +13,9 @@ from typing import Any
 import sgl_ragged.budgets as budget_math
 
 PROFILE_FORMAT = "sgl-ragged-profile"
-PROFILE_VERSION = 2  # 2: optional "tiers" (row compositions for a low precision)
-READABLE_VERSIONS = (1, 2)
+PROFILE_VERSION = 3  # 2: optional "tiers" (row compositions for a low precision); 3: tiers.formats
+READABLE_VERSIONS = (1, 2, 3)
+TIERS_VERSION = 2  # what a profile without per-head formats is written as (byte-identical re-saves)
 
 Matrix = tuple[tuple[float, ...], ...]
 

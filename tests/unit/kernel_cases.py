@@ -3,6 +3,7 @@ the kernels in Triton's interpreter)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -17,7 +18,8 @@ from sgl_ragged.attention_backend.torch_ref import TorchAttention
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.quant import QuantTier
 from sgl_ragged.mem_pool.storage import RaggedStorage
-from sgl_ragged.profile import BudgetProfile
+from sgl_ragged.precision import LOW_PRECISIONS
+from sgl_ragged.profile import BudgetProfile, ProfileTiers
 from sgl_ragged.scoring import SnapKVScorer
 
 P, D, H_KV, GQA = 8, 16, 4, 2
@@ -69,6 +71,8 @@ def random_storage(rng: random.Random, device: str, layers: int = 1, heads_per_g
     groups = [tuple(tuple(range(s, s + heads_per_group)) for s in range(0, H, heads_per_group))
               for _ in range(layers)]
     profile = BudgetProfile(model=None, budgets=budgets, groups=groups, source={"kind": "uniform"})
+    if precision == "mixed":
+        profile = _per_head_formats(profile, rng, shape.page_size)
     storage = make_storage(profile, shape.page_size, shape.head_dim, num_pages, num_stages,
                            dtype, device, precision)
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
@@ -85,6 +89,20 @@ def random_storage(rng: random.Random, device: str, layers: int = 1, heads_per_g
     stats.q_sq_sum.copy_(stats.q_sum.square() + torch.rand(
         stats.q_sum.shape, generator=gen).to(storage.device))
     return storage
+
+
+def _per_head_formats(profile: BudgetProfile, rng: random.Random, page: int) -> BudgetProfile:
+    """The profile with random per-group compositions and low formats, cycling through every
+    format (--ragged-precision mixed)."""
+    names = itertools.cycle(LOW_PRECISIONS)
+    shares = [[(0.0, 0.0, "")] * len(layer) for layer in profile.budgets]
+    for li, layer_groups in enumerate(profile.groups):
+        for heads in layer_groups:
+            hi, lo, fmt = rng.choice([1, 2, page // 2]), rng.choice([3, page // 2]), next(names)
+            for h in heads:
+                shares[li][h] = (hi / page, lo / page, fmt)
+    tiers = ProfileTiers("mixed", *([[x[i] for x in row] for row in shares] for i in range(3)))
+    return BudgetProfile(profile.model, profile.budgets, profile.groups, profile.source, tiers=tiers)
 
 
 def _randomize_tier(tier: QuantTier, gen: torch.Generator) -> None:
