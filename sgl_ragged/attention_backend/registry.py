@@ -30,7 +30,7 @@ def triton_refuses(head_dim: int, precision: str) -> str | None:
     return None
 
 
-HIGH_TIER_READERS = ("reference", "triton")
+HIGH_TIER_READERS = ("reference", "triton", "native")
 """--ragged-attention paths that read a quantized high tier (--ragged-precision H+L)."""
 
 
@@ -113,8 +113,8 @@ def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
             choice = "reference"
         elif storage.device.type == "cuda":
             choice = "batched" if refused else "triton"
-        else:  # a quantized high tier: neither native nor batched reads it
-            choice = "batched" if layout.high is not None else _cpu_choice(storage)
+        else:  # native reads a quantized high tier; the batched fallback may not
+            choice = _cpu_choice(storage)
         if layout.high is not None and choice not in HIGH_TIER_READERS:
             logger.info("ragged attention: auto picks reference: %s does not read a quantized "
                         "high tier (--ragged-precision %s)", choice, layout.precision_name)
