@@ -1,6 +1,7 @@
 """Native CPU attention: the C++ kernels of cuda_ext/ (built by sgl_ragged/native), one call
 per layer for the whole batch, then the batched torch staging and sealing (`store_tails`).
-Forwards with prefill chunks go to the batched torch path unless EXTEND_ON_BATCHED is off.
+Forwards with prefill chunks go to the batched torch path unless EXTEND_ON_BATCHED is off (or
+the rows have a quantized high tier the batched path does not read: registry.HIGH_TIER_READERS).
 
 The kernels attend on the rows as stored: hi slots at the storage dtype (or, with
 --ragged-precision H+L, quantized), the low tier on its codes (scales folded into the queries
@@ -90,8 +91,12 @@ class NativeAttention(AttentionImpl[NativeBatch]):
     def __init__(self, storage: RaggedStorage, module: ModuleType | None = None,
                  serial_pairs: int = SERIAL_PAIRS,
                  extend_on_batched: bool = EXTEND_ON_BATCHED) -> None:
+        from sgl_ragged.attention_backend.registry import HIGH_TIER_READERS
+
         super().__init__(storage)
         self.serial_pairs = serial_pairs
+        if storage.layout.high is not None and "batched" not in HIGH_TIER_READERS:
+            extend_on_batched = False  # prefill chunks too: batched cannot read H+L rows
         self.batched = BatchedTorchAttention(storage) if extend_on_batched else None
         refused = native_refuses(storage)
         if refused:

@@ -394,6 +394,15 @@ def test_default_routes_prefill_chunks_to_batched(decode, monkeypatch):
     assert bool(calls) == decode
 
 
+def test_high_tier_prefill_chunks_stay_native_while_batched_cannot_read_them():
+    """With H+L rows, prefill chunks go to the batched path only once it reads them."""
+    from sgl_ragged.attention_backend.registry import HIGH_TIER_READERS
+
+    st = random_storage(random.Random(0), "cpu", precision="int8+int4")
+    assert (NativeAttention(st).batched is not None) == ("batched" in HIGH_TIER_READERS)
+    assert NativeAttention(random_storage(random.Random(0), "cpu", precision="int4")).batched
+
+
 def test_build_command_finds_the_cached_build(capsys):
     from sgl_ragged.native.__main__ import main
 
