@@ -144,8 +144,8 @@ def measure_native(profile: BudgetProfile, batch: int, context: int, decode: boo
     steps, outs = {}, {}
     impls = [("batched", BatchedTorchAttention(storage)),
              ("native", NativeAttention(storage, extend_on_batched=False))]
-    if baseline is not None:
-        impls.append(("baseline", NativeAttention(storage, module=baseline,
+    if baseline is not None and storage.layout.high is None:
+        impls.append(("baseline", NativeAttention(storage, module=_SharedFormat(baseline),
                                                   extend_on_batched=False)))
     for name, impl in impls:
         step = forward_step(impl, plans, (q, k, v), scale, decode, profile.num_layers)
@@ -156,6 +156,22 @@ def measure_native(profile: BudgetProfile, batch: int, context: int, decode: boo
     result["speedup"] = result["batched_s"] / result["native_s"]
     result["max_abs_diff"] = float((outs["native"].float() - outs["batched"].float()).abs().max())
     return result
+
+
+class _SharedFormat:
+    """A build from before per-group formats (one low format for all groups, no high tier:
+    `attend(..., low, head_map, ..., bits, is_float, scale, serial_pairs)`) behind today's
+    signature."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module = module
+
+    def attend(self, q, k_pages, v_pages, rows_k, rows_v, low, high, formats, head_map, requests,
+               sealed_off, sealed_pages, scale, serial_pairs):
+        assert not any(t.numel() for t in high), "the baseline build reads no high tier"
+        bits, is_float = int(formats[:, 0].max()), bool(formats[:, 1].max())
+        return self.module.attend(q, k_pages, v_pages, rows_k, rows_v, low, head_map, requests,
+                                  sealed_off, sealed_pages, bits, is_float, scale, serial_pairs)
 
 
 def load_baseline(path: Path) -> ModuleType:
@@ -190,8 +206,10 @@ def markdown_native(results: list[dict], profile_name: str) -> str:
         line = (f"| {r['phase']} | {r['batch']} | {r['context']} | {r['precision']} | "
                 f"{r['bytes_per_page']} | {r['batched_s'] * 1e3:.1f} | {r['native_s'] * 1e3:.1f} | "
                 f"x{r['speedup']:.2f} | x{r['native_s'] / first[key]:.2f} |")
-        if base:
+        if base and "baseline_s" in r:
             line += f" {r['baseline_s'] * 1e3:.1f} | x{r['baseline_s'] / r['native_s']:.2f} |"
+        elif base:
+            line += " - | - |"
         lines.append(line + f" {r['max_abs_diff']:.1e} |")
     return "\n".join(lines) + "\n"
 
@@ -270,7 +288,8 @@ def main() -> None:
                              "these precisions (bf16 = drop-only)")
     parser.add_argument("--baseline", type=Path, default=None, metavar="SO",
                         help="with --native: another build's sgl_ragged_native*.so, timed "
-                             "alongside (before/after a kernel change)")
+                             "alongside (before/after a kernel change; a build from before "
+                             "per-group formats, rows without a quantized high tier)")
     parser.add_argument("--out", type=Path, default=Path("results/cpu_attention"))
     args = parser.parse_args()
     profile = BudgetProfile.load(args.profile)
