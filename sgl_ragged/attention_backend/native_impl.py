@@ -37,7 +37,7 @@ EXTEND_ON_BATCHED = True
 """Forwards with a prefill chunk (any request with more than one query) run on the batched
 torch path: its SDPA (oneDNN, AMX on this CPU) beats these kernels' AVX-512 float32 loops on
 long query runs (bench.cpu_attention --native, a 256-token chunk: native 0.37-0.56x of
-batched), while decode forwards run 1.8-8x faster native. False: every forward native."""
+batched), while decode forwards run 1.8-5x faster native (docs/results.md). False: every forward native."""
 SERIAL_PAIRS = 2**16
 """Layers with fewer (query row, key) pairs run on the calling thread, their key ranges
 unsplit: waking the OpenMP pool (OMP_WAIT_POLICY=PASSIVE) costs more than a second core gives."""
