@@ -144,8 +144,10 @@ def measure_native(profile: BudgetProfile, batch: int, context: int, decode: boo
     steps, outs = {}, {}
     impls = [("batched", BatchedTorchAttention(storage)),
              ("native", NativeAttention(storage, extend_on_batched=False))]
-    if baseline is not None and storage.layout.high is None:
-        impls.append(("baseline", NativeAttention(storage, module=_SharedFormat(baseline),
+    per_group = baseline is not None and "arg6: torch.Tensor" not in baseline.attend.__doc__
+    if baseline is not None and (per_group or storage.layout.high is None):
+        module = baseline if per_group else _SharedFormat(baseline)
+        impls.append(("baseline", NativeAttention(storage, module=module,
                                                   extend_on_batched=False)))
     for name, impl in impls:
         step = forward_step(impl, plans, (q, k, v), scale, decode, profile.num_layers)
