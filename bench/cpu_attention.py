@@ -4,11 +4,13 @@ side by side on the same storage and batch (or, with --native, the native kernel
     python -m bench.cpu_attention [--profile P.json] --out results/cpu_attention
     python -m bench.cpu_attention --precision int4 --out results/cpu_attention_int4
     python -m bench.cpu_attention --native bf16 int4 --out results/cpu_attention_native
+    python -m bench.cpu_attention --native bf16 int4 --prefill-batch --baseline OLD.so ...
 
 With --native, each case is built once per listed precision (rows of the same profile, so the
 same bytes per page) and batched torch and the native kernels (cuda_ext/; prefill chunks too,
 which the server sends to batched torch: native_impl.EXTEND_ON_BATCHED) run on it alternately,
-one forward each per round (ratio = batched / native).
+one forward each per round (ratio = batched / native); --baseline adds another build of the
+kernels (a copied .so) to the same rounds, for before/after figures of a kernel change.
 
 With --precision, the comparison is instead batched attention over drop-only rows vs rows with
 a low-precision tier (docs/architecture.md, "Row tiers") of the same profile: the same KV bytes per page,
@@ -31,6 +33,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -130,15 +133,23 @@ def forward_step(impl: AttentionImpl, plans: list[RequestPlan], qkv: tuple, scal
 
 
 def measure_native(profile: BudgetProfile, batch: int, context: int, decode: bool,
-                   precision: str, warmup: int, repeats: int) -> dict:
-    """Batched torch vs the native kernels on one storage and batch of this precision."""
+                   precision: str, warmup: int, repeats: int,
+                   baseline: ModuleType | None = None) -> dict:
+    """Batched torch vs the native kernels on one storage and batch of this precision
+    (`baseline`: another build of the kernels, timed alongside as "baseline")."""
     storage, plans, (q, k, v) = build_case(profile, batch, context, decode, precision)
     scale = profile.model.head_dim**-0.5
     result = {"phase": "decode" if decode else "prefill", "batch": batch, "context": context,
               "precision": precision, "bytes_per_page": storage.layout.row_bytes_per_page}
     steps, outs = {}, {}
-    for name, impl in (("batched", BatchedTorchAttention(storage)),
-                       ("native", NativeAttention(storage, extend_on_batched=False))):
+    impls = [("batched", BatchedTorchAttention(storage)),
+             ("native", NativeAttention(storage, extend_on_batched=False))]
+    per_group = baseline is not None and "arg6: torch.Tensor" not in baseline.attend.__doc__
+    if baseline is not None and (per_group or storage.layout.high is None):
+        module = baseline if per_group else _SharedFormat(baseline)
+        impls.append(("baseline", NativeAttention(storage, module=module,
+                                                  extend_on_batched=False)))
+    for name, impl in impls:
         step = forward_step(impl, plans, (q, k, v), scale, decode, profile.num_layers)
         outs[name] = step()
         steps[name] = step
@@ -149,15 +160,59 @@ def measure_native(profile: BudgetProfile, batch: int, context: int, decode: boo
     return result
 
 
+class _SharedFormat:
+    """A build from before per-group formats (one low format for all groups, no high tier:
+    `attend(..., low, head_map, ..., bits, is_float, scale, serial_pairs)`) behind today's
+    signature."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self.module = module
+
+    def attend(self, q, k_pages, v_pages, rows_k, rows_v, low, high, formats, head_map, requests,
+               sealed_off, sealed_pages, scale, serial_pairs):
+        assert not any(t.numel() for t in high), "the baseline build reads no high tier"
+        bits, is_float = int(formats[:, 0].max()), bool(formats[:, 1].max())
+        return self.module.attend(q, k_pages, v_pages, rows_k, rows_v, low, head_map, requests,
+                                  sealed_off, sealed_pages, bits, is_float, scale, serial_pairs)
+
+
+def load_baseline(path: Path) -> ModuleType:
+    """A shared object of another build of the native kernels, its module named as the file
+    (build it with its own extension name and -Dragged=<other namespace>: two builds with the
+    same C++ symbols in one process may bind to one of them)."""
+    import importlib.machinery
+    import importlib.util
+
+    name = path.name.split(".")[0]
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
 def markdown_native(results: list[dict], profile_name: str) -> str:
+    """One row per case; with a baseline build its time and baseline / native too, and for
+    each case the native time relative to the first precision's (e.g. int4 / drop)."""
+    base = "baseline_s" in results[0]
     lines = [f"Ragged attention per forward on the CPU, batched torch vs native kernels "
              f"({profile_name}; {torch.get_num_threads()} threads; alternating), medians.", "",
              "| phase | batch | context | rows | bytes/page | batched ms | native ms | "
-             "batched / native | max abs diff |", "|---|---|---|---|---|---|---|---|---|"]
+             "batched / native | native / first rows |"
+             + (" baseline ms | baseline / native |" if base else "") + " max abs diff |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if base else "")]
+    first: dict[tuple, float] = {}
     for r in results:
-        lines.append(f"| {r['phase']} | {r['batch']} | {r['context']} | {r['precision']} | "
-                     f"{r['bytes_per_page']} | {r['batched_s'] * 1e3:.1f} | "
-                     f"{r['native_s'] * 1e3:.1f} | x{r['speedup']:.2f} | {r['max_abs_diff']:.1e} |")
+        key = (r["phase"], r["batch"], r["context"])
+        first.setdefault(key, r["native_s"])
+        line = (f"| {r['phase']} | {r['batch']} | {r['context']} | {r['precision']} | "
+                f"{r['bytes_per_page']} | {r['batched_s'] * 1e3:.1f} | {r['native_s'] * 1e3:.1f} | "
+                f"x{r['speedup']:.2f} | x{r['native_s'] / first[key]:.2f} |")
+        if base and "baseline_s" in r:
+            line += f" {r['baseline_s'] * 1e3:.1f} | x{r['baseline_s'] / r['native_s']:.2f} |"
+        elif base:
+            line += " - | - |"
+        lines.append(line + f" {r['max_abs_diff']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
@@ -224,7 +279,8 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=DEFAULT_PROFILE)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--prefill-batch", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--prefill-batch", type=int, nargs="*", default=[1, 4],
+                        help="prefill batch sizes (none: decode only)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--precision", default=None,
@@ -232,12 +288,17 @@ def main() -> None:
     parser.add_argument("--native", nargs="+", default=None, metavar="PRECISION",
                         help="compare the native kernels with batched torch, rows of each of "
                              "these precisions (bf16 = drop-only)")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="SO",
+                        help="with --native: another build's sgl_ragged_native*.so, timed "
+                             "alongside (before/after a kernel change; a build from before "
+                             "per-group formats, rows without a quantized high tier)")
     parser.add_argument("--out", type=Path, default=Path("results/cpu_attention"))
     args = parser.parse_args()
     profile = BudgetProfile.load(args.profile)
     if profile.model is None:
         parser.error(f"{args.profile} names no model; the shapes come from its model")
     torch.manual_seed(0)
+    baseline = load_baseline(args.baseline) if args.baseline else None
     cases = [(b, c, True) for b in args.batch for c in args.context]
     cases += [(b, c, False) for b in args.prefill_batch for c in args.context]
     results = []
@@ -246,7 +307,7 @@ def main() -> None:
               f"context {context} ...", flush=True)
         if args.native:
             results += [measure_native(profile, batch, context, decode, precision, args.warmup,
-                                       args.repeats) for precision in args.native]
+                                       args.repeats, baseline) for precision in args.native]
         elif args.precision:
             results.append(measure_precision(profile, batch, context, decode, args.precision,
                                              args.warmup, args.repeats))

@@ -66,10 +66,59 @@ const uint16_t* half_ptr(const at::Tensor& t) {
   return t.numel() ? reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()) : nullptr;
 }
 
-// Group g's rows: rows_k/v [pages, hi, H_p, D] and, where lo > 0, its low tier (low[6g..6g+5]:
-// k_codes, k_scale, k_zero, v_codes, v_scale, v_zero; undefined or empty when absent).
-GroupRows group_rows(const at::Tensor& rk, const at::Tensor& rv, const at::Tensor* low,
-                     const Params& p, at::ScalarType dtype, int64_t g) {
+// One quantized tier of group g (t[0..5]: k_codes, k_scale, k_zero, v_codes, v_scale, v_zero;
+// undefined or empty when the group has no such tier) in format `fmt` (bits 0: none).
+QuantRows quant_rows(const at::Tensor* t, LowFormat fmt, int64_t heads, int64_t head_dim,
+                     const std::string& at) {
+  QuantRows out;
+  out.fmt = fmt;
+  if (!t[0].defined() || t[0].numel() == 0) return out;
+  TORCH_CHECK(fmt.bits, "native attention: ", at, "has codes but its format says 0 bits");
+  const int64_t cb = head_dim * fmt.bits / 8;
+  check_tensor(t[0], (at + "k_codes").c_str(), at::kByte, 4);
+  check_tensor(t[3], (at + "v_codes").c_str(), at::kByte, 4);
+  check_tensor(t[1], (at + "k_scale").c_str(), at::kHalf, 3);
+  check_tensor(t[4], (at + "v_scale").c_str(), at::kHalf, 3);
+  const int64_t pages = t[0].size(0), slots = t[0].size(1);
+  TORCH_CHECK(t[0].size(2) == heads && t[0].size(3) == cb && t[3].sizes() == t[0].sizes(),
+              "native attention: ", at, "code shapes ", t[0].sizes(), " / ", t[3].sizes(),
+              " are not [pages, slots, ", heads, ", ", cb, "] (", fmt.bits, "-bit codes)");
+  TORCH_CHECK(t[1].size(0) == pages && t[1].size(1) == heads && t[1].size(2) == head_dim &&
+                  t[4].size(0) == pages && t[4].size(1) == slots && t[4].size(2) == heads,
+              "native attention: ", at, "k_scale ", t[1].sizes(), " / v_scale ", t[4].sizes(),
+              " are not [", pages, ", ", heads, ", ", head_dim, "] / [", pages, ", ", slots,
+              ", ", heads, "]");
+  out.slots = slots;
+  out.k_codes = t[0].data_ptr<uint8_t>();
+  out.v_codes = t[3].data_ptr<uint8_t>();
+  out.k_scale = half_ptr(t[1]);
+  out.v_scale = half_ptr(t[4]);
+  if (!fmt.is_float) {
+    check_tensor(t[2], (at + "k_zero").c_str(), at::kHalf, 3);
+    check_tensor(t[5], (at + "v_zero").c_str(), at::kHalf, 3);
+    TORCH_CHECK(t[2].sizes() == t[1].sizes() && t[5].sizes() == t[4].sizes(),
+                "native attention: ", at, "zero points ", t[2].sizes(), " / ", t[5].sizes(),
+                " do not match the scales");
+    out.k_zero = half_ptr(t[2]);
+    out.v_zero = half_ptr(t[5]);
+  }
+  return out;
+}
+
+// A format row of `formats` (bits, is_float) checked.
+LowFormat tier_format(int64_t bits, int64_t is_float, const std::string& what) {
+  TORCH_CHECK(bits == 0 || bits == 2 || bits == 4 || bits == 8, "native attention: ", what,
+              " bits must be 0, 2, 4 or 8, got ", bits);
+  TORCH_CHECK(!is_float || bits == 8, "native attention: ", what, " fp8 codes are 8 bits, got ",
+              bits);
+  return LowFormat{int(bits), is_float != 0};
+}
+
+// Group g's rows: rows_k/v [pages, hi, H_p, D], its quantized high tier high[0..5] and low tier
+// low[0..5] (quant_rows), in the formats of row g of formats [groups, 4].
+GroupRows group_rows(const at::Tensor& rk, const at::Tensor& rv, const at::Tensor* high,
+                     const at::Tensor* low, const int64_t* fmt, const Params& p,
+                     at::ScalarType dtype, int64_t g) {
   const std::string at = "group " + std::to_string(g) + " ";
   check_tensor(rk, (at + "rows_k").c_str(), dtype, 4);
   check_tensor(rv, (at + "rows_v").c_str(), dtype, 4);
@@ -81,28 +130,10 @@ GroupRows group_rows(const at::Tensor& rk, const at::Tensor& rv, const at::Tenso
   out.heads = rk.size(2);
   out.rows_k = rk.data_ptr();
   out.rows_v = rv.data_ptr();
-  if (!low[0].defined() || low[0].numel() == 0) return out;
-  TORCH_CHECK(p.low.bits, "native attention: ", at, "has a low tier but bits is 0");
-  const int64_t cb = p.head_dim * p.low.bits / 8;
-  check_tensor(low[0], (at + "k_codes").c_str(), at::kByte, 4);
-  check_tensor(low[3], (at + "v_codes").c_str(), at::kByte, 4);
-  check_tensor(low[1], (at + "k_scale").c_str(), at::kHalf, 3);
-  check_tensor(low[4], (at + "v_scale").c_str(), at::kHalf, 3);
-  TORCH_CHECK(low[0].size(2) == out.heads && low[0].size(3) == cb &&
-                  low[3].sizes() == low[0].sizes(),
-              "native attention: ", at, "code shapes ", low[0].sizes(), " / ", low[3].sizes(),
-              " are not [pages, lo, ", out.heads, ", ", cb, "]");
-  out.lo = low[0].size(1);
-  out.k_codes = low[0].data_ptr<uint8_t>();
-  out.v_codes = low[3].data_ptr<uint8_t>();
-  out.k_scale = half_ptr(low[1]);
-  out.v_scale = half_ptr(low[4]);
-  if (!p.low.is_float) {
-    check_tensor(low[2], (at + "k_zero").c_str(), at::kHalf, 3);
-    check_tensor(low[5], (at + "v_zero").c_str(), at::kHalf, 3);
-    out.k_zero = half_ptr(low[2]);
-    out.v_zero = half_ptr(low[5]);
-  }
+  out.low = quant_rows(low, tier_format(fmt[0], fmt[1], at + "low tier"), out.heads,
+                       p.head_dim, at + "low tier ");
+  out.high = quant_rows(high, tier_format(fmt[2], fmt[3], at + "high tier"), out.heads,
+                        p.head_dim, at + "high tier ");
   return out;
 }
 
@@ -155,9 +186,10 @@ std::string isa_name() { return isa().name; }
 std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
                                const at::Tensor& v_pages, const std::vector<at::Tensor>& rows_k,
                                const std::vector<at::Tensor>& rows_v,
-                               const std::vector<at::Tensor>& low, const at::Tensor& head_map,
-                               const at::Tensor& requests, const at::Tensor& sealed_off,
-                               const at::Tensor& sealed_pages, int64_t bits, bool is_float,
+                               const std::vector<at::Tensor>& low,
+                               const std::vector<at::Tensor>& high, const at::Tensor& formats,
+                               const at::Tensor& head_map, const at::Tensor& requests,
+                               const at::Tensor& sealed_off, const at::Tensor& sealed_pages,
                                double scale, int64_t serial_pairs) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
@@ -167,6 +199,7 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
   check_tensor(k_pages, "k_pages", dtype, 4);
   check_tensor(v_pages, "v_pages", dtype, 4);
   check_tensor(head_map, "head_map", at::kLong, 2);
+  check_tensor(formats, "formats", at::kLong, 2);
   check_tensor(requests, "requests", at::kLong, 2);
   check_tensor(sealed_off, "sealed_off", at::kLong, 1);
   check_tensor(sealed_pages, "sealed_pages", at::kLong, 1);
@@ -184,20 +217,23 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
   TORCH_CHECK(k_pages.size(2) == p.heads_kv && k_pages.size(3) == p.head_dim,
               "native attention: k_pages ", k_pages.sizes(), " is not [M, P, ", p.heads_kv, ", ",
               p.head_dim, "]");
-  TORCH_CHECK(bits == 0 || bits == 2 || bits == 4 || bits == 8,
-              "native attention: low tier bits must be 0, 2, 4 or 8, got ", bits);
-  TORCH_CHECK(!is_float || bits == 8, "native attention: fp8 codes are 8 bits, got ", bits);
   p.group_size = p.heads_q / p.heads_kv;
   TORCH_CHECK(p.group_size <= 256, "native attention: more than 256 query heads per KV head");
   p.q_block = std::max<int64_t>(1, 32 / p.group_size);
   p.scale = float(scale);
-  p.low = LowFormat{int(bits), is_float};
   const int64_t G_rows = int64_t(rows_k.size());
-  TORCH_CHECK(int64_t(rows_v.size()) == G_rows && int64_t(low.size()) == 6 * G_rows,
-              "native attention: ", G_rows, " groups need as many rows_v and 6 low tensors each");
+  TORCH_CHECK(int64_t(rows_v.size()) == G_rows && int64_t(low.size()) == 6 * G_rows &&
+                  int64_t(high.size()) == 6 * G_rows,
+              "native attention: ", G_rows, " groups need as many rows_v and 6 low and 6 high "
+              "tensors each (empty where a group has no such tier), got ", rows_v.size(), ", ",
+              low.size(), " and ", high.size());
+  TORCH_CHECK(formats.size(0) == G_rows && formats.size(1) == 4, "native attention: formats ",
+              formats.sizes(), " is not [", G_rows, ", 4] (low bits, low is_float, high bits, "
+              "high is_float per group)");
   std::vector<GroupRows> groups;
   for (int64_t g = 0; g < G_rows; ++g)
-    groups.push_back(group_rows(rows_k[g], rows_v[g], &low[6 * g], p, dtype, g));
+    groups.push_back(group_rows(rows_k[g], rows_v[g], &high[6 * g], &low[6 * g],
+                                formats.data_ptr<int64_t>() + 4 * g, p, dtype, g));
   const int64_t B = requests.size(0);
   TORCH_CHECK(requests.size(1) == 6 && sealed_off.size(0) == B + 1,
               "native attention: requests must be [B, 6] and sealed_off [B + 1]");

@@ -1,9 +1,12 @@
 // The kernel body (attention_body.inc) compiled for AVX-512 (F/BW/VL/DQ + BF16/VNNI), 512-bit vectors.
+// Defines RAGGED_AVX512: the body's hot loops in intrinsics (the other variants: portable C++).
 // bindings.cpp picks a variant at run time (__builtin_cpu_supports, RAGGED_NATIVE_ISA).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include <immintrin.h>
 
 #include "ragged_attention.h"
 
@@ -11,6 +14,7 @@
 
 namespace ragged {
 namespace avx512 {
+#define RAGGED_AVX512 1  // attention_body.inc's intrinsic hot loops
 #include "attention_body.inc"
 }  // namespace avx512
 }  // namespace ragged

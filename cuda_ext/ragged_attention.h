@@ -16,6 +16,10 @@
 //   | k_scale/zero[g] | [pages, H_p, D]                | float16 | per channel over a page's lo tokens  |
 //   | v_codes[g]      | [pages, lo_g, H_p, D * b / 8]  | uint8   | low tier values                      |
 //   | v_scale/zero[g] | [pages, lo_g, H_p]             | float16 | per (token, head)                    |
+//   | (high tier)     | the same 6 with hq_g slots     |         | H+L: the hi slots quantized (rows_k/v |
+//   |                 |                                |         | then have 0 slots)                   |
+//   | formats         | [groups, 4]                    | int64   | low bits, low is_float, high bits,   |
+//   |                 |                                |         | high is_float (0 bits: no such tier) |
 //   | head_map        | [H, 2]                         | int64   | KV head h -> (group g, slot in g)    |
 //   | requests        | [B, 6]                         | int64   | q_start, q_len, prefix, tail_start,  |
 //   |                 |                                |         | tail_first (page m), tail_count      |
@@ -23,7 +27,7 @@
 //   | sealed_pages    | [S]                            | int64   | logical pages of each request's rows |
 //
 // Request b's queries are rows [q_start, q_start + q_len) at positions prefix + i; its keys are
-// every slot of its sealed pages (hi slots, then lo slots; all visible) followed by its tail
+// every slot of its sealed pages (hi slots, dense or quantized, then lo slots; all visible) followed by its tail
 // tokens at positions tail_start + t, t < prefix + q_len - tail_start, visible to a query at
 // position x iff tail_start + t <= x. Tokens past the end are never read.
 //
@@ -38,23 +42,30 @@
 
 namespace ragged {
 
-// Low tier format of the layout (quant.py): bits 8/4/2 asymmetric integer codes with scale and
+// Format of a quantized tier (quant.py): bits 8/4/2 asymmetric integer codes with scale and
 // zero point, or fp8 e4m3 (bits 8, is_float) with a scale only.
 struct LowFormat {
-  int bits = 0;  // 0: no low tier anywhere
+  int bits = 0;  // 0: no such tier in this group
   bool is_float = false;
 };
 
-struct GroupRows {
-  int64_t hi = 0, lo = 0, heads = 0;  // slots per page at T / quantized; H_p
-  const void* rows_k = nullptr;       // [pages, hi, H_p, D] T
-  const void* rows_v = nullptr;
-  const uint8_t* k_codes = nullptr;   // [pages, lo, H_p, D * b / 8]
+// One quantized tier of a group's rows (the low tier, or with H+L the quantized hi slots).
+struct QuantRows {
+  int64_t slots = 0;                  // tokens per page (0: none)
+  LowFormat fmt;
+  const uint8_t* k_codes = nullptr;   // [pages, slots, H_p, D * b / 8]
   const uint16_t* k_scale = nullptr;  // float16 bits [pages, H_p, D]
   const uint16_t* k_zero = nullptr;   // (integer formats)
   const uint8_t* v_codes = nullptr;
-  const uint16_t* v_scale = nullptr;  // float16 bits [pages, lo, H_p]
+  const uint16_t* v_scale = nullptr;  // float16 bits [pages, slots, H_p]
   const uint16_t* v_zero = nullptr;
+};
+
+struct GroupRows {
+  int64_t hi = 0, heads = 0;      // dense slots per page (at T); H_p
+  const void* rows_k = nullptr;   // [pages, hi, H_p, D] T
+  const void* rows_v = nullptr;
+  QuantRows high, low;            // each group its own formats
 };
 
 struct Request {
@@ -65,7 +76,6 @@ struct Params {
   int64_t heads_q, heads_kv, group_size, head_dim, page_size;  // H_q, H, G, D, P
   int64_t q_block;     // query positions per item (rows per item: q_block * G)
   float scale;         // softmax scale (folded into the queries)
-  LowFormat low;
   const void* q;       // [N, H_q, D] T
   const void* k_pages; // [M, P, H, D] T
   const void* v_pages;
@@ -90,10 +100,11 @@ inline int64_t padded_page(const Params& p) {
 }
 
 // Floats of per-thread workspace one item needs (scaled queries, logits, a unit's keys
-// transposed and values converted, per-page parameters, softmax state).
+// transposed and values converted, per-page parameters, softmax state, AVX-512 partial dots).
 inline int64_t workspace_floats(const Params& p) {
   const int64_t R = p.q_block * p.group_size, D = p.head_dim, Pp = padded_page(p);
-  return 2 * R * D + R * Pp + 2 * Pp * D + 2 * (D > Pp ? D : Pp) + 4 * R;
+  return 2 * R * D + R * Pp + 2 * Pp * D + 2 * (D > Pp ? D : Pp) + 4 * R +
+         R * kKeyTile * kKeyTile + D;
 }
 
 // Runs items [begin, end): partial outputs o_part [., R, D] (normalized) and lse_part [., R]

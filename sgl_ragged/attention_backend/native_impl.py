@@ -2,8 +2,9 @@
 per layer for the whole batch, then the batched torch staging and sealing (`store_tails`).
 Forwards with prefill chunks go to the batched torch path unless EXTEND_ON_BATCHED is off.
 
-The kernels attend on the rows as stored: hi slots at the storage dtype, the low tier on its
-codes (scales folded into the queries and probabilities, cuda_ext/attention_body.inc), then
+The kernels attend on the rows as stored: hi slots at the storage dtype (or, with
+--ragged-precision H+L, quantized), the low tier on its codes (scales folded into the queries
+and probabilities, cuda_ext/attention_body.inc), each group in its own formats, then
 each request's tail pages (`tail_batch.tail_pages`), causal by position. Tables built once per
 forward by `prepare` (B requests, S sealed pages in all; int64, CPU):
 
@@ -25,14 +26,17 @@ from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention, Ba
 from sgl_ragged.attention_backend.impl import AttentionImpl
 from sgl_ragged.attention_backend.plan import BatchPlan
 from sgl_ragged.attention_backend.tail_batch import TailBatch, store_tails, tail_batch, tail_pages
+from sgl_ragged.mem_pool.layout import RaggedLayout
+from sgl_ragged.mem_pool.quant import QuantTier
 from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.precision import LowPrecision
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 EXTEND_ON_BATCHED = True
 """Forwards with a prefill chunk (any request with more than one query) run on the batched
 torch path: its SDPA (oneDNN, AMX on this CPU) beats these kernels' AVX-512 float32 loops on
 long query runs (bench.cpu_attention --native, a 256-token chunk: native 0.37-0.56x of
-batched), while decode forwards run 1.8-8x faster native. False: every forward native."""
+batched), while decode forwards run 1.8-5x faster native (docs/results.md). False: every forward native."""
 SERIAL_PAIRS = 2**16
 """Layers with fewer (query row, key) pairs run on the calling thread, their key ranges
 unsplit: waking the OpenMP pool (OMP_WAIT_POLICY=PASSIVE) costs more than a second core gives."""
@@ -47,6 +51,26 @@ def native_refuses(storage: RaggedStorage) -> str | None:
     if storage.layout.head_dim % 16:
         return f"needs a head_dim that is a multiple of 16, not {storage.layout.head_dim}"
     return None
+
+
+def _group_formats(layout: RaggedLayout, layer: int) -> torch.Tensor:
+    """[groups, 4] int64 of one layer: each group's (low bits, low is_float, high bits, high
+    is_float), 0 bits where the group has no such tier (the high tier: the model dtype)."""
+
+    def fmt(p: LowPrecision | None) -> tuple[int, int]:
+        return (p.bits, int(p.is_float)) if p is not None else (0, 0)
+
+    return torch.tensor([[*fmt(layout.low_format(layer, g)), *fmt(layout.high)]
+                         for g in range(len(layout.tiers[layer]))], dtype=torch.long).view(-1, 4)
+
+
+def _tier_tensors(tiers: list[QuantTier | None]) -> list[torch.Tensor]:
+    """The kernels' 6 tensors per group (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero;
+    empty where the group has no such tier or the format no zero points)."""
+    empty = torch.empty(0, dtype=torch.uint8)
+    return [t if t is not None else empty for tier in tiers
+            for t in ((tier.k_codes, tier.k_scale, tier.k_zero, tier.v_codes, tier.v_scale,
+                       tier.v_zero) if tier is not None else (None,) * 6)]
 
 
 @dataclass(frozen=True)
@@ -79,16 +103,12 @@ class NativeAttention(AttentionImpl[NativeBatch]):
             module = native.load()
         self.module = module
         layout = storage.layout
-        self.bits = layout.low.bits if layout.low else 0
-        self.is_float = bool(layout.low and layout.low.is_float)
-        # Per layer: KV head -> (group, slot in group) [H, 2], and the groups' tensors.
+        # Per layer: KV head -> (group, slot in group) [H, 2], the groups' formats [groups, 4]
+        # and their quantized tiers (6 tensors per group, empty where a group has none).
         self.head_map = [self._head_map(layer) for layer in range(layout.num_layers)]
-        empty = torch.empty(0, dtype=torch.uint8)
-        self.low = [[t if t is not None else empty
-                     for tier in storage.low_rows[layer]
-                     for t in ((tier.k_codes, tier.k_scale, tier.k_zero, tier.v_codes,
-                                tier.v_scale, tier.v_zero) if tier is not None else (None,) * 6)]
-                    for layer in range(layout.num_layers)]
+        self.formats = [_group_formats(layout, layer) for layer in range(layout.num_layers)]
+        self.low = [_tier_tensors(storage.low_rows[layer]) for layer in range(layout.num_layers)]
+        self.high = [_tier_tensors(storage.high_rows[layer]) for layer in range(layout.num_layers)]
 
     def _head_map(self, layer: int) -> torch.Tensor:
         table = torch.empty(self.storage.layout.num_kv_heads, 2, dtype=torch.long)
@@ -127,8 +147,8 @@ class NativeAttention(AttentionImpl[NativeBatch]):
         k_pages, v_pages = tail_pages(st, layer, batch.tails, k, v)  # [M, P, H, D]
         out, lse = self.module.attend(
             q.contiguous(), k_pages.contiguous(), v_pages.contiguous(), st.rows_k[layer],
-            st.rows_v[layer], self.low[layer], self.head_map[layer], batch.requests,
-            batch.sealed_off, batch.sealed_pages, self.bits, self.is_float, scale,
+            st.rows_v[layer], self.low[layer], self.high[layer], self.formats[layer],
+            self.head_map[layer], batch.requests, batch.sealed_off, batch.sealed_pages, scale,
             self.serial_pairs)
         store_tails(st, layer, batch.tails, k_pages, v_pages, q, lse, scale)
         return out

@@ -33,10 +33,10 @@ def triton_refuses(head_dim: int, precision: str) -> str | None:
     return None
 
 
-HIGH_TIER_READERS = ("reference", "triton", "batched")
+HIGH_TIER_READERS = ("reference", "triton", "batched", "native")
 """--ragged-attention paths that read a quantized high tier (--ragged-precision H+L)."""
 
-MIXED_FORMAT_READERS = ("reference", "batched")
+MIXED_FORMAT_READERS = ("reference", "batched", "native")
 """--ragged-attention paths that read a low format per head group (--ragged-precision mixed)."""
 
 
@@ -121,11 +121,6 @@ def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
             choice = "reference"
         elif storage.device.type == "cuda":
             choice = "batched" if refused else "triton"
-        elif layout.high is not None and "native" not in HIGH_TIER_READERS:
-            logger.info("ragged attention: auto uses the batched torch path: the native kernels "
-                        "do not read a quantized high tier (--ragged-precision %s)",
-                        layout.precision_name)
-            choice = "batched"
         else:
             choice = _cpu_choice(storage)
     if layout.high is not None and choice in IMPLEMENTATIONS and choice not in HIGH_TIER_READERS:
@@ -144,14 +139,16 @@ def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
 def _mixed_formats_impl(storage: RaggedStorage, profile: BudgetProfile | None, choice: str,
                         num_q_heads: int | None) -> AttentionImpl:
     """A layout whose groups store their low tiers in different formats (--ragged-precision
-    mixed): auto serves it with the batched torch path (one log line), the paths that read one
-    format per launch (triton, native) refuse it by name."""
-    if choice == "auto":
-        logger.warning("ragged attention: auto uses the batched torch path: the %s kernels read "
-                       "one low-tier format, this profile has one per head group "
-                       "(--ragged-precision %s)", "triton" if storage.device.type == "cuda"
-                       else "native", MIXED_PRECISION)
+    mixed): auto serves it with the native kernels on the CPU (else batched torch) and with the
+    batched torch path on CUDA (one log line: the Triton kernels read one format per launch),
+    which refuse it by name."""
+    if choice == "auto" and storage.device.type == "cuda":
+        logger.warning("ragged attention: auto uses the batched torch path: the triton kernels "
+                       "read one low-tier format, this profile has one per head group "
+                       "(--ragged-precision %s)", MIXED_PRECISION)
         choice = "batched"
+    elif choice == "auto":
+        choice = _cpu_choice(storage)
     if choice in IMPLEMENTATIONS and choice not in MIXED_FORMAT_READERS:
         raise ValueError(f"--ragged-attention {choice} reads one low-tier format, but the profile "
                          f"has one per head group (--ragged-precision {MIXED_PRECISION}); use "

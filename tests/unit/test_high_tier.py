@@ -255,19 +255,15 @@ def test_reference_attention_over_dequantized_tiers(pair: str, window: int) -> N
 
 
 def test_paths_that_cannot_read_a_quantized_high_tier_refuse_it(caplog: pytest.LogCaptureFixture) -> None:
-    """auto on a CPU picks the batched path (it reads H+L: tests/unit/test_batched_torch.py)
-    until the native kernels read it too; a path not in HIGH_TIER_READERS refuses H+L by
-    name; the Triton kernels read it (tests/unit/test_kernels_*.py)."""
+    """auto on a CPU picks the native kernels (they read H+L and build on the test machine:
+    tests/unit/test_native_attention.py); batched reads it too (tests/unit/test_batched_torch.py);
+    a path not in HIGH_TIER_READERS refuses H+L by name; the Triton kernels read it
+    (tests/unit/test_kernels_*.py)."""
     storage = make_storage(uniform_profile(0.5, 2, 4, 2), 16, 16, 8, 2, precision="int8+int4")
     with caplog.at_level(logging.INFO):
         impl = make_attention_impl(storage, None, "auto")
-    if "native" in HIGH_TIER_READERS:
-        assert type(impl).__name__ in ("NativeAttention", "BatchedTorchAttention")
-    else:
-        assert type(impl).__name__ == "BatchedTorchAttention"
-        assert [r.message for r in caplog.records if "auto uses the batched" in r.message] == [
-            "ragged attention: auto uses the batched torch path: the native kernels do not read "
-            "a quantized high tier (--ragged-precision int8+int4)"]
+    assert type(impl).__name__ == "NativeAttention"
+    assert not [r.message for r in caplog.records if "auto uses the batched" in r.message]
     assert type(make_attention_impl(storage, None, "batched")).__name__ == "BatchedTorchAttention"
     for name in set(IMPLEMENTATIONS) - set(HIGH_TIER_READERS):
         with pytest.raises(ValueError, match=f"--ragged-attention {name} does not read a quantized high tier"):

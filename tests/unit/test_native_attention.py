@@ -4,6 +4,8 @@ Fresh random storages and batches (decode, prefill chunks, mixed; ragged tails, 
 per-group budgets) for every row precision, head_dim 16/64/128, GQA 1/3/4/8, float32 and
 bfloat16: outputs, log-sum-exps and (float32) the storage after the forward agree with the
 reference's. The extension must build here: every test fails, none skips, if it does not.
+H+L pairs (a quantized high tier) and groups of one layer in different formats (mixed at the
+binding: each group's tensors and formats from a storage of its own precision) likewise.
 Tolerances: float32 atol 1e-4 / rtol 1e-4 (kernel_cases' 2e-5 at head_dim 16; int8 rows hold
 values up to ~40, and sums over 128 channels in another order differ by a few 1e-5);
 bfloat16 storages against the reference on a float32 twin with the same values: atol 1e-2 /
@@ -27,8 +29,10 @@ import torch
 from sgl_ragged import native
 from sgl_ragged.attention_backend.native_impl import NativeAttention
 from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
+from sgl_ragged.attention_backend.tail_batch import tail_pages
 from sgl_ragged.attention_backend.torch_ref import TorchAttention
 from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.precision import PAIR_CHOICES
 from sgl_ragged.scoring import SnapKVScorer
 from tests.unit.kernel_cases import (
     Shape,
@@ -45,6 +49,7 @@ from tests.unit.kernel_cases import (
 )
 
 PRECISIONS = ["bf16", "int8", "int4", "int2", "fp8"]
+PAIRS = list(PAIR_CHOICES)  # H+L: a quantized high tier (int8 or fp8) over a low tier
 TOL = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.bfloat16: {"atol": 1e-2, "rtol": 1e-2}}
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,7 +115,7 @@ def poison_unused(st: RaggedStorage, plans: Sequence[RequestPlan]) -> None:
         for rows in (st.rows_k[layer], st.rows_v[layer]):
             for t in rows:
                 t[~used] = float("nan")
-        for tier in st.low_rows[layer]:
+        for tier in (*st.low_rows[layer], *st.high_rows[layer]):
             if tier is None:
                 continue
             for t in (tier.k_scale, tier.k_zero, tier.v_scale, tier.v_zero):
@@ -153,7 +158,96 @@ def test_matches_reference_float32(precision, head_dim, gqa, serial_pairs):
     assert_same_state(got, want)
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("head_dim,gqa", [(64, 1), (64, 3), (128, 4), (128, 8)])
+def test_high_tier_pairs_match_reference(pair, head_dim, gqa):
+    """--ragged-precision H+L (rows_k/v without slots, the hi slots quantized in high_rows):
+    a mixed batch with ragged tails, outputs and storage after, against the reference."""
+    shape = Shape(page_size=16, head_dim=head_dim, kv_heads=4, gqa=gqa)
+    rng = random.Random(PAIRS.index(pair) * 1000 + head_dim * 10 + gqa)
+    specs = (random_specs(rng, 3, False, page=16, max_sealed=4)
+             + random_specs(rng, 2, True, page=16, max_sealed=4))
+    rng.shuffle(specs)
+    got, want, plans, outs = twin_forward(specs, False, rng.randrange(999), shape, torch.float32,
+                                          pair)
+    assert got.layout.high is not None and any(t is not None for t in got.high_rows[1])
+    rows = rows_of(plans)
+    torch.testing.assert_close(outs[0][rows], outs[1][rows], **TOL[torch.float32])
+    assert_same_state(got, want)
+
+
+@pytest.mark.parametrize("formats", [("int8+int4", "int2"), ("fp8", "int8+int2"),
+                                     ("int4", "fp8+fp8"), ("bf16", "int8+int8")])
+@pytest.mark.parametrize("head_dim,gqa", [(64, 3), (128, 4)])
+def test_groups_in_different_formats(formats, head_dim, gqa):
+    """Each group its own formats: group 0's tensors and formats from a storage of the first
+    precision, group 1's from a storage of the second (same budgets, same staging pages); each
+    KV head's output equals the reference's on its own storage (heads attend independently)."""
+    shape = Shape(page_size=16, head_dim=head_dim, kv_heads=4, gqa=gqa)
+    stores = [random_storage(random.Random(41), "cpu", layers=2, num_stages=64, shape=shape,
+                             precision=prec) for prec in formats]
+    for a, b in zip(stores[0].stage_k + stores[0].stage_v, stores[1].stage_k + stores[1].stage_v,
+                    strict=True):
+        b.copy_(a)  # the same staging pages (tail tokens)
+    assert [len(h) for h in stores[0].head_index[1]] == [2, 2]
+    specs = (random_specs(random.Random(42), 3, False, page=16, max_sealed=4)
+             + random_specs(random.Random(43), 2, True, page=16, max_sealed=4))
+    plans = random_plans(stores[0], specs, random.Random(44), gap=1)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(45), "cpu", shape=shape)
+    scale = 1 / math.sqrt(head_dim)
+    want = []
+    for st in stores:
+        ref = TorchAttention(st)
+        want.append(ref.forward(1, ref.prepare(BatchPlan(requests=list(plans))), q, k, v, scale,
+                                False))
+    impls = [NativeAttention(st, extend_on_batched=False) for st in stores]
+    batch = impls[0].prepare(BatchPlan(requests=list(plans)))
+    k_pages, v_pages = tail_pages(stores[0], 1, batch.tails, k, v)
+
+    def per_group(name: str, width: int) -> list:
+        return [x for g in range(2) for x in getattr(impls[g], name)[1][width * g:width * (g + 1)]]
+
+    out, _ = impls[0].module.attend(
+        q, k_pages, v_pages, [stores[g].rows_k[1][g] for g in range(2)],
+        [stores[g].rows_v[1][g] for g in range(2)], per_group("low", 6), per_group("high", 6),
+        torch.stack([impls[g].formats[1][g] for g in range(2)]), impls[0].head_map[1],
+        batch.requests, batch.sealed_off, batch.sealed_pages, scale, 0)
+    rows = rows_of(plans)
+    for g, heads in enumerate(stores[0].head_index[1]):
+        for h in heads.tolist():
+            qh = slice(h * gqa, (h + 1) * gqa)
+            torch.testing.assert_close(out[rows, qh], want[g][rows, qh], **TOL[torch.float32],
+                                       msg=lambda m, g=g: f"group {g} ({formats[g]}): {m}")
+
+
+def test_bad_formats_are_refused_by_name():
+    shape = Shape(page_size=16, head_dim=64, kv_heads=4, gqa=3)
+    st = random_storage(random.Random(3), "cpu", layers=2, num_stages=64, shape=shape,
+                        precision="int8+int4")
+    plans = random_plans(st, random_specs(random.Random(4), 2, True, page=16), random.Random(5))
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(6), "cpu", shape=shape)
+    impl = NativeAttention(st, extend_on_batched=False)
+    batch = impl.prepare(BatchPlan(requests=list(plans)))
+    k_pages, v_pages = tail_pages(st, 1, batch.tails, k, v)
+
+    def attend(formats: torch.Tensor) -> None:
+        impl.module.attend(q, k_pages, v_pages, st.rows_k[1], st.rows_v[1], impl.low[1],
+                           impl.high[1], formats, impl.head_map[1], batch.requests,
+                           batch.sealed_off, batch.sealed_pages, 0.125, 0)
+
+    bad = impl.formats[1].clone()
+    bad[0, 2] = 3
+    with pytest.raises(RuntimeError, match="group 0 high tier bits must be 0, 2, 4 or 8, got 3"):
+        attend(bad)
+    bad = impl.formats[1].clone()
+    bad[1, 2] = 4  # int4 high tier over int8 codes: the code shapes do not match
+    with pytest.raises(RuntimeError, match=r"group 1 high tier code shapes .* are not \[pages"):
+        attend(bad)
+    with pytest.raises(RuntimeError, match=r"formats \[1, 4\] is not \[2, 4\]"):
+        attend(impl.formats[1][:1])
+
+
+@pytest.mark.parametrize("precision", [*PRECISIONS, "int8+int4", "fp8+int2"])
 @pytest.mark.parametrize("decode", [True, False])
 def test_matches_reference_bfloat16(precision, decode):
     shape = Shape(page_size=16, head_dim=64, kv_heads=2, gqa=3)
@@ -176,19 +270,18 @@ def test_log_sum_exp_of_every_query(precision):
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(6), "cpu", shape=shape)
     impl = NativeAttention(st, extend_on_batched=False)
     batch = impl.prepare(BatchPlan(requests=list(plans)))
-    from sgl_ragged.attention_backend.tail_batch import tail_pages
-
     k_pages, v_pages = tail_pages(st, 1, batch.tails, k, v)
     _, lse = impl.module.attend(q, k_pages, v_pages, st.rows_k[1], st.rows_v[1], impl.low[1],
+                                impl.high[1], impl.formats[1],
                                 impl.head_map[1], batch.requests, batch.sealed_off,
-                                batch.sealed_pages, impl.bits, impl.is_float, 0.125, 0)
+                                batch.sealed_pages, 0.125, 0)
     for p in plans:
         rows = slice(p.q_start, p.q_start + p.q_len)
         want = reference_lse(st, 1, p, q[rows], k[rows], 0.125)
         torch.testing.assert_close(lse[rows], want, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "int4", "int2", "fp8"])
+@pytest.mark.parametrize("precision", ["bf16", "int4", "int2", "fp8", "int8+int4", "fp8+fp8"])
 @pytest.mark.parametrize("decode", [True, False])
 def test_poisoned_padding_does_not_leak(precision, decode):
     """NaN in every page, staging page, low-tier parameter and q/k/v row the batch does not
@@ -226,7 +319,7 @@ from tests.unit.kernel_cases import Shape, random_plans, random_qkv, random_spec
 torch.set_num_threads(2)
 shape = Shape(page_size=16, head_dim=64, kv_heads=4, gqa=3)
 outs = {}
-for precision in ("bf16", "int8", "int4", "int2", "fp8"):
+for precision in ("bf16", "int8", "int4", "int2", "fp8", "int8+int4", "fp8+int2"):
     for dtype in (torch.float32, torch.bfloat16):
         st = random_storage(random.Random(1), "cpu", layers=2, num_stages=64, shape=shape,
                             dtype=dtype, precision=precision)
@@ -299,6 +392,15 @@ def test_default_routes_prefill_chunks_to_batched(decode, monkeypatch):
     compare_with_reference(lambda st: NativeAttention(st, module=Spy()), specs, decode, 17,
                            "cpu", layer=1)
     assert bool(calls) == decode
+
+
+def test_high_tier_prefill_chunks_stay_native_while_batched_cannot_read_them():
+    """With H+L rows, prefill chunks go to the batched path only once it reads them."""
+    from sgl_ragged.attention_backend.registry import HIGH_TIER_READERS
+
+    st = random_storage(random.Random(0), "cpu", precision="int8+int4")
+    assert (NativeAttention(st).batched is not None) == ("batched" in HIGH_TIER_READERS)
+    assert NativeAttention(random_storage(random.Random(0), "cpu", precision="int4")).batched
 
 
 def test_build_command_finds_the_cached_build(capsys):
