@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention
+from sgl_ragged.attention_backend.native_impl import NativeAttention
 from sgl_ragged.attention_backend.registry import make_attention_impl, triton_refuses
 from sgl_ragged.calibrate.knapsack import allocate
 from sgl_ragged.calibrate.precision_search import Option, group_options
@@ -144,15 +145,28 @@ def test_batched_matches_the_reference_on_mixed_formats(decode, seed):
                            precision="mixed")
 
 
-def test_registry_serves_mixed_formats_with_batched_and_refuses_one_format_paths(caplog):
+@pytest.mark.parametrize("decode", [True, False])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_native_matches_the_reference_on_mixed_formats(decode, seed):
+    """The native kernels read each group's low format (native_impl._group_formats), prefill
+    chunks included."""
+    rng = random.Random(10 + seed)
+    specs = random_specs(rng, 3, decode) + [Spec(sealed=2, staged=3, q_len=1 if decode else 4)]
+    compare_with_reference(lambda st: NativeAttention(st, extend_on_batched=False), specs, decode,
+                           10 + seed, "cpu", layer=seed, precision="mixed")
+
+
+def test_registry_serves_mixed_formats_and_triton_refuses_them(caplog):
+    """auto on a CPU picks the native kernels (built on the test machine), which read a format
+    per group as batched and the reference do; Triton reads one format per launch."""
     storage = mixed_storage(mixed_profile())
     with caplog.at_level("WARNING"):
-        assert isinstance(make_attention_impl(storage, None, "auto"), BatchedTorchAttention)
-    assert "one per head group" in caplog.text
+        assert isinstance(make_attention_impl(storage, None, "auto"), NativeAttention)
+    assert "one per head group" not in caplog.text
+    assert isinstance(make_attention_impl(storage, None, "batched"), BatchedTorchAttention)
     assert type(make_attention_impl(storage, None, "reference")).__name__ == "TorchAttention"
-    for name in ("native", "triton"):
-        with pytest.raises(ValueError, match=f"--ragged-attention {name} reads one low-tier format"):
-            make_attention_impl(storage, None, name)
+    with pytest.raises(ValueError, match="--ragged-attention triton reads one low-tier format"):
+        make_attention_impl(storage, None, "triton")
     assert "per launch" in triton_refuses(64, "mixed")
 
 
