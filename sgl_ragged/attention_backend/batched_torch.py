@@ -23,14 +23,13 @@ query i sees it iff key_pos[b, c] <= q_pos[b, i]:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from sgl_ragged.attention_backend.impl import AttentionImpl
-from sgl_ragged.attention_backend.ops import take
+from sgl_ragged.attention_backend.ops import intra_op_threads, take
 from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
 from sgl_ragged.attention_backend.segments import attend_low, low_kv
 from sgl_ragged.attention_backend.segments_sdpa import attend_segment, dequantized_low, merge
@@ -167,7 +166,7 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
     def forward(self, layer: int, batch: BatchedTorchBatch, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
         small = sum(pb.pairs for pb in batch.padded) <= SINGLE_THREAD_PAIRS[decode]
-        with _intra_op_threads(1 if small else torch.get_num_threads()):
+        with intra_op_threads(1 if small else torch.get_num_threads()):
             return self._forward(layer, batch, q, k, v, scale, decode)
 
     def _forward(self, layer: int, batch: BatchedTorchBatch, q: torch.Tensor,
@@ -279,17 +278,3 @@ def _sealed_pos(num_sealed: torch.Tensor, S: int, slots: int) -> torch.Tensor:
     for the request's num_sealed[b] pages, NEVER for padding."""
     exists = torch.arange(S * slots, device=num_sealed.device)[None, :] < num_sealed[:, None] * slots
     return torch.where(exists, -1, NEVER)
-
-
-@contextmanager
-def _intra_op_threads(n: int) -> Iterator[None]:
-    """torch's intra-op thread count set to n inside the block (restored after)."""
-    before = torch.get_num_threads()
-    if n == before:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

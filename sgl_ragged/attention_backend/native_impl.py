@@ -24,6 +24,7 @@ import torch
 
 from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention, BatchedTorchBatch
 from sgl_ragged.attention_backend.impl import AttentionImpl
+from sgl_ragged.attention_backend.ops import intra_op_threads
 from sgl_ragged.attention_backend.plan import BatchPlan
 from sgl_ragged.attention_backend.tail_batch import TailBatch, store_tails, tail_batch, tail_pages
 from sgl_ragged.mem_pool.layout import RaggedLayout
@@ -37,6 +38,10 @@ EXTEND_ON_BATCHED = True
 torch path: its SDPA (oneDNN, AMX on this CPU) beats these kernels' AVX-512 float32 loops on
 long query runs (bench.cpu_attention --native, a 256-token chunk: native 0.37-0.56x of
 batched), while decode forwards run 1.8-5x faster native (docs/results.md). False: every forward native."""
+SERIAL_TAIL_TOKENS = 2**13
+"""Tail pages of at most this many tokens (decode batches, short chunks) are gathered, staged and
+sealed on the calling thread alone: each of their ~30 small ops per layer would otherwise wake
+torch's pool (batch 8 x 2K decode: the tails' time about halved, shared machine)."""
 SERIAL_PAIRS = 2**16
 """Layers with fewer (query row, key) pairs run on the calling thread, their key ranges
 unsplit: waking the OpenMP pool (OMP_WAIT_POLICY=PASSIVE) costs more than a second core gives."""
@@ -144,11 +149,17 @@ class NativeAttention(AttentionImpl[NativeBatch]):
         st = self.storage
         if q.dtype != st.dtype:
             raise ValueError(f"native attention: q is {q.dtype} but the KV cache is {st.dtype}")
-        k_pages, v_pages = tail_pages(st, layer, batch.tails, k, v)  # [M, P, H, D]
+        # The tails' gathers, staging and sealing are small tensor ops: on one thread unless
+        # the tail pages are many (waking the pool per op costs more than it gives).
+        tail_threads = 1 if batch.tails.page_req.numel() * st.layout.page_size <= SERIAL_TAIL_TOKENS \
+            else torch.get_num_threads()
+        with intra_op_threads(tail_threads):
+            k_pages, v_pages = tail_pages(st, layer, batch.tails, k, v)  # [M, P, H, D]
         out, lse = self.module.attend(
             q.contiguous(), k_pages.contiguous(), v_pages.contiguous(), st.rows_k[layer],
             st.rows_v[layer], self.low[layer], self.high[layer], self.formats[layer],
             self.head_map[layer], batch.requests, batch.sealed_off, batch.sealed_pages, scale,
             self.serial_pairs)
-        store_tails(st, layer, batch.tails, k_pages, v_pages, q, lse, scale)
+        with intra_op_threads(tail_threads):
+            store_tails(st, layer, batch.tails, k_pages, v_pages, q, lse, scale)
         return out

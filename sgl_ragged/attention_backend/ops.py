@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 
@@ -17,3 +20,18 @@ def query_heads(kv_heads: torch.Tensor, group_size: int) -> torch.Tensor:
     """[H_p] KV heads -> [H_p * G] query heads reading them, in SDPA's GQA order."""
     offsets = torch.arange(group_size, device=kv_heads.device)
     return (kv_heads[:, None] * group_size + offsets[None, :]).flatten()
+
+
+@contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to n inside the block (restored after): small ops on
+    a CPU cost more in waking the pool (OMP_WAIT_POLICY=PASSIVE) than the other cores give."""
+    before = torch.get_num_threads()
+    if n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
