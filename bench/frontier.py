@@ -3,9 +3,10 @@ token, from a bench.accuracy run (the server: answer-token top-1) and a bench.of
 (the emulator: top-1 agreement with the full cache), every configuration a point and every
 family (the name before "@": uniform = drop only, int4 = int4 tiers under a bf16 high tier,
 int8+int4 = a quantized high tier, sglang-<dtype> = SGLang's own caches, a --profile-config
-name such as perhead@0.2) a line; a black dashed line joins our lowest-KL point per budget.
+name such as perhead@0.2, mixed = per-head precision) a line; a black dashed line joins our lowest-KL point per budget.
 
     python -m bench.frontier --server results/accuracy-frontier-20/accuracy.json \
+        results/accuracy-per-head/accuracy.json \
         --offline results/offline-frontier-20/offline_loss.json --out docs/figures/frontier.png
 """
 
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple
 from bench.accuracy_configs import FULL, STOCK
 
 LABELS = {"uniform": "drop (uniform)", "int4": "int4 tiers (bf16 high)", "int2": "int2 tiers (bf16 high)",
-          "int2-all": "every token int2"}
+          "int2-all": "every token int2", "mixed": "per-head precision (mixed)"}
 
 
 class Point(NamedTuple):
@@ -47,6 +48,15 @@ def offline_points(result: dict[str, Any]) -> list[Point]:
             for r in result["configs"]]
 
 
+def merged(read: Any, paths: list[Path]) -> list[Point]:
+    """Every file's points, each config name once (the first file's)."""
+    seen: dict[str, Point] = {}
+    for path in paths:
+        for point in read(json.loads(path.read_text())):
+            seen.setdefault(point.name, point)
+    return list(seen.values())
+
+
 def best_per_budget(points: list[Point], budgets: tuple[float, ...] = (0.5, 0.3, 0.2, 0.15),
                     slack: float = 0.02) -> list[Point]:
     """Our lowest-KL point within `slack` bytes above each budget (not SGLang's, not full)."""
@@ -68,7 +78,8 @@ def draw(panels: list[tuple[str, list[Point], str]], path: Path) -> None:
 
     fig, axes = plt.subplots(len(panels), 2, figsize=(12, 4.6 * len(panels)), squeeze=False)
     families = sorted({p.family for _, pts, _ in panels for p in pts if p.family != FULL})
-    colors = dict(zip(families, plt.get_cmap("tab20").colors * 2, strict=False))
+    palette = (*plt.get_cmap("tab10").colors, *plt.get_cmap("Dark2").colors) * 2  # 18 distinct
+    colors = dict(zip(families, palette, strict=False))
     for (title, points, top1_label), (ax_kl, ax_top) in zip(panels, axes, strict=True):
         full = [p for p in points if p.family == FULL]
         for fam in families:
@@ -99,18 +110,20 @@ def draw(panels: list[tuple[str, list[Point], str]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--server", type=Path, default=None, help="bench.accuracy's accuracy.json")
-    p.add_argument("--offline", type=Path, default=None, help="bench.offline_loss's offline_loss.json")
+    p.add_argument("--server", type=Path, nargs="+", default=None,
+                   help="bench.accuracy's accuracy.json (several: runs over the same questions, "
+                        "a config name drawn once, from the first file that has it)")
+    p.add_argument("--offline", type=Path, nargs="+", default=None,
+                   help="bench.offline_loss's offline_loss.json (several: as --server)")
     p.add_argument("--out", type=Path, default=Path("docs/figures/frontier.png"))
     args = p.parse_args(argv)
     panels = []
     if args.server:
         panels.append(("Server (bf16, answer tokens, teacher-forced)",
-                       server_points(json.loads(args.server.read_text())), "answer-token top-1"))
+                       merged(server_points, args.server), "answer-token top-1"))
     if args.offline:
         panels.append(("Offline (prefill compression, held-out samples)",
-                       offline_points(json.loads(args.offline.read_text())),
-                       "top-1 agreement with full"))
+                       merged(offline_points, args.offline), "top-1 agreement with full"))
     if not panels:
         p.error("give --server and/or --offline")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -250,23 +250,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sealed: torch.T
 def validate(loss: Any, groups: Any, candidates: dict[str, Choice], samples: Sequence[Any],
              progress: bool = True) -> dict[str, list[float]]:
     """Each candidate's mean KL per scored token on each held-out sample (emulator)."""
-    from sgl_ragged.emulator.compressed import TierSelection, head_tiers, token_kl
+    from sgl_ragged.calibrate.tier_search import candidate_kls
+    from sgl_ragged.emulator.compressed import TierSelection, head_tiers
 
-    kls: dict[str, list[float]] = {name: [] for name in candidates}
-    t0 = time.monotonic()
-    for i, sample in enumerate(samples, start=1):
-        full = loss.log_probs(sample.input_ids, None)
-        for name, choice in candidates.items():
-            tiers = head_tiers([[o.tiers for o in layer] for layer in choice], groups)
-            formats = head_tiers([[o.fmt for o in layer] for layer in choice], groups)
-            selection = TierSelection(tiers, None, formats=formats)
-            kls[name].append(float(token_kl(full, loss.log_probs(sample.input_ids, selection)).mean()))
-        if progress:
-            print(f"\rper-head precision: validation sample {i}/{len(samples)} ({len(candidates)} "
-                  f"candidates, {time.monotonic() - t0:.0f} s)", end="", file=sys.stderr, flush=True)
-    if progress:
-        print(file=sys.stderr)
-    return kls
+    selections = {name: TierSelection(head_tiers([[o.tiers for o in layer] for layer in choice], groups),
+                                      None,
+                                      formats=head_tiers([[o.fmt for o in layer] for layer in choice], groups))
+                  for name, choice in candidates.items()}
+    return candidate_kls(loss, samples, selections, "per-head precision: validation sample", progress)
 
 
 def _rows(profile: BudgetProfile, cfg: PrecisionSearchConfig, head_dim: int,

@@ -55,6 +55,27 @@ def candidate_tiers(profile: BudgetProfile, page_size: int, head_dim: int, dtype
     return out
 
 
+def candidate_kls(loss: Any, samples: Sequence[Any], selections: dict[str, Any], label: str,
+                  progress: bool = True) -> dict[str, list[float]]:
+    """Each candidate's mean KL per scored token against the full cache on each held-out sample
+    (emulator/compressed.py: `loss` a CompressedLoss, `selections` name -> TierSelection);
+    progress on stderr as "<label> i/n"."""
+    from sgl_ragged.emulator.compressed import token_kl
+
+    kls: dict[str, list[float]] = {name: [] for name in selections}
+    t0 = time.monotonic()
+    for i, sample in enumerate(samples, start=1):
+        full = loss.log_probs(sample.input_ids, None)
+        for name, selection in selections.items():
+            kls[name].append(float(token_kl(full, loss.log_probs(sample.input_ids, selection)).mean()))
+        if progress:
+            print(f"\r{label} {i}/{len(samples)} ({len(selections)} candidates, "
+                  f"{time.monotonic() - t0:.0f} s)", end="", file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    return kls
+
+
 @dataclass(frozen=True)
 class TierSearchConfig:
     """What `search_tiers` runs: the model, the precision and the held-out samples."""
@@ -85,7 +106,7 @@ def search_tiers(profile: BudgetProfile, cfg: TierSearchConfig, progress: bool =
     """The profile with the best candidate's tiers, and every candidate's row of the search
     (name, bytes fraction, KL mean and standard error over samples)."""
     from sgl_ragged.emulator.chunks import ChunkingConfig
-    from sgl_ragged.emulator.compressed import CompressedLoss, TierSelection, head_tiers, token_kl
+    from sgl_ragged.emulator.compressed import CompressedLoss, TierSelection, head_tiers
     from sgl_ragged.emulator.runner import CaptureRunner
     from sgl_ragged.emulator.samples import build_samples
     from sgl_ragged.mem_pool.layout import RaggedLayout
@@ -100,18 +121,9 @@ def search_tiers(profile: BudgetProfile, cfg: TierSearchConfig, progress: bool =
     candidates = candidate_tiers(profile, cfg.page_size, head_dim, cfg.dtype_bytes, fmt, cfg.shares)
     samples = build_samples(runner.tokenizer, cfg.samples, cfg.seed, cfg.min_tokens, cfg.max_tokens,
                             cfg.page_size)
-    kls: dict[str, list[float]] = {name: [] for name in candidates}
-    t0 = time.monotonic()
-    for i, sample in enumerate(samples, start=1):
-        full = loss.log_probs(sample.input_ids, None)
-        for name, tiers in candidates.items():
-            selection = TierSelection(head_tiers(tiers, profile.groups), fmt)
-            kls[name].append(float(token_kl(full, loss.log_probs(sample.input_ids, selection)).mean()))
-        if progress:
-            print(f"\rtier search: sample {i}/{len(samples)} ({len(candidates)} candidates, "
-                  f"{time.monotonic() - t0:.0f} s)", end="", file=sys.stderr, flush=True)
-    if progress:
-        print(file=sys.stderr)
+    kls = candidate_kls(loss, samples, {name: TierSelection(head_tiers(tiers, profile.groups), fmt)
+                                        for name, tiers in candidates.items()},
+                        "tier search: sample", progress)
     rows = []
     for name, tiers in candidates.items():
         layout = RaggedLayout(cfg.page_size, head_dim, cfg.dtype_bytes, profile.groups,

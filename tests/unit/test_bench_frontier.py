@@ -31,3 +31,14 @@ def test_the_figure_draws_both_benches(tmp_path: Path):
     frontier.main(["--server", str(tmp_path / "a.json"), "--offline", str(tmp_path / "a.json"),
                    "--out", str(out)])
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_several_runs_merge_each_config_once(tmp_path: Path):
+    """Runs over the same questions join one panel; a name in both comes from the first."""
+    (tmp_path / "a.json").write_text(json.dumps({"configs": ROWS[:3]}))
+    (tmp_path / "b.json").write_text(json.dumps({"configs": [_row("full", "full", 1.0, 0.0, 0.7),
+                                                              _row("mixed@0.2", "profile", 0.203, 0.04, 0.78)]}))
+    points = frontier.merged(frontier.server_points, [tmp_path / "a.json", tmp_path / "b.json"])
+    assert sorted(p.name for p in points) == ["full", "int4@0.2", "mixed@0.2", "uniform@0.2"]
+    assert next(p for p in points if p.name == "full").top1 == 0.8
+    assert frontier.best_per_budget(points)[0].name == "mixed@0.2"
