@@ -74,8 +74,7 @@ def _tier_tensors(tiers: list[QuantTier | None]) -> list[torch.Tensor]:
     empty where the group has no such tier or the format no zero points)."""
     empty = torch.empty(0, dtype=torch.uint8)
     return [t if t is not None else empty for tier in tiers
-            for t in ((tier.k_codes, tier.k_scale, tier.k_zero, tier.v_codes, tier.v_scale,
-                       tier.v_zero) if tier is not None else (None,) * 6)]
+            for t in (tier.fields() if tier is not None else (None,) * 6)]
 
 
 @dataclass(frozen=True)

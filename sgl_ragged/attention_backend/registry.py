@@ -114,45 +114,28 @@ def make_attention_impl(storage: RaggedStorage, profile: BudgetProfile | None,
                          "mode (profile dynamic:<rho>); use auto or reference")
     layout = storage.layout
     refused = triton_refuses(layout.head_dim, layout.precision_name)
-    if layout.mixed_formats:
-        return _mixed_formats_impl(storage, profile, choice, num_q_heads)
     if choice == "auto":
         if dynamic:
             choice = "reference"
+        elif storage.device.type == "cuda" and refused:
+            logger.warning("ragged attention: auto uses the batched torch path: "
+                           "--ragged-attention triton %s", refused)
+            choice = "batched"
         elif storage.device.type == "cuda":
-            choice = "batched" if refused else "triton"
+            choice = "triton"
         else:
             choice = _cpu_choice(storage)
     if layout.high is not None and choice in IMPLEMENTATIONS and choice not in HIGH_TIER_READERS:
         raise ValueError(f"--ragged-attention {choice} does not read a quantized high tier yet; "
                          f"use --ragged-attention batched (or auto) with --ragged-precision "
                          f"{layout.precision_name}")
-    if choice == "triton" and refused:
-        raise ValueError(f"--ragged-attention triton {refused}; use --ragged-attention batched "
-                         f"(or auto) with --ragged-precision {layout.low.name}")
-    if choice not in IMPLEMENTATIONS:
-        raise ValueError(f"--ragged-attention {choice!r} is unknown; choose one of "
-                         f"{['auto', *IMPLEMENTATIONS]}")
-    return IMPLEMENTATIONS[choice](storage, profile, num_q_heads)
-
-
-def _mixed_formats_impl(storage: RaggedStorage, profile: BudgetProfile | None, choice: str,
-                        num_q_heads: int | None) -> AttentionImpl:
-    """A layout whose groups store their low tiers in different formats (--ragged-precision
-    mixed): auto serves it with the native kernels on the CPU (else batched torch) and with the
-    batched torch path on CUDA (one log line: the Triton kernels read one format per launch),
-    which refuse it by name."""
-    if choice == "auto" and storage.device.type == "cuda":
-        logger.warning("ragged attention: auto uses the batched torch path: the triton kernels "
-                       "read one low-tier format, this profile has one per head group "
-                       "(--ragged-precision %s)", MIXED_PRECISION)
-        choice = "batched"
-    elif choice == "auto":
-        choice = _cpu_choice(storage)
-    if choice in IMPLEMENTATIONS and choice not in MIXED_FORMAT_READERS:
+    if layout.mixed_formats and choice in IMPLEMENTATIONS and choice not in MIXED_FORMAT_READERS:
         raise ValueError(f"--ragged-attention {choice} reads one low-tier format, but the profile "
                          f"has one per head group (--ragged-precision {MIXED_PRECISION}); use "
                          f"--ragged-attention batched (or auto, or reference)")
+    if choice == "triton" and refused:
+        raise ValueError(f"--ragged-attention triton {refused}; use --ragged-attention batched "
+                         f"(or auto) with --ragged-precision {layout.low.name}")
     if choice not in IMPLEMENTATIONS:
         raise ValueError(f"--ragged-attention {choice!r} is unknown; choose one of "
                          f"{['auto', *IMPLEMENTATIONS]}")

@@ -41,9 +41,13 @@ class QuantTier:
     v_scale: torch.Tensor
     v_zero: torch.Tensor | None
 
+    def fields(self) -> tuple[torch.Tensor | None, ...]:
+        """The six tensors in declaration order (k_codes, k_scale, k_zero, v_codes, v_scale,
+        v_zero), None where the format stores no zero points."""
+        return (self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero)
+
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale,
-                            self.v_zero) if t is not None]
+        return [t for t in self.fields() if t is not None]
 
 
 def empty_tier(fmt: LowPrecision, pages: int, tokens: int, heads: int, head_dim: int,

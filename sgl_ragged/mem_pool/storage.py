@@ -389,8 +389,8 @@ class RaggedStorage:
         and the raw quantized high tier where there is one."""
 
         def take(tier: QuantTier | None) -> QuantTier | None:
-            return None if tier is None else QuantTier(*(None if t is None else _take(t, pages) for t in (
-                tier.k_codes, tier.k_scale, tier.k_zero, tier.v_codes, tier.v_scale, tier.v_zero)))
+            return None if tier is None else QuantTier(
+                *(None if t is None else _take(t, pages) for t in tier.fields()))
 
         return PageTiers(_take(self.rows_k[layer][group], pages), _take(self.rows_v[layer][group], pages),
                          take(self.low_rows[layer][group]), take(self.high_rows[layer][group]))
