@@ -17,9 +17,9 @@ from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.tiers import compose
 from sgl_ragged.precision import LOW_PRECISIONS
 from sgl_ragged.profile import BudgetProfile, ProfileTiers, uniform_profile
-from tests.e2e.conftest import COMMON, _start, get, post
+from tests.e2e.conftest import COMMON, _start, get
 from tests.e2e.test_bad_inputs import _launch_error
-from tests.e2e.test_serving import FACTS
+from tests.e2e.test_precision import assert_second_turn_reads_sealed_pages
 
 pytestmark = pytest.mark.e2e
 
@@ -80,13 +80,4 @@ def test_capacity_is_what_the_mixed_layout_predicts(mixed_server, profile_path):
 
 
 def test_multi_turn_reads_mixed_format_history(mixed_server):
-    question = FACTS + "\nQuestion: what is the code of item 3? Answer:"
-    first = post(mixed_server.base_url, "/generate", {
-        "text": question, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
-    second = post(mixed_server.base_url, "/generate", {
-        "text": question + first["text"] + "\nQuestion: and of item 5? Answer:",
-        "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
-    assert second["meta_info"]["cached_tokens"] >= 256  # whole sealed pages came back
-    metrics = get(mixed_server.base_url, "/metrics").replace(":", "_")
-    sealed = re.search(r"^sglang_ragged_pages_sealed_total(?:\{[^}]*\})? (\S+)$", metrics, re.MULTILINE)
-    assert sealed and float(sealed.group(1)) >= 4
+    assert_second_turn_reads_sealed_pages(mixed_server.base_url)

@@ -54,19 +54,24 @@ def test_capacity_is_what_the_tiered_layout_predicts(tiered_server):
     assert f"retention {layout.retention:.3f}; {layout.describe_tiers()}" in log
 
 
-def test_multi_turn_reads_quantized_history(tiered_server):
-    """Turn 2 re-uses turn 1's sealed (quantized) pages through the radix cache (answer
-    quality at each precision is bench.accuracy's: docs/results.md)."""
+def assert_second_turn_reads_sealed_pages(base_url: str) -> None:
+    """Turn 2 re-uses turn 1's sealed pages through the radix cache, and pages were sealed."""
     question = FACTS + "\nQuestion: what is the code of item 3? Answer:"
-    first = post(tiered_server.base_url, "/generate", {
+    first = post(base_url, "/generate", {
         "text": question, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
-    second = post(tiered_server.base_url, "/generate", {
+    second = post(base_url, "/generate", {
         "text": question + first["text"] + "\nQuestion: and of item 5? Answer:",
         "sampling_params": {"max_new_tokens": 8, "temperature": 0}})
     assert second["meta_info"]["cached_tokens"] >= 256  # whole sealed pages came back
-    metrics = get(tiered_server.base_url, "/metrics").replace(":", "_")
+    metrics = get(base_url, "/metrics").replace(":", "_")
     sealed = re.search(r"^sglang_ragged_pages_sealed_total(?:\{[^}]*\})? (\S+)$", metrics, re.MULTILINE)
     assert sealed and float(sealed.group(1)) >= 4
+
+
+def test_multi_turn_reads_quantized_history(tiered_server):
+    """Turn 2 re-uses turn 1's sealed (quantized) pages through the radix cache (answer
+    quality at each precision is bench.accuracy's: docs/results.md)."""
+    assert_second_turn_reads_sealed_pages(tiered_server.base_url)
 
 
 @pytest.fixture(scope="module")
