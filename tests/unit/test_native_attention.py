@@ -259,6 +259,21 @@ def test_matches_reference_bfloat16(precision, decode):
     torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("precision", ["bf16", "int4"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_chunks_on_serving_pages(precision, head_dim):
+    """Pages of 64 tokens (the server's), prefill chunks of up to three pages: a causal row's
+    key limit ends inside or before a 16-lane vector of its page's logits (masks for rows
+    whose limit lies behind the vector; 16-token pages never reach that case)."""
+    shape = Shape(page_size=64, head_dim=head_dim, kv_heads=4, gqa=3)
+    specs = random_specs(random.Random(17), 3, False, page=64, max_sealed=3)
+    specs.append(Spec(sealed=2, staged=0, q_len=192, seal=2))
+    for dtype in (torch.float32, torch.bfloat16):
+        _, _, plans, outs = twin_forward(specs, False, 18, shape, dtype, precision)
+        rows = rows_of(plans)
+        torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **TOL[dtype])
+
+
 @pytest.mark.parametrize("precision", ["bf16", "int4", "fp8"])
 def test_log_sum_exp_of_every_query(precision):
     """The kernel's lse [N, H_q] (which sealing reads for the window) for every owned row."""
