@@ -32,7 +32,7 @@ import torch
 from sgl_ragged.calibrate.knapsack import allocate
 from sgl_ragged.mem_pool.tiers import RowTiers, compose, tier_bytes
 from sgl_ragged.precision import LOW_PRECISIONS, MIXED_PRECISION, LowPrecision
-from sgl_ragged.profile import BudgetProfile, ProfileTiers
+from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileTiers
 from sgl_ragged.scoring import SINK_TOKENS
 from sgl_ragged.stats import mean_se
 
@@ -157,7 +157,7 @@ def search_precisions(profile: BudgetProfile, cfg: PrecisionSearchConfig, progre
     kls = validate(loss, profile.groups, candidates, held_out, progress)
     rows = _rows(profile, cfg, head_dim, candidates, kls, budget)
     best = min(rows, key=lambda r: r["kl"])["name"]
-    return with_formats(profile, candidates[best], cfg, best, rows, alloc.error), rows
+    return with_formats(profile, candidates[best], cfg, best, rows, alloc.error, runner.shape), rows
 
 
 def sensitivity(runner: Any, scorer: Any, chunking: Any, groups: Any,
@@ -284,9 +284,11 @@ def _rows(profile: BudgetProfile, cfg: PrecisionSearchConfig, head_dim: int,
 
 
 def with_formats(profile: BudgetProfile, choice: Choice, cfg: PrecisionSearchConfig,
-                 chosen: str, rows: list[dict[str, Any]], proxy_error: float) -> BudgetProfile:
+                 chosen: str, rows: list[dict[str, Any]], proxy_error: float,
+                 model: ModelShape) -> BudgetProfile:
     """The profile carrying these [L][G] options as per-head shares and formats (a group
-    without a low tier records the commonest format; no reader uses it), the search in stats."""
+    without a low tier records the commonest format; no reader uses it), the search in stats,
+    and the model it was searched on (as `tier_search.with_tiers`)."""
     h = profile.num_kv_heads
     used = [o.fmt.name for layer in choice for o in layer if o.fmt is not None]
     default = max(used, key=used.count) if used else cfg.formats[0]
@@ -304,4 +306,5 @@ def with_formats(profile: BudgetProfile, choice: Choice, cfg: PrecisionSearchCon
                             "sens_seed": cfg.sens_seed, "page_size": cfg.page_size,
                             "chunk_size": cfg.chunk_size, "dtype_bytes": cfg.dtype_bytes,
                             "knapsack_proxy_error": proxy_error, "candidates": rows}
-    return replace(profile, tiers=ProfileTiers(MIXED_PRECISION, hi, lo, formats), stats=stats)
+    return replace(profile, model=profile.model or model,
+                   tiers=ProfileTiers(MIXED_PRECISION, hi, lo, formats), stats=stats)

@@ -20,7 +20,7 @@ from typing import Any
 
 from sgl_ragged.mem_pool.tiers import RowTiers, compose
 from sgl_ragged.precision import LowPrecision, low_precision
-from sgl_ragged.profile import BudgetProfile, ProfileTiers
+from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileTiers
 from sgl_ragged.scoring import SINK_TOKENS
 from sgl_ragged.stats import mean_se
 
@@ -132,12 +132,14 @@ def search_tiers(profile: BudgetProfile, cfg: TierSearchConfig, progress: bool =
         rows.append({"name": name, "bytes": layout.retention, "kl": kl.mean,
                      "kl_se": kl.se if kl.n > 1 else 0.0})  # one sample: no spread, 0 in the file
     best = min(rows, key=lambda r: r["kl"])["name"]
-    return with_tiers(profile, candidates[best], cfg, best, rows), rows
+    return with_tiers(profile, candidates[best], cfg, best, rows, runner.shape), rows
 
 
 def with_tiers(profile: BudgetProfile, tiers: Tiers, cfg: TierSearchConfig, chosen: str,
-               rows: list[dict[str, Any]]) -> BudgetProfile:
-    """The profile carrying these [L][G] tiers as per-head shares, the search table in stats."""
+               rows: list[dict[str, Any]], model: ModelShape) -> BudgetProfile:
+    """The profile carrying these [L][G] tiers as per-head shares, the search table in stats,
+    and the model they were searched on (slots and bytes follow its head_dim: a profile of a
+    source that named no model, e.g. `uniform:0.3`, names it from here on)."""
     h = profile.num_kv_heads
     hi = [[0.0] * h for _ in range(profile.num_layers)]
     lo = [[0.0] * h for _ in range(profile.num_layers)]
@@ -149,5 +151,6 @@ def with_tiers(profile: BudgetProfile, tiers: Tiers, cfg: TierSearchConfig, chos
     stats["tier_search"] = {"precision": cfg.precision, "chosen": chosen, "samples": cfg.samples,
                             "seed": cfg.seed, "page_size": cfg.page_size, "chunk_size": cfg.chunk_size,
                             "dtype_bytes": cfg.dtype_bytes, "candidates": rows}
-    return replace(profile, tiers=ProfileTiers(cfg.precision, hi, lo), stats=stats)
+    return replace(profile, model=profile.model or model, tiers=ProfileTiers(cfg.precision, hi, lo),
+                   stats=stats)
 

@@ -311,6 +311,7 @@ def test_mixed_search_cli_writes_a_profile_the_server_layout_reads(tiny_llama: P
     assert rows["rule:int4"]["kl_vs_int4"] == 0.0
     profile = BudgetProfile.load(out)
     shape = model_shape(str(tiny_llama))
+    assert profile.model == shape  # its slots follow this model's head_dim: it names it
     layout = RaggedLayout.from_profile(profile, 16, shape.head_dim, 2, "mixed")
     assert layout.retention == pytest.approx(rows[search["chosen"]]["bytes"])
     assert main(["profile", "show", str(out)]) == 0

@@ -56,6 +56,7 @@ def test_tier_search_cli_writes_a_profile_the_layout_uses(tiny_llama: Path, tmp_
     assert all(r["kl"] > 0 and r["bytes"] <= 0.5 + 1e-9 for r in rows.values())
     profile = BudgetProfile.load(out)
     shape = model_shape(str(model))
+    assert profile.model == shape  # uniform:0.5 names no model; the searched profile does
     layout = RaggedLayout.from_profile(profile, 16, shape.head_dim, 2, "int4")
     want = candidate_tiers(profile, 16, shape.head_dim, 2, LOW_PRECISIONS["int4"], (0.0, 1.0))
     assert layout.tiers == want[search["chosen"]]
