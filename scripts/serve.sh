@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Serve the default model (SmolLM2-135M-Instruct) on CPU with the ragged backend.
 #   PORT=30000 RAGGED_PROFILE=uniform:0.3 ./scripts/serve.sh [extra launch_server args]
-# The default: int4 row tiers at 0.3 of the bytes (every token kept, the best 2 of a page at
-# bf16, the rest in int4: the shipped tier profile, docs/results.md "Precision before
-# dropping"), attended on their codes by the native CPU kernels (--ragged-attention auto).
+# The default: per-head precision at 0.3 of the bytes (each KV head's low tier in int8, int4 or
+# int2 and its share of bf16 slots and dropped tokens as the shipped searched profile says, 51
+# of 64 tokens kept per page on average:
+# docs/results.md "Per-head precision, searched"), attended on their codes by the native CPU
+# kernels (--ragged-attention auto). Uniform int4 rows of the same bytes (the previous default):
+#   RAGGED_PROFILE=calib_profiles/smollm2-135m-instruct/int4-uniform-rho0.3.json \
+#     ./scripts/serve.sh --ragged-precision int4    # later flags win
 # Drop-only rows instead (the calibrated SnapKV profile: fewer tokens, far less accurate):
 #   RAGGED_PROFILE=calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json \
 #     ./scripts/serve.sh --ragged-precision bf16    # later flags win
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
-DEFAULT_PROFILE="$RAGGED_ROOT/calib_profiles/smollm2-135m-instruct/int4-uniform-rho0.3.json"
+DEFAULT_PROFILE="$RAGGED_ROOT/calib_profiles/smollm2-135m-instruct/mixed-uniform-rho0.3.json"
 RAGGED_MODEL="$(python -m sgl_ragged.models.smollm2)"
 export RAGGED_MODEL
 exec python -m sglang.launch_server \
@@ -18,7 +22,7 @@ exec python -m sglang.launch_server \
   --sleep-on-idle \
   --attention-backend ragged \
   --ragged-profile "${RAGGED_PROFILE:-$DEFAULT_PROFILE}" \
-  --ragged-precision int4 \
+  --ragged-precision mixed \
   --host 127.0.0.1 \
   --port "${PORT:-30000}" \
   "$@"

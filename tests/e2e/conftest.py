@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
-from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, ensure_smollm2
+from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE, ensure_smollm2
 from sgl_ragged.testing.server import ServerProcess
+
+REPO = Path(__file__).resolve().parents[2]
 
 PAGE = 64
 CHUNK = 256
@@ -51,14 +53,14 @@ def _start(request: pytest.FixtureRequest, args: list[str], name: str,
 
 @pytest.fixture(scope="session")
 def ragged_server(request: pytest.FixtureRequest, model_path: str) -> ServerProcess:
-    """The ragged backend as the README serves it: int4 row tiers at 0.3 of the bytes (every
-    token kept: 2 bf16 + 62 int4 per page; smollm2.DEFAULT_PRECISION), on the CPU default path
-    (the native kernels for decode), with a small pool so that memory pressure (eviction,
-    retraction) is reachable by a test: admission reserves only 0.21 (0.7 x 0.3) of a request's
-    max_new_tokens, so requests that decode their whole budget run the pool out and decode
-    retracts. The shared server of the serving, guard, fuzz, soak and example tests."""
+    """The ragged backend as the README serves it: per-head precision at 0.3 of the bytes (each
+    KV head's low tier in int8, int4 or int2: smollm2.DEFAULT_PROFILE and DEFAULT_PRECISION), on the CPU default path (the native kernels for decode), with a small
+    pool so that memory pressure (eviction, retraction) is reachable by a test: admission
+    reserves only 0.21 (0.7 x 0.3) of a request's max_new_tokens, so requests that decode their
+    whole budget run the pool out and decode retracts. The shared server of the serving, guard,
+    fuzz, soak and example tests."""
     return _start(request, ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
-                            "--ragged-profile", "uniform:0.3",
+                            "--ragged-profile", str(REPO / DEFAULT_PROFILE),
                             "--ragged-precision", DEFAULT_PRECISION, "--max-total-tokens", "4096",
                             "--max-running-requests", "8", "--schedule-conservativeness", "0.3",
                             "--enable-metrics"], "ragged")

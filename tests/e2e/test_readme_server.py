@@ -1,5 +1,5 @@
 """A server as README.md and scripts/serve.sh start it (the default profile and precision:
-int4 row tiers at 0.3 of the bytes; the model's own sampling defaults), exposed with --api-key: the README's question, asked without a
+per-head precision at 0.3 of the bytes; the model's own sampling defaults), exposed with --api-key: the README's question, asked without a
 temperature, is answered, and requests without the key are refused."""
 
 from __future__ import annotations
