@@ -164,8 +164,20 @@ class BudgetProfile:
         return budget_math.split_map(self.budgets, self.groups, num_ctas)
 
     def regrouped(self, heads_per_group: int, clustered: bool = True) -> BudgetProfile:
-        """The same budgets in groups of ``heads_per_group`` heads (clustered or adjacent)."""
+        """The same budgets in groups of ``heads_per_group`` heads (clustered or adjacent).
+
+        A profile carrying row tiers is searched for its own groups (each group's composition,
+        and with per-head precision each head's format): regrouping would lose them, so it is
+        refused unless the grouping stays the same."""
         check_heads_per_group(self.num_kv_heads, heads_per_group)
+        if self.tiers is not None:
+            if heads_per_group == self.heads_per_group:
+                return self
+            raise ProfileError(
+                f"this profile carries row tiers searched for head groups of {self.heads_per_group} "
+                f"(tiers {self.tiers.precision!r}), and regrouping to {heads_per_group} heads per "
+                "group would lose them: leave --ragged-heads-per-group unset, or search tiers for "
+                f"that grouping (`sgl-ragged profile tiers ... --heads-per-group {heads_per_group}`)")
         if clustered:
             groups = tuple(
                 budget_math.cluster_heads(layer, heads_per_group) for layer in self.budgets

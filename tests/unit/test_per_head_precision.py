@@ -343,3 +343,21 @@ def test_shipped_mixed_profiles_serve_at_their_bytes(path):
     chosen = next(c for c in search["candidates"] if c["name"] == search["chosen"])
     assert layout.retention == pytest.approx(chosen["bytes"])
     assert layout.row_bytes_per_page <= drop_only.row_bytes_per_page
+
+
+
+def test_a_tier_profile_refuses_another_grouping(tmp_path: Path):
+    """--ragged-heads-per-group on a profile with searched tiers (profile/spec.py, the server's
+    path): the same grouping keeps it, another is refused by name (regrouping would silently
+    drop its compositions and formats)."""
+    from sgl_ragged.profile import ModelShape, ProfileError, resolve_profile
+
+    path = tmp_path / "mixed.json"
+    mixed_profile().save(path)  # groups of 2
+    shape = ModelShape("LlamaForCausalLM", num_layers=2, num_kv_heads=4, head_dim=16)
+    assert resolve_profile(str(path), shape, 2) == BudgetProfile.load(path)
+    for hpg in (1, 4):
+        with pytest.raises(ProfileError, match=rf"row tiers searched for head groups of 2 .* "
+                                               rf"regrouping to {hpg} heads per group .* "
+                                               rf"--heads-per-group {hpg}"):
+            resolve_profile(str(path), shape, hpg)
