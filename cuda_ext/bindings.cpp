@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "quantize.h"
 #include "ragged_attention.h"
 
 namespace ragged {
@@ -313,4 +314,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Native CPU ragged attention (cuda_ext/ragged_attention.h)";
   m.def("attend", &ragged::attend, "One layer's ragged attention for the whole batch");
   m.def("isa", &ragged::isa_name, "The ISA variant in use (RAGGED_NATIVE_ISA forces a lower one)");
+  m.def("quantize_low", &ragged::quantize_low,
+        "Pages' low-tier codes and parameters (mem_pool/quant.py _quantize, bit for bit)");
 }

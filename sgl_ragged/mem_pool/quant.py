@@ -17,11 +17,19 @@ scale + zero, with scale and zero rounded to float16 before coding (so x' is wha
 the stored row computes). `fp8` is symmetric: code = float8_e4m3fn(x / scale), scale = amax /
 448. Codes of b < 8 bits are packed planar: byte i of a token holds channels i, i + D*b/8, ...
 at bit offsets 0, b, 2b, ..., so unpacking is a few shifts and one concatenation.
+
+On the CPU, where the native kernels are built (sgl_ragged/native), `quantize` runs their
+`quantize_low` (cuda_ext/quantize.cpp): the same bits in one call per tensor instead of about 15
+small torch ops (sealing a prefill chunk quantizes every group of every layer).
+tests/unit/test_quant.py holds the two to equal bits.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -72,8 +80,9 @@ def quantize(fmt: LowPrecision, k: torch.Tensor, v: torch.Tensor) -> QuantTier:
     """Quantize pages' low tiers: k, v [N, T, H, D] (T tokens of each page) -> QuantTier.
 
     Keys per channel over the T tokens of each (page, head); values per (token, head)."""
-    k_codes, k_scale, k_zero = _quantize(fmt, k.float(), dim=1)
-    v_codes, v_scale, v_zero = _quantize(fmt, v.float(), dim=3)
+    quantize_one = _quantizer(k.device)
+    k_codes, k_scale, k_zero = quantize_one(fmt, k.float(), dim=1)
+    v_codes, v_scale, v_zero = quantize_one(fmt, v.float(), dim=3)
     return QuantTier(k_codes, k_scale.squeeze(1), None if k_zero is None else k_zero.squeeze(1),
                      v_codes, v_scale.squeeze(3), None if v_zero is None else v_zero.squeeze(3))
 
@@ -88,6 +97,36 @@ def dequantize(fmt: LowPrecision, tier: QuantTier, dtype: torch.dtype
 
 def _unsqueeze(x: torch.Tensor | None, dim: int) -> torch.Tensor | None:
     return None if x is None else x.unsqueeze(dim)
+
+
+Quantizer = Callable[[LowPrecision, torch.Tensor, int],
+                     tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+
+def _quantizer(device: torch.device) -> Quantizer:
+    """The native kernels' quantizer on the CPU where they are built, else torch's."""
+    module = _native_module() if device.type == "cpu" else None
+    return _quantize if module is None else functools.partial(_native_quantize, module)
+
+
+@functools.cache
+def _native_module() -> ModuleType | None:
+    """The built native kernels, or None (not built: never builds them from here)."""
+    from sgl_ragged import native
+
+    if not native.is_built():
+        return None
+    try:
+        return native.load()
+    except native.NativeUnavailableError:
+        return None
+
+
+def _native_quantize(module: ModuleType, fmt: LowPrecision, x: torch.Tensor, dim: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`_quantize` (x float32 [N, T, H, D], dim 1 or 3) by cuda_ext/quantize.cpp."""
+    codes, scale, zero = module.quantize_low(x.contiguous(), fmt.bits, fmt.is_float, dim == 1)
+    return codes, scale.unsqueeze(dim), None if fmt.is_float else zero.unsqueeze(dim)
 
 
 def _quantize(fmt: LowPrecision, x: torch.Tensor, dim: int

@@ -11,7 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sgl_ragged import native
 from sgl_ragged.config import RaggedConfig
+from sgl_ragged.mem_pool import quant
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.quant import (
     FP8_MAX,
@@ -87,6 +89,51 @@ def test_constant_groups_dequantize_exactly():
         v = torch.full((1, 4, 1, 8), -1.5)
         got_k, got_v = dequantize(fmt, quantize(fmt, k, v), torch.float32)
         assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def _hard_inputs(gen: torch.Generator, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """Random pages, and the cases rounding decides: constant groups (scale 0), values on
+    exact half steps, magnitudes that overflow float16 parameters or fp8 codes, -0.0."""
+    x = torch.randn(shape, generator=gen)
+    steps = torch.randint(0, 16, shape, generator=gen).float() * 0.5 - 3.0  # half-integers
+    flat = x.clone()
+    flat[:, :, :1] = 1.25  # a constant head: scale 0 for keys and values alike
+    wide = x * 1e4  # float16 scale/zero overflow to inf at 65504
+    tiny = x * 1e-6  # float16 subnormal scales
+    signs = torch.where(x > 0, 0.0, -0.0)
+    return [x, steps, flat, wide, tiny, signs, x.bfloat16().float()]
+
+
+@pytest.mark.parametrize("name", sorted(LOW_PRECISIONS))
+@pytest.mark.parametrize("dim", [1, 3], ids=["keys", "values"])
+def test_native_quantizer_equals_torch_bit_for_bit(name, dim):
+    """cuda_ext/quantize.cpp's quantize_low (what `quantize` runs on the CPU where the native
+    kernels are built: always on the test machine) against the torch `_quantize`: the same
+    codes, scales and zero points, bit for bit, on fresh random pages and the hard cases."""
+    module = native.load()
+    assert quant._quantizer(torch.device("cpu")).func is quant._native_quantize
+    fmt = LOW_PRECISIONS[name]
+    gen = torch.Generator().manual_seed(40 + dim)
+    for shape in [(3, 7, 2, 64), (1, 62, 3, 128), (2, 1, 1, 16)]:
+        for x in _hard_inputs(gen, shape):
+            got = quant._native_quantize(module, fmt, x, dim)
+            want = quant._quantize(fmt, x, dim)
+            for g, w in zip(got, want, strict=True):
+                if w is None:
+                    assert g is None
+                    continue
+                assert g.shape == w.shape and g.dtype == w.dtype
+                # Codes bit for bit; parameters by value (a group of +0.0 and -0.0 may take
+                # either as its minimum: torch's reduction order decides, and both decode alike).
+                assert torch.equal(g, w), (name, dim, shape)
+
+
+def test_native_quantizer_refuses_bad_input():
+    module = native.load()
+    with pytest.raises(RuntimeError, match=r"contiguous float32 CPU tensor \[N, T, H, D\]"):
+        module.quantize_low(torch.zeros(2, 3, 4, dtype=torch.bfloat16), 4, False, True)
+    with pytest.raises(RuntimeError, match="bits must be 2, 4 or 8"):
+        module.quantize_low(torch.zeros(1, 2, 1, 16), 3, False, True)
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
