@@ -2,7 +2,8 @@
 //
 // attend(...) checks every tensor (dtype, shape, contiguity) with a message naming it, builds
 // the work items, runs them on torch's intra-op pool (at::parallel_for) with the ISA variant
-// chosen once (best the CPU supports, or lower via RAGGED_NATIVE_ISA=avx512|avx2|scalar), and
+// chosen once (best the CPU supports, or lower via RAGGED_NATIVE_ISA=amx|avx512|avx2|scalar;
+// amx: avx512 with bfloat16 prefill chunks on AMX tiles), and
 // merges each query block's key splits by log-sum-exp into out [N, H_q, D] (q's dtype) and
 // lse [N, H_q] float32. Rows of q no request owns are left as allocated. A forward of fewer
 // than serial_pairs (query row, key) pairs runs on the calling thread, unsplit.
@@ -32,8 +33,10 @@ Isa pick_isa() {
   std::vector<Isa> usable;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni"))
+      __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni")) {
+    if (amx::usable()) usable.push_back({"amx", &amx::run_items});  // avx512 + AMX extend
     usable.push_back({"avx512", &avx512::run_items});
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
     usable.push_back({"avx2", &avx2::run_items});
   usable.push_back({"scalar", &scalar::run_items});

@@ -99,12 +99,21 @@ inline int64_t padded_page(const Params& p) {
   return (p.page_size + kKeyTile - 1) / kKeyTile * kKeyTile;
 }
 
+// Floats of the AMX extend path's bfloat16 tiles (isa_amx.cpp; 2 per float, 64-byte aligned
+// starts): queries [R, 2D], probabilities [R, Pp], a unit's keys as rows and packed for the
+// tiles [Pp, 2D] each (2D: a dequantized key's bfloat16 high and low parts), its values as
+// rows and packed [Pp, D] each.
+inline int64_t amx_workspace_floats(const Params& p) {
+  const int64_t R = p.q_block * p.group_size, D = p.head_dim, Pp = padded_page(p);
+  return (2 * R * D + R * Pp + 6 * Pp * D) / 2 + 6 * 16 + 16;
+}
+
 // Floats of per-thread workspace one item needs (scaled queries, logits, a unit's keys
 // transposed and values converted, per-page parameters, softmax state, AVX-512 partial dots).
 inline int64_t workspace_floats(const Params& p) {
   const int64_t R = p.q_block * p.group_size, D = p.head_dim, Pp = padded_page(p);
   return 2 * R * D + R * Pp + 2 * Pp * D + 2 * (D > Pp ? D : Pp) + 4 * R +
-         R * kKeyTile * kKeyTile + D;
+         R * kKeyTile * kKeyTile + D + amx_workspace_floats(p);
 }
 
 // Runs items [begin, end): partial outputs o_part [., R, D] (normalized) and lse_part [., R]
@@ -115,6 +124,10 @@ using RunItems = void (*)(const Params&, const Item*, int64_t begin, int64_t end
 
 namespace avx512 { void run_items(const Params&, const Item*, int64_t, int64_t, float*, float*, float*, bool); }
 namespace avx2 { void run_items(const Params&, const Item*, int64_t, int64_t, float*, float*, float*, bool); }
+namespace amx {
+void run_items(const Params&, const Item*, int64_t, int64_t, float*, float*, float*, bool);
+bool usable();  // cpublas multiplies bfloat16 on AMX here (oneDNN ukernels)
+}
 namespace scalar { void run_items(const Params&, const Item*, int64_t, int64_t, float*, float*, float*, bool); }
 
 }  // namespace ragged
