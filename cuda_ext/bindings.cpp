@@ -253,6 +253,10 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
   p.requests = reinterpret_cast<const Request*>(requests.data_ptr<int64_t>());
   p.sealed_off = sealed_off.data_ptr<int64_t>();
   p.sealed_pages = sealed_pages.data_ptr<int64_t>();
+  // The amx variant runs bfloat16 prefill chunks in blocks of up to kAmxRows rows (a page's
+  // dequantized, packed keys and values serve every row of a block).
+  for (int64_t b = 0; b < B && dtype == at::kBFloat16 && isa().name == "amx"; ++b)
+    if (p.requests[b].q_len > 1) p.q_block = std::max<int64_t>(1, kAmxRows / p.group_size);
 
   // Work items: (request, KV head, query block) blocks, each split over its key units.
   int64_t n_blocks = 0;

@@ -92,6 +92,10 @@ struct Item {
   int64_t out;           // index of the item's partial output (rows of o_part / lse_part)
 };
 
+// Rows per item of a forward with bfloat16 prefill chunks on the amx variant (at most 256:
+// run_item's per-row limits).
+constexpr int64_t kAmxRows = 256;
+
 // Keys are attended in tiles of kKeyTile (one 16-float vector per query row and channel).
 constexpr int64_t kKeyTile = 16;
 
