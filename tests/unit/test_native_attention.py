@@ -489,11 +489,25 @@ def test_default_routes_prefill_chunks_to_batched(decode, monkeypatch):
             calls.append(1)
             return attend(*args)
 
+        def isa(self):
+            return native.load().isa()
+
     rng = random.Random(17)
     specs = random_specs(rng, 4, decode)
     compare_with_reference(lambda st: NativeAttention(st, module=Spy()), specs, decode, 17,
                            "cpu", layer=1)
     assert bool(calls) == decode
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_chunks_on_amx_tiles_stay_native(dtype):
+    """bfloat16 storages on the amx variant keep their prefill chunks native (the tiles beat
+    batched torch); float32 ones, and any storage on a lower variant, send them to batched."""
+    st = random_storage(random.Random(0), "cpu", dtype=dtype, precision="int4")
+    on_tiles = dtype == torch.bfloat16 and native.load().isa() == "amx"
+    assert on_tiles == (cpu_has_amx() and dtype == torch.bfloat16)
+    assert (NativeAttention(st).batched is None) == on_tiles
+    assert NativeAttention(st, extend_on_batched=False).batched is None
 
 
 def test_high_tier_prefill_chunks_stay_native_while_batched_cannot_read_them():
