@@ -1,8 +1,10 @@
 // Native CPU ragged attention: one layer, the whole batch, in one call.
 //
 // Torch-free: this header is included by every ISA variant (isa_*.cpp compile the same kernel
-// body, attention_body.inc, for AVX-512, AVX2+FMA and plain x86-64) and by bindings.cpp, which
-// checks the tensors, fills `Params` and runs the work items on torch's OpenMP pool.
+// body, attention_body.inc, for AVX-512, AVX2+FMA and plain x86-64, and for AVX-512 with
+// bfloat16 prefill chunks on AMX tiles: isa_amx.cpp, which alone includes torch's cpublas) and by
+// bindings.cpp, which checks the tensors, fills `Params` and runs the work items on torch's
+// OpenMP pool.
 //
 // Inputs (all contiguous; T = the storage dtype, float32 or bfloat16; indices int64):
 //
@@ -36,6 +38,8 @@
 // units for all G = H_q / H query heads of h at once (every key and code read once per block)
 // and writes its partial output normalized, with its log-sum-exp; bindings.cpp merges the
 // splits of a block (out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s).
+// Blocks hold 32 / G query positions, or kAmxRows / G on the amx variant when a bfloat16
+// forward has a prefill chunk (its pages' dequantized, packed tiles serve more rows).
 #pragma once
 
 #include <cstdint>
