@@ -100,6 +100,14 @@ struct Item {
 // run_item's per-row limits).
 constexpr int64_t kAmxRows = 256;
 
+// Keys per unit of the amx variant's sealed pages (several pages' hi slots, or several pages'
+// dequantized tiers: fewer softmax passes per row), at least a padded page (a tail page).
+constexpr int64_t kAmxKeys = 256;
+inline int64_t amx_keys(const Params& p) {
+  const int64_t Pp = (p.page_size + 15) / 16 * 16;
+  return Pp > kAmxKeys ? Pp : kAmxKeys;
+}
+
 // Keys are attended in tiles of kKeyTile (one 16-float vector per query row and channel).
 constexpr int64_t kKeyTile = 16;
 
@@ -107,13 +115,13 @@ inline int64_t padded_page(const Params& p) {
   return (p.page_size + kKeyTile - 1) / kKeyTile * kKeyTile;
 }
 
-// Floats of the AMX extend path's bfloat16 tiles (isa_amx.cpp; 2 per float, 64-byte aligned
-// starts): queries [R, 2D], probabilities [R, Pp], a unit's keys as rows and packed for the
-// tiles [Pp, 2D] each (2D: a dequantized key's bfloat16 high and low parts), its values as
-// rows and packed [Pp, D] each.
+// Floats of the AMX extend path's tiles (isa_amx.cpp; 64-byte aligned starts): logits
+// [R, U] float32 (U = amx_keys), then bfloat16 (2 per float): queries [R, 2D], probabilities
+// [R, U], a unit's keys as rows and packed for the tiles [U, 2D] each (2D: a dequantized key's
+// bfloat16 high and low parts), its values as rows and packed [U, D] each.
 inline int64_t amx_workspace_floats(const Params& p) {
-  const int64_t R = p.q_block * p.group_size, D = p.head_dim, Pp = padded_page(p);
-  return (2 * R * D + R * Pp + 6 * Pp * D) / 2 + 6 * 16 + 16;
+  const int64_t R = p.q_block * p.group_size, D = p.head_dim, U = amx_keys(p);
+  return R * U + (2 * R * D + R * U + 6 * U * D) / 2 + 7 * 16 + 16;
 }
 
 // Floats of per-thread workspace one item needs (scaled queries, logits, a unit's keys
