@@ -254,9 +254,15 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
   p.sealed_off = sealed_off.data_ptr<int64_t>();
   p.sealed_pages = sealed_pages.data_ptr<int64_t>();
   // The amx variant runs bfloat16 prefill chunks in blocks of up to kAmxRows rows (a page's
-  // dequantized, packed keys and values serve every row of a block).
-  for (int64_t b = 0; b < B && dtype == at::kBFloat16 && isa().name == "amx"; ++b)
-    if (p.requests[b].q_len > 1) p.q_block = std::max<int64_t>(1, kAmxRows / p.group_size);
+  // dequantized, packed keys and values serve every row of a block), the longest chunk cut
+  // into equal blocks.
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, p.requests[b].q_len);
+  if (longest > 1 && dtype == at::kBFloat16 && isa().name == "amx") {
+    const int64_t most = std::max<int64_t>(1, kAmxRows / p.group_size);
+    const int64_t blocks = (longest + most - 1) / most;
+    p.q_block = (longest + blocks - 1) / blocks;
+  }
 
   // Work items: (request, KV head, query block) blocks, each split over its key units.
   int64_t n_blocks = 0;
