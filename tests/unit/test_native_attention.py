@@ -331,6 +331,32 @@ def test_prefill_chunks_on_amx_tiles(precision, head_dim, gqa):
     torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, False))
 
 
+@pytest.mark.parametrize("precision", ["bf16", "int4", "int2"])
+@pytest.mark.parametrize("head_dim", [16, 48])
+def test_amx_tiles_at_head_dims_below_a_tile_row(precision, head_dim):
+    """head_dim 16 and 48: a key's channel pairs fill part of a 16-word transpose block
+    (pack_keys' masked loads), int4/int2 codes not whole 16-byte runs (decode_codes)."""
+    shape = Shape(page_size=64, head_dim=head_dim, kv_heads=2, gqa=3)
+    specs = [Spec(sealed=3, staged=5, q_len=100, seal=1), Spec(sealed=1, staged=0, q_len=7)]
+    _, _, plans, outs, bound = twin_forward(specs, False, 23, shape, torch.bfloat16, precision)
+    rows = rows_of(plans)
+    torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, False))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4", "fp8+int2"])
+def test_poisoned_padding_stays_off_the_tiles(precision):
+    """NaN everywhere the batch does not own (test_poisoned_padding_does_not_leak) with bfloat16
+    prefill chunks on 64-token pages: key columns and value rows past what a row sees are
+    zeros on the tiles (a NaN times a zero probability would be NaN)."""
+    shape = Shape(page_size=64, head_dim=64, kv_heads=2, gqa=3)
+    specs = [Spec(sealed=2, staged=10, q_len=90, seal=1), Spec(sealed=3, staged=0, q_len=40)]
+    _, _, plans, outs, bound = twin_forward(specs, False, 29, shape, torch.bfloat16, precision,
+                                            gap=2, poison=True)
+    rows = rows_of(plans)
+    assert torch.isfinite(outs[0][rows]).all()
+    torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, False))
+
+
 @pytest.mark.parametrize("precision", ["bf16", "int4", "int8+int4"])
 def test_log_sum_exp_on_amx_tiles(precision):
     """The log-sum-exp sealing reads, of bfloat16 prefill chunks on 64-token pages (the AMX
