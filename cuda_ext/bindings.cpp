@@ -2,7 +2,8 @@
 //
 // attend(...) checks every tensor (dtype, shape, contiguity) with a message naming it, builds
 // the work items, runs them on torch's intra-op pool (at::parallel_for) with the ISA variant
-// chosen once (best the CPU supports, or lower via RAGGED_NATIVE_ISA=avx512|avx2|scalar), and
+// chosen once (best the CPU supports, or lower via RAGGED_NATIVE_ISA=amx|avx512|avx2|scalar;
+// amx: avx512 with bfloat16 prefill chunks on AMX tiles), and
 // merges each query block's key splits by log-sum-exp into out [N, H_q, D] (q's dtype) and
 // lse [N, H_q] float32. Rows of q no request owns are left as allocated. A forward of fewer
 // than serial_pairs (query row, key) pairs runs on the calling thread, unsplit.
@@ -33,8 +34,10 @@ Isa pick_isa() {
   std::vector<Isa> usable;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni"))
+      __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni")) {
+    if (amx::usable()) usable.push_back({"amx", &amx::run_items});  // avx512 + AMX extend
     usable.push_back({"avx512", &avx512::run_items});
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
     usable.push_back({"avx2", &avx2::run_items});
   usable.push_back({"scalar", &scalar::run_items});
@@ -251,6 +254,16 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
   p.requests = reinterpret_cast<const Request*>(requests.data_ptr<int64_t>());
   p.sealed_off = sealed_off.data_ptr<int64_t>();
   p.sealed_pages = sealed_pages.data_ptr<int64_t>();
+  // The amx variant runs bfloat16 prefill chunks in blocks of up to kAmxRows rows (a page's
+  // dequantized, packed keys and values serve every row of a block), the longest chunk cut
+  // into equal blocks.
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, p.requests[b].q_len);
+  if (longest > 1 && dtype == at::kBFloat16 && isa().name == "amx") {
+    const int64_t most = std::max<int64_t>(1, kAmxRows / p.group_size);
+    const int64_t blocks = (longest + most - 1) / most;
+    p.q_block = (longest + blocks - 1) / blocks;
+  }
 
   // Work items: (request, KV head, query block) blocks, each split over its key units.
   int64_t n_blocks = 0;

@@ -1,6 +1,7 @@
 """Native CPU attention: the C++ kernels of cuda_ext/ (built by sgl_ragged/native), one call
 per layer for the whole batch, then the batched torch staging and sealing (`store_tails`).
-Forwards with prefill chunks go to the batched torch path unless EXTEND_ON_BATCHED is off.
+Forwards with prefill chunks go to the batched torch path (EXTEND_ON_BATCHED) unless the kernels
+run them on AMX tiles (`extends_on_tiles`: bfloat16 storages on an AMX CPU).
 
 The kernels attend on the rows as stored: hi slots at the storage dtype (or, with
 --ragged-precision H+L, quantized), the low tier on its codes (scales folded into the queries
@@ -35,9 +36,12 @@ from sgl_ragged.precision import LowPrecision
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 EXTEND_ON_BATCHED = True
 """Forwards with a prefill chunk (any request with more than one query) run on the batched
-torch path: its SDPA (oneDNN, AMX on this CPU) beats these kernels' AVX-512 float32 loops on
-long query runs (bench.cpu_attention --native, a 256-token chunk: native 0.37-0.56x of
-batched), while decode forwards run 1.8-5x faster native (docs/results.md). False: every forward native."""
+torch path unless `extends_on_tiles`: its SDPA (oneDNN, AMX on this CPU) beats the kernels'
+AVX-512 float32 loops on long query runs (bench.cpu_attention --native, a 256-token chunk:
+native 0.37-0.56x of batched), while decode forwards run 1.8-5x faster native
+(docs/results.md). On the kernels' amx variant bfloat16 prefill chunks are bfloat16 matrix
+products and beat batched (whole forward x1.1-1.6 at 1K-4K, batch 1 and 4, bf16 and int4 rows;
+shared machine), so they stay native. False: every forward native."""
 SERIAL_TAIL_TOKENS = 2**13
 """Tail pages of at most this many tokens (decode batches, short chunks) are gathered, staged and
 sealed on the calling thread alone: each of their ~30 small ops per layer would otherwise wake
@@ -56,6 +60,12 @@ def native_refuses(storage: RaggedStorage) -> str | None:
     if storage.layout.head_dim % 16:
         return f"needs a head_dim that is a multiple of 16, not {storage.layout.head_dim}"
     return None
+
+
+def extends_on_tiles(storage: RaggedStorage, module: ModuleType) -> bool:
+    """The kernels run this storage's prefill chunks on AMX tiles (bfloat16 rows, the "amx"
+    ISA variant: cpublas's bfloat16 brgemm usable here, RAGGED_NATIVE_ISA not lower)."""
+    return storage.dtype == torch.bfloat16 and module.isa() == "amx"
 
 
 def _group_formats(layout: RaggedLayout, layer: int) -> torch.Tensor:
@@ -82,7 +92,7 @@ class NativeBatch:
     """What `NativeAttention.prepare` builds once per forward (module table)."""
 
     tails: TailBatch | None  # the batch's tail pages (staging and sealing); None: batched
-    batched: BatchedTorchBatch | None  # a forward with prefill chunks (EXTEND_ON_BATCHED)
+    batched: BatchedTorchBatch | None  # a forward with prefill chunks (EXTEND_ON_BATCHED, off tiles)
     requests: torch.Tensor  # [B, 6] int64
     sealed_off: torch.Tensor  # [B + 1] int64
     sealed_pages: torch.Tensor  # [S] int64
@@ -96,7 +106,6 @@ class NativeAttention(AttentionImpl[NativeBatch]):
                  extend_on_batched: bool = EXTEND_ON_BATCHED) -> None:
         super().__init__(storage)
         self.serial_pairs = serial_pairs
-        self.batched = BatchedTorchAttention(storage) if extend_on_batched else None
         refused = native_refuses(storage)
         if refused:
             raise ValueError(f"--ragged-attention native {refused}; use --ragged-attention "
@@ -106,6 +115,8 @@ class NativeAttention(AttentionImpl[NativeBatch]):
 
             module = native.load()
         self.module = module
+        extend_on_batched = extend_on_batched and not extends_on_tiles(storage, module)
+        self.batched = BatchedTorchAttention(storage) if extend_on_batched else None
         layout = storage.layout
         # Per layer: KV head -> (group, slot in group) [H, 2], the groups' formats [groups, 4]
         # and their quantized tiers (6 tensors per group, empty where a group has none).

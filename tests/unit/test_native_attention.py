@@ -58,7 +58,7 @@ def test_the_extension_builds():
     """No silent skip: the kernels build on the test machine (the log path says why if not)."""
     module = native.load()
     assert native.available() and native.reason() is None
-    assert module.isa() in ("avx512", "avx2", "scalar")
+    assert module.isa() in ("amx", "avx512", "avx2", "scalar")
 
 
 def native_only(storage: RaggedStorage) -> NativeAttention:
@@ -68,12 +68,14 @@ def native_only(storage: RaggedStorage) -> NativeAttention:
 
 def twin_forward(specs: Sequence[Spec], decode: bool, seed: int, shape: Shape, dtype: torch.dtype,
                  precision: str, layer: int = 1, gap: int = 1, poison: bool = False,
-                 serial_pairs: int = 0) -> tuple[RaggedStorage, RaggedStorage, list[RequestPlan], list[torch.Tensor]]:
+                 serial_pairs: int = 0,
+                 ) -> tuple[RaggedStorage, RaggedStorage, list[RequestPlan], list[torch.Tensor], float]:
     """One forward through NativeAttention (storage and q/k/v in `dtype`) and the reference on
     a float32 twin holding the same values (a bfloat16 reference rounds dequantized rows and
     large logits to bfloat16: its own error, not the kernels'). serial_pairs 0: every layer on
     the thread pool with its key ranges split (NativeAttention's default runs these small
-    batches on one thread, unsplit)."""
+    batches on one thread, unsplit). Returns the storages, plans, both outputs and the largest
+    |value| the batch's rows attend to (value_bound)."""
     mine = random_storage(random.Random(seed), "cpu", layers=2, num_stages=64, dtype=dtype,
                           shape=shape, precision=precision)
     stores = [mine, float32_twin(mine)]
@@ -84,13 +86,42 @@ def twin_forward(specs: Sequence[Spec], decode: bool, seed: int, shape: Shape, d
             poison_unused(st, plans)
         for x in (q, k, v):
             x[~batch_rows(plans, x.shape[0])] = float("nan")
+    bound = value_bound(stores[1], layer, plans, v)
     outs = []
     mine = NativeAttention(stores[0], serial_pairs=serial_pairs, extend_on_batched=False)
     for impl, cast in (mine, dtype), (TorchAttention(stores[1]), torch.float32):
         batch = impl.prepare(BatchPlan(requests=list(plans)))
         outs.append(impl.forward(layer, batch, q.to(cast), k.to(cast), v.to(cast),
                                  1 / math.sqrt(shape.head_dim), decode))
-    return stores[0], stores[1], plans, outs
+    return stores[0], stores[1], plans, outs, bound
+
+
+def value_bound(st: RaggedStorage, layer: int, plans: Sequence[RequestPlan],
+                v: torch.Tensor) -> float:
+    """The largest |value| any row of the batch attends to: sealed rows (low tiers
+    dequantized), staged tokens and this forward's."""
+    seen = [v[rows_of(plans)].float().abs().max()]
+    for p in plans:
+        staged = p.prefix - p.tail_start
+        if staged:
+            seen.append(st.staged_kv(layer, p.prior_stages)[1][:staged].float().abs().max())
+        if p.sealed_pages.numel():
+            seen += [st.sealed_kv(layer, g, p.sealed_pages)[1].float().abs().max()
+                     for g in range(len(st.head_index[layer]))]
+    return float(max(seen))
+
+
+def bf16_tol(bound: float, decode: bool) -> dict[str, float]:
+    """Tolerance of a bfloat16 storage's outputs against the float32 twin: TOL's, and for
+    prefill chunks on the AMX path (module.isa() "amx") 2^-7 of the largest |value| more:
+    there the probabilities and dequantized values are rounded to bfloat16 before P V (each
+    at most 2^-8 relative, so the output moves by at most ~2^-7 sum_t p_t |v_t| / sum_t p_t
+    <= 2^-7 max |v|: the rounding error of a bfloat16 output at the values' scale; logits
+    stay float32-exact, quantized keys split into two bfloat16 parts, attention_body.inc)."""
+    tol = dict(TOL[torch.bfloat16])
+    if not decode and native.load().isa() == "amx":
+        tol["atol"] += 2**-7 * bound
+    return tol
 
 
 def float32_twin(st: RaggedStorage) -> RaggedStorage:
@@ -151,7 +182,7 @@ def test_matches_reference_float32(precision, head_dim, gqa, serial_pairs):
     specs = (random_specs(rng, 3, False, page=16, max_sealed=4)
              + random_specs(rng, 2, True, page=16, max_sealed=4))
     rng.shuffle(specs)
-    got, want, plans, outs = twin_forward(specs, False, rng.randrange(999), shape, torch.float32,
+    got, want, plans, outs, _ = twin_forward(specs, False, rng.randrange(999), shape, torch.float32,
                                           precision, serial_pairs=serial_pairs)
     rows = rows_of(plans)
     torch.testing.assert_close(outs[0][rows], outs[1][rows], **TOL[torch.float32])
@@ -168,7 +199,7 @@ def test_high_tier_pairs_match_reference(pair, head_dim, gqa):
     specs = (random_specs(rng, 3, False, page=16, max_sealed=4)
              + random_specs(rng, 2, True, page=16, max_sealed=4))
     rng.shuffle(specs)
-    got, want, plans, outs = twin_forward(specs, False, rng.randrange(999), shape, torch.float32,
+    got, want, plans, outs, _ = twin_forward(specs, False, rng.randrange(999), shape, torch.float32,
                                           pair)
     assert got.layout.high is not None and any(t is not None for t in got.high_rows[1])
     rows = rows_of(plans)
@@ -253,10 +284,10 @@ def test_matches_reference_bfloat16(precision, decode):
     shape = Shape(page_size=16, head_dim=64, kv_heads=2, gqa=3)
     rng = random.Random(7 + decode)
     specs = random_specs(rng, 4, decode, page=16, max_sealed=4)
-    _, _, plans, outs = twin_forward(specs, decode, 31, shape, torch.bfloat16, precision)
+    _, _, plans, outs, bound = twin_forward(specs, decode, 31, shape, torch.bfloat16, precision)
     rows = rows_of(plans)
     assert outs[0].dtype == torch.bfloat16
-    torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **TOL[torch.bfloat16])
+    torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, decode))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int4"])
@@ -269,9 +300,85 @@ def test_prefill_chunks_on_serving_pages(precision, head_dim):
     specs = random_specs(random.Random(17), 3, False, page=64, max_sealed=3)
     specs.append(Spec(sealed=2, staged=0, q_len=192, seal=2))
     for dtype in (torch.float32, torch.bfloat16):
-        _, _, plans, outs = twin_forward(specs, False, 18, shape, dtype, precision)
+        _, _, plans, outs, bound = twin_forward(specs, False, 18, shape, dtype, precision)
         rows = rows_of(plans)
-        torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **TOL[dtype])
+        tol = bf16_tol(bound, False) if dtype == torch.bfloat16 else TOL[dtype]
+        torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **tol)
+
+
+def cpu_has_amx() -> bool:
+    """The CPU advertises AMX bfloat16 tiles (Linux /proc/cpuinfo flags)."""
+    info = Path("/proc/cpuinfo")
+    return info.is_file() and "amx_bf16" in info.read_text()
+
+
+@pytest.mark.parametrize("precision", [*PRECISIONS, "int8+int4"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 3, 8])
+def test_prefill_chunks_on_amx_tiles(precision, head_dim, gqa):
+    """bfloat16 prefill chunks on the server's 64-token pages: on an AMX CPU the "amx" variant
+    runs them as bfloat16 matrix products (attention_body.inc, RAGGED_AMX); outputs within
+    bf16_tol of the float32 twin's reference (a decode request rides along on the loops)."""
+    module = native.load()
+    if cpu_has_amx():
+        assert module.isa() == "amx", "an AMX CPU must run prefill chunks on the tiles"
+    shape = Shape(page_size=64, head_dim=head_dim, kv_heads=2, gqa=gqa)
+    specs = random_specs(random.Random(gqa), 2, False, page=64, max_sealed=3)
+    specs += [Spec(sealed=2, staged=0, q_len=130, seal=2), Spec(sealed=1, staged=40, q_len=1)]
+    mine, twin, plans, outs, bound = twin_forward(specs, False, 19 + head_dim, shape,
+                                                  torch.bfloat16, precision, layer=0)
+    rows = rows_of(plans)
+    torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, False))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4", "int2"])
+@pytest.mark.parametrize("head_dim", [16, 48])
+def test_amx_tiles_at_head_dims_below_a_tile_row(precision, head_dim):
+    """head_dim 16 and 48: a key's channel pairs fill part of a 16-word transpose block
+    (pack_keys' masked loads), int4/int2 codes not whole 16-byte runs (decode_codes)."""
+    shape = Shape(page_size=64, head_dim=head_dim, kv_heads=2, gqa=3)
+    specs = [Spec(sealed=3, staged=5, q_len=100, seal=1), Spec(sealed=1, staged=0, q_len=7)]
+    _, _, plans, outs, bound = twin_forward(specs, False, 23, shape, torch.bfloat16, precision)
+    rows = rows_of(plans)
+    torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, False))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4", "fp8+int2"])
+def test_poisoned_padding_stays_off_the_tiles(precision):
+    """NaN everywhere the batch does not own (test_poisoned_padding_does_not_leak) with bfloat16
+    prefill chunks on 64-token pages: key columns and value rows past what a row sees are
+    zeros on the tiles (a NaN times a zero probability would be NaN)."""
+    shape = Shape(page_size=64, head_dim=64, kv_heads=2, gqa=3)
+    specs = [Spec(sealed=2, staged=10, q_len=90, seal=1), Spec(sealed=3, staged=0, q_len=40)]
+    _, _, plans, outs, bound = twin_forward(specs, False, 29, shape, torch.bfloat16, precision,
+                                            gap=2, poison=True)
+    rows = rows_of(plans)
+    assert torch.isfinite(outs[0][rows]).all()
+    torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, False))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4", "int8+int4"])
+def test_log_sum_exp_on_amx_tiles(precision):
+    """The log-sum-exp sealing reads, of bfloat16 prefill chunks on 64-token pages (the AMX
+    path where the CPU has it): logits stay float32 (bfloat16 q and keys multiply exactly,
+    quantized keys split in two parts), so within 1e-4 of the reference's on a float32 twin."""
+    shape = Shape(page_size=64, head_dim=64, kv_heads=2, gqa=3)
+    st = random_storage(random.Random(8), "cpu", layers=2, num_stages=64, dtype=torch.bfloat16,
+                        shape=shape, precision=precision)
+    specs = [Spec(sealed=2, staged=0, q_len=130, seal=2), Spec(sealed=3, staged=20, q_len=70)]
+    plans = random_plans(st, specs, random.Random(9), gap=2)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(10), "cpu", torch.bfloat16, shape)
+    twin = float32_twin(st)  # the reference dequantizes in float32 there
+    impl = NativeAttention(st, extend_on_batched=False)
+    batch = impl.prepare(BatchPlan(requests=list(plans)))
+    k_pages, v_pages = tail_pages(st, 1, batch.tails, k, v)
+    _, lse = impl.module.attend(q, k_pages, v_pages, st.rows_k[1], st.rows_v[1], impl.low[1],
+                                impl.high[1], impl.formats[1], impl.head_map[1], batch.requests,
+                                batch.sealed_off, batch.sealed_pages, 0.125, 0)
+    for p in plans:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        want = reference_lse(twin, 1, p, q[rows].float(), k[rows].float(), 0.125)
+        torch.testing.assert_close(lse[rows], want, atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int4", "fp8"])
@@ -303,7 +410,7 @@ def test_poisoned_padding_does_not_leak(precision, decode):
     own: the owned rows' outputs stay finite and equal the reference's."""
     shape = Shape(page_size=16, head_dim=64, kv_heads=4, gqa=4)
     specs = random_specs(random.Random(11), 4, decode, page=16, max_sealed=4)
-    _, _, plans, outs = twin_forward(specs, decode, 12, shape, torch.float32, precision,
+    _, _, plans, outs, _ = twin_forward(specs, decode, 12, shape, torch.float32, precision,
                                      gap=2, poison=True)
     rows = rows_of(plans)
     assert torch.isfinite(outs[0][rows]).all()
@@ -319,7 +426,7 @@ def test_poisoned_padding_does_not_leak(precision, decode):
 ])
 def test_edge_cases(specs, decode):
     shape = Shape(page_size=16, head_dim=64, kv_heads=4, gqa=3)
-    got, want, plans, outs = twin_forward(specs, decode, 5, shape, torch.float32, "int4")
+    got, want, plans, outs, _ = twin_forward(specs, decode, 5, shape, torch.float32, "int4")
     rows = rows_of(plans)
     torch.testing.assert_close(outs[0][rows], outs[1][rows], **TOL[torch.float32])
     assert_same_state(got, want)
@@ -331,9 +438,10 @@ from sgl_ragged import native
 from sgl_ragged.attention_backend.native_impl import NativeAttention
 from sgl_ragged.attention_backend.plan import BatchPlan
 from tests.unit.kernel_cases import Shape, random_plans, random_qkv, random_specs, random_storage
+from tests.unit.test_native_attention import value_bound
 torch.set_num_threads(2)
 shape = Shape(page_size=16, head_dim=64, kv_heads=4, gqa=3)
-outs = {}
+outs, bounds = {}, {}
 for precision in ("bf16", "int8", "int4", "int2", "fp8", "int8+int4", "fp8+int2"):
     for dtype in (torch.float32, torch.bfloat16):
         st = random_storage(random.Random(1), "cpu", layers=2, num_stages=64, shape=shape,
@@ -342,12 +450,13 @@ for precision in ("bf16", "int8", "int4", "int2", "fp8", "int8+int4", "fp8+int2"
                  + random_specs(random.Random(3), 2, True, page=16, max_sealed=4))
         plans = random_plans(st, specs, random.Random(4))
         q, k, v = random_qkv(plans, torch.Generator().manual_seed(5), "cpu", dtype, shape)
+        bounds[f"{precision}-{dtype}"] = value_bound(st, 0, plans, v)
         impl = NativeAttention(st, serial_pairs=0 if dtype == torch.float32 else 2**30,
                                extend_on_batched=False)
         out = impl.forward(0, impl.prepare(BatchPlan(requests=plans)), q, k, v, 0.125, False)
         rows = torch.cat([torch.arange(p.q_start, p.q_start + p.q_len) for p in plans])
         outs[f"{precision}-{dtype}"] = out[rows].float().tolist()
-print(json.dumps({"isa": native.load().isa(), "outs": outs}))
+print(json.dumps({"isa": native.load().isa(), "outs": outs, "bounds": bounds}))
 """
 
 
@@ -364,15 +473,19 @@ def run_isa(isa: str | None) -> dict:
 
 def test_forced_isa_variants_agree():
     """RAGGED_NATIVE_ISA forces a lower variant: each gives the best one's results (float32
-    up to FMA contraction, bfloat16 outputs up to one rounding step)."""
+    up to FMA contraction, bfloat16 outputs up to one rounding step, or bf16_tol's where the
+    best is amx: its prefill chunks against the avx512 loops, the forced fallback)."""
     best = run_isa(None)
-    lower = {"avx512": ["avx2", "scalar"], "avx2": ["scalar"], "scalar": []}[best["isa"]]
+    lower = {"amx": ["avx512", "avx2", "scalar"], "avx512": ["avx2", "scalar"], "avx2": ["scalar"],
+             "scalar": []}[best["isa"]]
     assert lower or best["isa"] == "scalar"
     for isa in lower:
         got = run_isa(isa)
         assert got["isa"] == isa
         for key, want in best["outs"].items():
-            tol = TOL[torch.bfloat16] if "bfloat16" in key else TOL[torch.float32]
+            tol = dict(TOL[torch.bfloat16] if "bfloat16" in key else TOL[torch.float32])
+            if "bfloat16" in key and best["isa"] == "amx":  # bf16_tol: P, V rounded on AMX
+                tol["atol"] += 2**-7 * best["bounds"][key]
             torch.testing.assert_close(torch.tensor(got["outs"][key]), torch.tensor(want),
                                        **tol, msg=lambda m, k=key, i=isa: f"{i} {k}: {m}")
 
@@ -402,11 +515,25 @@ def test_default_routes_prefill_chunks_to_batched(decode, monkeypatch):
             calls.append(1)
             return attend(*args)
 
+        def isa(self):
+            return native.load().isa()
+
     rng = random.Random(17)
     specs = random_specs(rng, 4, decode)
     compare_with_reference(lambda st: NativeAttention(st, module=Spy()), specs, decode, 17,
                            "cpu", layer=1)
     assert bool(calls) == decode
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_chunks_on_amx_tiles_stay_native(dtype):
+    """bfloat16 storages on the amx variant keep their prefill chunks native (the tiles beat
+    batched torch); float32 ones, and any storage on a lower variant, send them to batched."""
+    st = random_storage(random.Random(0), "cpu", dtype=dtype, precision="int4")
+    on_tiles = dtype == torch.bfloat16 and native.load().isa() == "amx"
+    assert on_tiles == (cpu_has_amx() and dtype == torch.bfloat16)
+    assert (NativeAttention(st).batched is None) == on_tiles
+    assert NativeAttention(st, extend_on_batched=False).batched is None
 
 
 def test_high_tier_prefill_chunks_stay_native_while_batched_cannot_read_them():
