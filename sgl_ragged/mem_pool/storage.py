@@ -17,7 +17,7 @@ Page 0 is SGLang's padding page; it is never handed out.
 
 The storage owns its writes: every path (the torch reference, the batched and native CPU
 paths, the Triton kernels, finish-time sealing) changes its tensors only through the write
-API below -- `stage_kv`, `store_stats`, `write_obs` (staging), `seal` / `write_sealed` (rows,
+API below -- `stage_kv`, `stage_tokens`, `store_stats`, `write_obs` (staging), `seal` / `write_sealed` (rows,
 through the row writer: torch here, the sealing kernel once the Triton path installs it with
 `use_row_writer`), `mark_sealed`, `seal_staged`. The tensor fields (rows_k, rows_v, low_rows,
 high_rows, row_keep, stage_k, stage_v, stats, and the CPU bookkeeping page_to_stage,
@@ -244,6 +244,15 @@ class RaggedStorage:
         staging pages stages [N] int64 (distinct)."""
         self.stage_k[layer].index_copy_(0, stages, k_pages.to(self.dtype))
         self.stage_v[layer].index_copy_(0, stages, v_pages.to(self.dtype))
+
+    def stage_tokens(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        """Single tokens k, v [N, H, D] (any float dtype) into this layer's staging slots
+        slots [N] int64 (stage * P + offset, distinct): the narrow write of forwards that seal
+        nothing (tail_batch.stage_fresh), the rest of each staging page untouched."""
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
+        self.stage_k[layer].view(-1, H, D).index_copy_(0, slots, k.to(self.dtype))
+        self.stage_v[layer].view(-1, H, D).index_copy_(0, slots, v.to(self.dtype))
 
     def store_stats(self, layer: int, stages: torch.Tensor, acc: StagedQueryStats) -> None:
         """One layer's accumulators of the pages that stay staged, stages [N] int64."""
