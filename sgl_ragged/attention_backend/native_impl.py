@@ -174,8 +174,11 @@ class NativeAttention(AttentionImpl[NativeBatch]):
             else torch.get_num_threads()
         tails = batch.tails
         with intra_op_threads(tail_threads):  # in place: only the new tokens' slots written
-            k_pages, v_pages = (stage_fresh if tails.in_place else tail_pages)(
-                st, layer, tails, k, v)  # [M, P, H, D]
+            if tails.in_place:
+                k_pages, v_pages = stage_fresh(st, layer, tails, k, v,
+                                               getattr(self.module, "copy_rows", None))
+            else:
+                k_pages, v_pages = tail_pages(st, layer, tails, k, v)  # [M, P, H, D]
         out, lse = self.module.attend(
             q.contiguous(), k_pages.contiguous(), v_pages.contiguous(), st.rows_k[layer],
             st.rows_v[layer], self.low[layer], self.high[layer], self.formats[layer],

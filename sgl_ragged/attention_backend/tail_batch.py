@@ -38,7 +38,7 @@ from sgl_ragged.attention_backend.ops import take
 from sgl_ragged.attention_backend.plan import RequestPlan
 from sgl_ragged.mem_pool.sealer import SealBatch
 from sgl_ragged.mem_pool.staging_stats import StagedQueryStats, page_stats
-from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.mem_pool.storage import RaggedStorage, RowCopy
 
 
 @dataclass(frozen=True)
@@ -182,12 +182,13 @@ def tail_pages(storage: RaggedStorage, layer: int, tails: TailBatch, k_new: torc
 
 
 def stage_fresh(storage: RaggedStorage, layer: int, tails: TailBatch, k_new: torch.Tensor,
-                v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                v_new: torch.Tensor, copy_rows: RowCopy | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """`tail_pages` of an in-place forward (tails.in_place): this forward's tokens k_new,
     v_new [N, H, D] into their staging slots and zeros into the slots past each request's end
     (`RaggedStorage.stage_tokens`; staged tokens are not rewritten), then every tail page's K
     and V [M, P, H, D] read back from this layer's staging pages. `store_tails` with
-    kv_staged=True then stores only the statistics."""
+    kv_staged=True then stores only the statistics. copy_rows: `stage_tokens`' row copy."""
     if not tails.in_place:
         raise ValueError("stage_fresh needs tail_batch(..., in_place=True) on a forward that "
                          "seals only pages staged before it (tails.in_place is False); use "
@@ -195,7 +196,7 @@ def stage_fresh(storage: RaggedStorage, layer: int, tails: TailBatch, k_new: tor
     zero = k_new.new_zeros(1, *k_new.shape[1:])
     rows = tails.write_row
     storage.stage_tokens(layer, tails.write_slot, take(torch.cat([zero, k_new]), rows),
-                         take(torch.cat([zero, v_new.to(k_new.dtype)]), rows))
+                         take(torch.cat([zero, v_new.to(k_new.dtype)]), rows), copy_rows)
     return (storage.stage_k[layer].index_select(0, tails.page_stage),
             storage.stage_v[layer].index_select(0, tails.page_stage))
 

@@ -76,6 +76,11 @@ class RowWriter(Protocol):
                  v_tok: torch.Tensor, selection: Selection) -> None: ...
 
 
+RowCopy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""copy_rows(dst, slots, src): dst[slots[i]] = src[i] in place (dst [R, ...], slots [N] int64,
+src [N, ...]); `RaggedStorage.stage_tokens` hands it its own staging tensor."""
+
+
 class PageTiers(NamedTuple):
     """Rows of N pages of one group, as stored (`RaggedStorage.page_tiers`)."""
 
@@ -245,14 +250,19 @@ class RaggedStorage:
         self.stage_k[layer].index_copy_(0, stages, k_pages.to(self.dtype))
         self.stage_v[layer].index_copy_(0, stages, v_pages.to(self.dtype))
 
-    def stage_tokens(self, layer: int, slots: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor) -> None:
+    def stage_tokens(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     copy_rows: RowCopy | None = None) -> None:
         """Single tokens k, v [N, H, D] (any float dtype) into this layer's staging slots
-        slots [N] int64 (stage * P + offset, distinct): the narrow write of forwards that seal
-        nothing (tail_batch.stage_fresh), the rest of each staging page untouched."""
+        slots [N] int64 (stage * P + offset, distinct): the narrow write of a decode step
+        (tail_batch.stage_fresh), the rest of each staging page untouched. copy_rows: how the
+        rows are copied (default index_copy_; the native path passes its C++ copy)."""
         H, D = self.layout.num_kv_heads, self.layout.head_dim
-        self.stage_k[layer].view(-1, H, D).index_copy_(0, slots, k.to(self.dtype))
-        self.stage_v[layer].view(-1, H, D).index_copy_(0, slots, v.to(self.dtype))
+        for stage, x in ((self.stage_k[layer], k), (self.stage_v[layer], v)):
+            flat, x = stage.view(-1, H, D), x.to(self.dtype).contiguous()  # [(S + 1) * P, H, D]
+            if copy_rows is None:
+                flat.index_copy_(0, slots, x)
+            else:
+                copy_rows(flat, slots, x)
 
     def store_stats(self, layer: int, stages: torch.Tensor, acc: StagedQueryStats) -> None:
         """One layer's accumulators of the pages that stay staged, stages [N] int64."""

@@ -614,3 +614,22 @@ def test_decode_in_place_matches_reference(seed, shape, monkeypatch):
     torch.testing.assert_close(outs[0][rows], outs[1][rows], **TOL[torch.float32])
     assert_same_state(got, want)
     assert calls == [1]
+
+
+def test_copy_rows_writes_only_its_slots_and_refuses_bad_input():
+    """tails.cpp's copy_rows (stage_tokens' native copy): dst[slots] = src, other rows as they
+    were; out-of-range slots, dtype and shape mismatches refused by name."""
+    copy_rows = native.load().copy_rows
+    dst = torch.randn(10, 3, 4).bfloat16()
+    want = dst.clone()
+    slots = torch.tensor([7, 0, 3])
+    src = torch.randn(3, 3, 4).bfloat16()
+    want[slots] = src
+    copy_rows(dst, slots, src)
+    assert torch.equal(dst, want)
+    with pytest.raises(RuntimeError, match="outside"):
+        copy_rows(dst, torch.tensor([10, 0, 1]), src)
+    with pytest.raises(RuntimeError, match="convert it first"):
+        copy_rows(dst, slots, src.float())
+    with pytest.raises(RuntimeError, match="rows of dst"):
+        copy_rows(dst, slots, torch.randn(3, 3, 5).bfloat16())
