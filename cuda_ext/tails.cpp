@@ -11,9 +11,9 @@
 // n_staged[m] tokens' attn) is added. Only reads: the caller stores the result through the
 // storage's write API. No dequantization, no temporaries beyond the four outputs.
 //
-// copy_rows(dst, slots, src): dst[slots[i]] = src[i], rows of any dtype by memcpy (the staging
-// write of a decode step, RaggedStorage.stage_tokens, where torch's index_copy_ costs ~60 us
-// for a few hundred rows of 384 bytes).
+// copy_rows(dst, slots, src, rows): dst[slots[i]] = src[rows[i]] (zeros where rows[i] < 0),
+// rows of any dtype by memcpy (the staging write of a decode step, RaggedStorage.stage_tokens,
+// where torch's gather and index_copy_ cost ~60 us for a few hundred rows of 384 bytes).
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
@@ -191,27 +191,38 @@ std::vector<at::Tensor> window_stats(const at::Tensor& q, const at::Tensor& lse,
   return out;
 }
 
-void copy_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src) {
-  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && slots.device().is_cpu(),
-              "copy_rows: dst, slots and src must be on the CPU");
+void copy_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,
+               const at::Tensor& rows) {
+  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu(), "copy_rows: dst and src must "
+              "be on the CPU");
   TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "copy_rows: dst and src must be "
               "contiguous");
   TORCH_CHECK(dst.scalar_type() == src.scalar_type(), "copy_rows: src is ", src.scalar_type(),
               " but dst is ", dst.scalar_type(), " (convert it first)");
   check(slots, "slots", at::kLong, 1);
-  TORCH_CHECK(dst.dim() >= 1 && src.dim() == dst.dim() && src.size(0) == slots.size(0) &&
+  check(rows, "rows", at::kLong, 1);
+  TORCH_CHECK(dst.dim() >= 1 && src.dim() == dst.dim() && rows.size(0) == slots.size(0) &&
                   src.sizes().slice(1) == dst.sizes().slice(1),
-              "copy_rows: src ", src.sizes(), " must be [N, ...] rows of dst ", dst.sizes(),
-              " for N = ", slots.size(0), " slots");
-  const int64_t rows = dst.size(0), n = slots.size(0);
-  const int64_t bytes = dst.numel() ? dst.nbytes() / rows : 0;
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(slot[i] >= 0 && slot[i] < rows, "copy_rows: slot ", slot[i], " is outside [0, ",
-                rows, ")");
+              "copy_rows: src ", src.sizes(), " must be rows of dst ", dst.sizes(),
+              ", rows and slots one entry per copied row (", rows.size(0), " vs ",
+              slots.size(0), ")");
+  const int64_t n = slots.size(0), dst_rows = dst.size(0), src_rows = src.size(0);
+  const int64_t bytes = dst.numel() ? dst.nbytes() / dst_rows : 0;
+  const int64_t *slot = slots.data_ptr<int64_t>(), *row = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < dst_rows, "copy_rows: slot ", slot[i],
+                " is outside [0, ", dst_rows, ")");
+    TORCH_CHECK(row[i] < src_rows, "copy_rows: row ", row[i], " is outside src's ", src_rows,
+                " rows (negative: zeros)");
+  }
   auto* d = static_cast<char*>(dst.data_ptr());
   const auto* s = static_cast<const char*>(src.data_ptr());
-  for (int64_t i = 0; i < n; ++i) std::memcpy(d + slot[i] * bytes, s + i * bytes, bytes);
+  for (int64_t i = 0; i < n; ++i) {
+    if (row[i] < 0)
+      std::memset(d + slot[i] * bytes, 0, bytes);
+    else
+      std::memcpy(d + slot[i] * bytes, s + row[i] * bytes, bytes);
+  }
 }
 
 }  // namespace ragged

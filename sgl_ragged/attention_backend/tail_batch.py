@@ -73,8 +73,7 @@ class TailBatch:
     # the one a staying page keeps
     write_slot: torch.Tensor | None = None  # [F] int64 staging slots (stage * P + i) of the
     # fresh tokens and of the padding past each request's end
-    write_row: torch.Tensor | None = None  # [F] int64 their rows of cat(zero row, k): 1 + row
-    # of k for a fresh token, 0 for padding
+    write_row: torch.Tensor | None = None  # [F] int64 their rows of k/v (-1: padding, zeros)
 
 
 def tail_batch(plans: Sequence[RequestPlan], page_size: int, device: torch.device,
@@ -147,7 +146,7 @@ def _with_in_place(tails: TailBatch, P: int) -> TailBatch:
     stages[stay] = tails.stay_stage  # [M]
     slots = stages[:, None] * P + torch.arange(P, device=stages.device)  # [M, P]
     written = ~tails.staged  # fresh or padding
-    rows = torch.where(tails.fresh, tails.new_row + 1, 0)
+    rows = torch.where(tails.fresh, tails.new_row, -1)
     return replace(tails, in_place=True, page_stage=stages, write_slot=slots[written],
                    write_row=rows[written])
 
@@ -193,10 +192,7 @@ def stage_fresh(storage: RaggedStorage, layer: int, tails: TailBatch, k_new: tor
         raise ValueError("stage_fresh needs tail_batch(..., in_place=True) on a forward that "
                          "seals only pages staged before it (tails.in_place is False); use "
                          "tail_pages")
-    zero = k_new.new_zeros(1, *k_new.shape[1:])
-    rows = tails.write_row
-    storage.stage_tokens(layer, tails.write_slot, take(torch.cat([zero, k_new]), rows),
-                         take(torch.cat([zero, v_new.to(k_new.dtype)]), rows), copy_rows)
+    storage.stage_tokens(layer, tails.write_slot, tails.write_row, k_new, v_new, copy_rows)
     return (storage.stage_k[layer].index_select(0, tails.page_stage),
             storage.stage_v[layer].index_select(0, tails.page_stage))
 

@@ -76,9 +76,10 @@ class RowWriter(Protocol):
                  v_tok: torch.Tensor, selection: Selection) -> None: ...
 
 
-RowCopy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-"""copy_rows(dst, slots, src): dst[slots[i]] = src[i] in place (dst [R, ...], slots [N] int64,
-src [N, ...]); `RaggedStorage.stage_tokens` hands it its own staging tensor."""
+RowCopy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""copy_rows(dst, slots, src, rows): dst[slots[i]] = src[rows[i]] in place, zeros where
+rows[i] < 0 (dst [R, ...], slots and rows [N] int64, src [n, ...]); `RaggedStorage.stage_tokens`
+hands it its own staging tensor."""
 
 
 class PageTiers(NamedTuple):
@@ -250,19 +251,21 @@ class RaggedStorage:
         self.stage_k[layer].index_copy_(0, stages, k_pages.to(self.dtype))
         self.stage_v[layer].index_copy_(0, stages, v_pages.to(self.dtype))
 
-    def stage_tokens(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     copy_rows: RowCopy | None = None) -> None:
-        """Single tokens k, v [N, H, D] (any float dtype) into this layer's staging slots
-        slots [N] int64 (stage * P + offset, distinct): the narrow write of a decode step
-        (tail_batch.stage_fresh), the rest of each staging page untouched. copy_rows: how the
-        rows are copied (default index_copy_; the native path passes its C++ copy)."""
+    def stage_tokens(self, layer: int, slots: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, copy_rows: RowCopy | None = None) -> None:
+        """Tokens k, v [n, H, D] (any float dtype) into this layer's staging slots: slot
+        slots[i] (stage * P + offset, distinct) gets row rows[i], zeros where rows[i] < 0 --
+        the narrow write of a decode step (tail_batch.stage_fresh), the rest of each staging
+        page untouched. copy_rows: how (default index_select and index_copy_; the native path
+        passes its C++ copy)."""
         H, D = self.layout.num_kv_heads, self.layout.head_dim
         for stage, x in ((self.stage_k[layer], k), (self.stage_v[layer], v)):
             flat, x = stage.view(-1, H, D), x.to(self.dtype).contiguous()  # [(S + 1) * P, H, D]
-            if copy_rows is None:
-                flat.index_copy_(0, slots, x)
-            else:
-                copy_rows(flat, slots, x)
+            if copy_rows is not None:
+                copy_rows(flat, slots, x, rows)
+                continue
+            padded = torch.cat([x.new_zeros(1, H, D), x])  # row 0: zeros
+            flat.index_copy_(0, slots, padded.index_select(0, rows + 1))
 
     def store_stats(self, layer: int, stages: torch.Tensor, acc: StagedQueryStats) -> None:
         """One layer's accumulators of the pages that stay staged, stages [N] int64."""

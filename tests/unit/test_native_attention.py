@@ -617,19 +617,22 @@ def test_decode_in_place_matches_reference(seed, shape, monkeypatch):
 
 
 def test_copy_rows_writes_only_its_slots_and_refuses_bad_input():
-    """tails.cpp's copy_rows (stage_tokens' native copy): dst[slots] = src, other rows as they
-    were; out-of-range slots, dtype and shape mismatches refused by name."""
+    """tails.cpp's copy_rows (stage_tokens' native copy): dst[slots] = src[rows], zeros where
+    a row is negative, other rows as they were; out-of-range slots and rows, dtype and shape
+    mismatches refused by name."""
     copy_rows = native.load().copy_rows
     dst = torch.randn(10, 3, 4).bfloat16()
     want = dst.clone()
-    slots = torch.tensor([7, 0, 3])
+    slots, rows = torch.tensor([7, 0, 3, 5]), torch.tensor([2, -1, 0, 2])
     src = torch.randn(3, 3, 4).bfloat16()
-    want[slots] = src
-    copy_rows(dst, slots, src)
+    want[slots] = torch.cat([torch.zeros(1, 3, 4).bfloat16(), src])[rows + 1]
+    copy_rows(dst, slots, src, rows)
     assert torch.equal(dst, want)
-    with pytest.raises(RuntimeError, match="outside"):
-        copy_rows(dst, torch.tensor([10, 0, 1]), src)
+    with pytest.raises(RuntimeError, match="slot 10 is outside"):
+        copy_rows(dst, torch.tensor([10, 0, 1, 2]), src, rows)
+    with pytest.raises(RuntimeError, match="row 3 is outside"):
+        copy_rows(dst, slots, src, torch.tensor([3, 0, 0, 0]))
     with pytest.raises(RuntimeError, match="convert it first"):
-        copy_rows(dst, slots, src.float())
+        copy_rows(dst, slots, src.float(), rows)
     with pytest.raises(RuntimeError, match="rows of dst"):
-        copy_rows(dst, slots, torch.randn(3, 3, 5).bfloat16())
+        copy_rows(dst, slots, torch.randn(3, 3, 5).bfloat16(), rows)
