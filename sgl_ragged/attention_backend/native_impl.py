@@ -2,8 +2,9 @@
 per layer for the whole batch, then the batched torch staging and sealing (`store_tails`, its
 window statistics in C++: cuda_ext/tails.cpp). Decode forwards (whose sealed pages were all
 staged before) write only their new tokens' staging slots (`tail_batch.stage_fresh`).
-Forwards with prefill chunks go to the batched torch path (EXTEND_ON_BATCHED) unless the kernels
-run them on AMX tiles (`extends_on_tiles`: bfloat16 storages on an AMX CPU).
+Forwards with prefill chunks go to the batched torch path (EXTEND_ON_BATCHED; its window
+statistics still from tails.cpp) unless the kernels run them on AMX tiles (`extends_on_tiles`:
+bfloat16 storages on an AMX CPU).
 
 The kernels attend on the rows as stored: hi slots at the storage dtype (or, with
 --ragged-precision H+L, quantized), the low tier on its codes (scales folded into the queries
@@ -124,8 +125,12 @@ class NativeAttention(AttentionImpl[NativeBatch]):
 
             module = native.load()
         self.module = module
+        # Window statistics in C++ (a module without them, e.g. an older build passed as
+        # bench's baseline, gets the torch form), here and for the chunks handed over.
+        self.stats = self.window_stats if hasattr(module, "window_stats") else None
         extend_on_batched = extend_on_batched and not extends_on_tiles(storage, module)
-        self.batched = BatchedTorchAttention(storage) if extend_on_batched else None
+        self.batched = (BatchedTorchAttention(storage, stats=self.stats) if extend_on_batched
+                        else None)
         layout = storage.layout
         # Per layer: KV head -> (group, slot in group) [H, 2], the groups' formats [groups, 4]
         # and their quantized tiers (6 tensors per group, empty where a group has none).
@@ -185,16 +190,14 @@ class NativeAttention(AttentionImpl[NativeBatch]):
             self.head_map[layer], batch.requests, batch.sealed_off, batch.sealed_pages, scale,
             self.serial_pairs)
         with intra_op_threads(tail_threads):
-            store_tails(st, layer, tails, k_pages, v_pages, q, lse, scale,
-                        stats=self.window_stats if hasattr(self.module, "window_stats") else None,
+            store_tails(st, layer, tails, k_pages, v_pages, q, lse, scale, stats=self.stats,
                         kv_staged=tails.in_place)
         return out
 
     def window_stats(self, storage: RaggedStorage, layer: int, tails: TailBatch,
                      k_pages: torch.Tensor, q: torch.Tensor, lse: torch.Tensor,
                      scale: float) -> StagedQueryStats:
-        """tail_batch.window_stats in one C++ call (cuda_ext/tails.cpp; a module without it,
-        e.g. an older build passed as bench's baseline, gets the torch form)."""
+        """tail_batch.window_stats in one C++ call (cuda_ext/tails.cpp)."""
         s = storage.stats
         attn, q_sum, q_sq, q_cnt = self.module.window_stats(
             q.contiguous(), lse, k_pages.contiguous(), tails.page_win_row, tails.page_win_pos,

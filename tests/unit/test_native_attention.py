@@ -508,14 +508,20 @@ def test_refuses_other_dtypes_by_name():
 @pytest.mark.parametrize("decode", [True, False])
 def test_default_routes_prefill_chunks_to_batched(decode, monkeypatch):
     """EXTEND_ON_BATCHED: decode batches run the kernels, batches with a prefill chunk the
-    batched torch path; both match the reference."""
-    calls = []
-    attend = native.load().attend
+    batched torch path (with tails.cpp's window statistics); both match the reference."""
+    calls, stats_calls = [], []
+    module = native.load()
 
     class Spy:
+        copy_rows = staticmethod(module.copy_rows)
+
         def attend(self, *args):
             calls.append(1)
-            return attend(*args)
+            return module.attend(*args)
+
+        def window_stats(self, *args):
+            stats_calls.append(1)
+            return module.window_stats(*args)
 
         def isa(self):
             return native.load().isa()
@@ -525,6 +531,7 @@ def test_default_routes_prefill_chunks_to_batched(decode, monkeypatch):
     compare_with_reference(lambda st: NativeAttention(st, module=Spy()), specs, decode, 17,
                            "cpu", layer=1)
     assert bool(calls) == decode
+    assert stats_calls == [1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
