@@ -321,11 +321,25 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
   return {out, lse};
 }
 
+// tails.cpp: the window statistics of the batch's tail pages (one call per layer).
+std::vector<at::Tensor> window_stats(const at::Tensor& q, const at::Tensor& lse,
+                                     const at::Tensor& k_pages, const at::Tensor& win_row,
+                                     const at::Tensor& win_pos, const at::Tensor& page_start,
+                                     const at::Tensor& n_staged, const at::Tensor& prior_stage,
+                                     const at::Tensor& attn, const at::Tensor& q_sum,
+                                     const at::Tensor& q_sq_sum, const at::Tensor& q_count,
+                                     int64_t layer, double scale);
+void copy_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,
+               const at::Tensor& rows);
+
 }  // namespace ragged
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Native CPU ragged attention (cuda_ext/ragged_attention.h)";
   m.def("attend", &ragged::attend, "One layer's ragged attention for the whole batch");
+  m.def("window_stats", &ragged::window_stats,
+        "Window statistics of the batch's tail pages, prior accumulators added (tails.cpp)");
+  m.def("copy_rows", &ragged::copy_rows, "dst[slots[i]] = src[rows[i]] (zeros where rows[i] < 0), any dtype (tails.cpp)");
   m.def("isa", &ragged::isa_name, "The ISA variant in use (RAGGED_NATIVE_ISA forces a lower one)");
   m.def("quantize_low", &ragged::quantize_low,
         "Pages' low-tier codes and parameters (mem_pool/quant.py _quantize, bit for bit)");

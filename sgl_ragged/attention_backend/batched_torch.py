@@ -35,6 +35,7 @@ from sgl_ragged.attention_backend.segments import attend_low, low_kv
 from sgl_ragged.attention_backend.segments_sdpa import attend_segment, dequantized_low, merge
 from sgl_ragged.attention_backend.tail_batch import (
     TailBatch,
+    WindowStats,
     store_tails,
     tail_batch,
     tail_pages,
@@ -153,9 +154,13 @@ class BatchedTorchBatch:
 class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
     """Ragged attention in torch, batched over requests (one call per head group)."""
 
-    def __init__(self, storage: RaggedStorage, max_padded: int = MAX_PADDED) -> None:
+    def __init__(self, storage: RaggedStorage, max_padded: int = MAX_PADDED,
+                 stats: WindowStats | None = None) -> None:
+        """stats: the tails' window statistics (default the torch `tail_batch.window_stats`;
+        NativeAttention passes its C++ form for the chunks it hands over)."""
         super().__init__(storage)
         self.max_padded = max_padded
+        self.stats = stats
 
     def prepare(self, plan: BatchPlan) -> BatchedTorchBatch:
         assert plan.staged, "planner.take_staging did not run for this plan"
@@ -182,7 +187,7 @@ class BatchedTorchAttention(AttentionImpl[BatchedTorchBatch]):
             out.index_copy_(0, pb.q_rows_valid, take(out_pad.flatten(0, 1), pb.q_flat_valid))
             lse.index_copy_(0, pb.win_rows_valid, take(lse_pad.flatten(0, 1), pb.win_flat_valid))
         # 3. Seal what leaves the window, stage the rest.
-        store_tails(self.storage, layer, tails, k_pages, v_pages, q, lse, scale)
+        store_tails(self.storage, layer, tails, k_pages, v_pages, q, lse, scale, self.stats)
         return out
 
     def _attend(self, layer: int, pb: PaddedBatch, q: torch.Tensor, k_pages: torch.Tensor,

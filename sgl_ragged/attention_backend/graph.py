@@ -38,10 +38,11 @@ from sgl_ragged.kernels.batch import KernelBatch
 from sgl_ragged.mem_pool.storage import RaggedStorage
 
 _TAIL_PER_PAGE = ("page_req", "page_start", "prior_stage", "has_prior", "staged", "fresh",
-                  "new_row", "obs", "page_win_row", "page_sees", "page_saw")
+                  "new_row", "obs", "page_win_row", "page_sees", "page_saw", "page_win_pos",
+                  "n_staged", "held_stage")
 """TailBatch fields indexed by tail page m (capacity bs * (W + 1))."""
 
-_PADDING = {"q_len": 1, "seal_pages": -1}
+_PADDING = {"q_len": 1, "seal_pages": -1, "page_win_pos": -1, "held_stage": -1}
 """Padding values other than 0 / False (q_start and stay_stage are set per graph)."""
 
 
@@ -80,6 +81,7 @@ class DecodeGraphBuffers:
             has_prior=zeros(M, dtype=b), staged=zeros(M, P, dtype=b), fresh=zeros(M, P, dtype=b),
             new_row=zeros(M, P), obs=zeros(M, P, dtype=f32), page_win_row=zeros(M, 1),
             page_sees=zeros(M, 1, P, dtype=b), page_saw=zeros(M, 1, dtype=f32),
+            page_win_pos=zeros(M, 1), n_staged=zeros(M), held_stage=zeros(M),
             seal_index=zeros(max_bs), seal_pages=zeros(max_bs), stay_index=zeros(M),
             stay_stage=zeros(M), num_seal=max_bs, num_stay=M, counted=False,
         )

@@ -1,7 +1,10 @@
 """Native CPU attention: the C++ kernels of cuda_ext/ (built by sgl_ragged/native), one call
-per layer for the whole batch, then the batched torch staging and sealing (`store_tails`).
-Forwards with prefill chunks go to the batched torch path (EXTEND_ON_BATCHED) unless the kernels
-run them on AMX tiles (`extends_on_tiles`: bfloat16 storages on an AMX CPU).
+per layer for the whole batch, then the batched torch staging and sealing (`store_tails`, its
+window statistics in C++: cuda_ext/tails.cpp). Decode forwards (whose sealed pages were all
+staged before) write only their new tokens' staging slots (`tail_batch.stage_fresh`).
+Forwards with prefill chunks go to the batched torch path (EXTEND_ON_BATCHED; its window
+statistics still from tails.cpp) unless the kernels run them on AMX tiles (`extends_on_tiles`:
+bfloat16 storages on an AMX CPU).
 
 The kernels attend on the rows as stored: hi slots at the storage dtype (or, with
 --ragged-precision H+L, quantized), the low tier on its codes (scales folded into the queries
@@ -27,9 +30,16 @@ from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention, Ba
 from sgl_ragged.attention_backend.impl import AttentionImpl
 from sgl_ragged.attention_backend.ops import intra_op_threads
 from sgl_ragged.attention_backend.plan import BatchPlan
-from sgl_ragged.attention_backend.tail_batch import TailBatch, store_tails, tail_batch, tail_pages
+from sgl_ragged.attention_backend.tail_batch import (
+    TailBatch,
+    stage_fresh,
+    store_tails,
+    tail_batch,
+    tail_pages,
+)
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.quant import QuantTier
+from sgl_ragged.mem_pool.staging_stats import StagedQueryStats
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.precision import LowPrecision
 
@@ -115,8 +125,12 @@ class NativeAttention(AttentionImpl[NativeBatch]):
 
             module = native.load()
         self.module = module
+        # Window statistics in C++ (a module without them, e.g. an older build passed as
+        # bench's baseline, gets the torch form), here and for the chunks handed over.
+        self.stats = self.window_stats if hasattr(module, "window_stats") else None
         extend_on_batched = extend_on_batched and not extends_on_tiles(storage, module)
-        self.batched = BatchedTorchAttention(storage) if extend_on_batched else None
+        self.batched = (BatchedTorchAttention(storage, stats=self.stats) if extend_on_batched
+                        else None)
         layout = storage.layout
         # Per layer: KV head -> (group, slot in group) [H, 2], the groups' formats [groups, 4]
         # and their quantized tiers (6 tensors per group, empty where a group has none).
@@ -147,7 +161,7 @@ class NativeAttention(AttentionImpl[NativeBatch]):
             first += count
         sealed = [p.sealed_pages.cpu() for p in plan.requests]
         return NativeBatch(
-            tails=tail_batch(plan.requests, P, self.storage.device), batched=None,
+            tails=tail_batch(plan.requests, P, self.storage.device, in_place=True), batched=None,
             requests=torch.tensor(rows, dtype=torch.long).view(-1, 6),
             sealed_off=torch.tensor(offsets, dtype=torch.long),
             sealed_pages=torch.cat(sealed) if sealed else torch.empty(0, dtype=torch.long))
@@ -163,13 +177,30 @@ class NativeAttention(AttentionImpl[NativeBatch]):
         # the tail pages are many (waking the pool per op costs more than it gives).
         tail_threads = 1 if batch.tails.page_req.numel() * st.layout.page_size <= SERIAL_TAIL_TOKENS \
             else torch.get_num_threads()
-        with intra_op_threads(tail_threads):
-            k_pages, v_pages = tail_pages(st, layer, batch.tails, k, v)  # [M, P, H, D]
+        tails = batch.tails
+        with intra_op_threads(tail_threads):  # in place: only the new tokens' slots written
+            if tails.in_place:
+                k_pages, v_pages = stage_fresh(st, layer, tails, k, v,
+                                               getattr(self.module, "copy_rows", None))
+            else:
+                k_pages, v_pages = tail_pages(st, layer, tails, k, v)  # [M, P, H, D]
         out, lse = self.module.attend(
             q.contiguous(), k_pages.contiguous(), v_pages.contiguous(), st.rows_k[layer],
             st.rows_v[layer], self.low[layer], self.high[layer], self.formats[layer],
             self.head_map[layer], batch.requests, batch.sealed_off, batch.sealed_pages, scale,
             self.serial_pairs)
         with intra_op_threads(tail_threads):
-            store_tails(st, layer, batch.tails, k_pages, v_pages, q, lse, scale)
+            store_tails(st, layer, tails, k_pages, v_pages, q, lse, scale, stats=self.stats,
+                        kv_staged=tails.in_place)
         return out
+
+    def window_stats(self, storage: RaggedStorage, layer: int, tails: TailBatch,
+                     k_pages: torch.Tensor, q: torch.Tensor, lse: torch.Tensor,
+                     scale: float) -> StagedQueryStats:
+        """tail_batch.window_stats in one C++ call (cuda_ext/tails.cpp)."""
+        s = storage.stats
+        attn, q_sum, q_sq, q_cnt = self.module.window_stats(
+            q.contiguous(), lse, k_pages.contiguous(), tails.page_win_row, tails.page_win_pos,
+            tails.page_start, tails.n_staged, tails.held_stage, s.attn, s.q_sum, s.q_sq_sum,
+            s.q_count, layer, scale)
+        return StagedQueryStats(attn=attn, q_sum=q_sum, q_sq_sum=q_sq, q_count=q_cnt)

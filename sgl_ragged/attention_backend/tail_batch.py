@@ -2,7 +2,10 @@
 
 `tail_batch` runs once per forward (layer-independent bookkeeping from the request plans);
 `store_tails` then does one layer's staging and sealing for the whole batch with a fixed number
-of batched tensor ops and one sealing call -- no loop over requests. It is the batched form of
+of batched tensor ops and one sealing call -- no loop over requests. A forward whose sealed
+pages were all staged before it (decode) may instead stage in place (`stage_fresh`: only its new
+tokens' slots and the padding past each request's end are written; staged tokens stay as they
+are), the same staging state as `store_tails`' whole-page writes. It is the batched form of
 `torch_ref.store_tail`, which stays the oracle; both write through the storage's write API
 (`RaggedStorage.seal`: its sealer selects, its row writer writes -- torch, or the sealing
 kernel on the Triton path; `stage_kv`, `store_stats`).
@@ -26,8 +29,8 @@ saw.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,7 +38,7 @@ from sgl_ragged.attention_backend.ops import take
 from sgl_ragged.attention_backend.plan import RequestPlan
 from sgl_ragged.mem_pool.sealer import SealBatch
 from sgl_ragged.mem_pool.staging_stats import StagedQueryStats, page_stats
-from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.mem_pool.storage import RaggedStorage, RowCopy
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,9 @@ class TailBatch:
     page_win_row: torch.Tensor  # [M, w_max] int64 rows of q of the page's request's window
     page_sees: torch.Tensor  # [M, w_max, P] bool window query j saw token i (causal, valid)
     page_saw: torch.Tensor  # [M, w_max] float32 window query j saw the page's first token
+    page_win_pos: torch.Tensor  # [M, w_max] int64 their positions (-1: no such query)
+    n_staged: torch.Tensor  # [M] int64 tokens of the page staged before (staged.sum(1))
+    held_stage: torch.Tensor  # [M] int64 prior_stage, -1 where the page held none
     seal_index: torch.Tensor  # [N] int64 tail pages (indices m) sealed by this forward
     seal_pages: torch.Tensor  # [N] int64 their logical pages
     stay_index: torch.Tensor  # [K] int64 tail pages that stay staged
@@ -60,10 +66,22 @@ class TailBatch:
     num_seal: int  # N (host copy)
     num_stay: int  # K (host copy)
     counted: bool = True  # seals are counted when sealed (False: a graph's buffers, graph.py)
+    # In place (`stage_fresh`; only where tail_batch was asked for it and the pages it seals
+    # were wholly staged before: decode with a window):
+    in_place: bool = False  # every page reads its K/V from one staging page (page_stage)
+    page_stage: torch.Tensor | None = None  # [M] int64 that page: the one a sealed page held,
+    # the one a staying page keeps
+    write_slot: torch.Tensor | None = None  # [F] int64 staging slots (stage * P + i) of the
+    # fresh tokens and of the padding past each request's end
+    write_row: torch.Tensor | None = None  # [F] int64 their rows of k/v (-1: padding, zeros)
 
 
-def tail_batch(plans: Sequence[RequestPlan], page_size: int, device: torch.device) -> TailBatch:
-    """Index tensors for these plans: host lists per page, then a few device ops."""
+def tail_batch(plans: Sequence[RequestPlan], page_size: int, device: torch.device,
+               in_place: bool = False) -> TailBatch:
+    """Index tensors for these plans: host lists per page, then a few device ops.
+    in_place: also the tables of `stage_fresh` where the forward allows it (the pages it
+    seals hold no fresh token; checking that each page keeps its staging page reads the
+    device)."""
     P = page_size
     # 1. Per page (host): request, first position, and the request's extents.
     req, start, prefix, seq_len, q_start, seal, stay, prior = ([] for _ in range(8))
@@ -97,18 +115,40 @@ def tail_batch(plans: Sequence[RequestPlan], page_size: int, device: torch.devic
     page_req = longs(req)
     page_win_pos = take(win_pos, page_req)  # [M, w]
     page_win_valid = take(win_valid, page_req)
-    return TailBatch(
+    staged = pos < prefix_t
+    batch = TailBatch(
         page_req=page_req, page_start=page_start, prior_stage=prior_stage,
-        has_prior=has_prior, staged=pos < prefix_t, fresh=fresh,
+        has_prior=has_prior, staged=staged, fresh=fresh,
         new_row=torch.where(fresh, longs(q_start)[:, None] + pos - prefix_t, 0),
         obs=_cat([_pad_to_pages(p.tail_obs, P) for p in plans], device).view(-1, P),
         page_win_row=take(win_row, page_req),
         page_sees=(pos[:, None, :] <= page_win_pos[:, :, None]) & page_win_valid[..., None],
         page_saw=(page_win_valid & (page_win_pos >= page_start[:, None])).float(),
+        page_win_pos=torch.where(page_win_valid, page_win_pos, -1), n_staged=staged.sum(1),
+        held_stage=torch.where(has_prior, prior_stage, -1),
         seal_index=longs(seal), seal_pages=_cat([p.tail_pages[: p.num_seal] for p in plans], device),
         stay_index=longs(stay), stay_stage=_cat([p.after_stages for p in plans], device),
         num_seal=len(seal), num_stay=len(stay),
     )
+    return _with_in_place(batch, P) if in_place else batch
+
+
+def _with_in_place(tails: TailBatch, P: int) -> TailBatch:
+    """`stage_fresh`'s tables, if every page it seals was wholly staged before and every page
+    that stays keeps the staging page it held (else the tails as they are)."""
+    seal, stay = tails.seal_index, tails.stay_index
+    if not bool(tails.staged[seal].all()):
+        return tails
+    kept = tails.has_prior[stay]
+    if not torch.equal(tails.stay_stage[kept], tails.prior_stage[stay][kept]):
+        return tails
+    stages = tails.prior_stage.clone()
+    stages[stay] = tails.stay_stage  # [M]
+    slots = stages[:, None] * P + torch.arange(P, device=stages.device)  # [M, P]
+    written = ~tails.staged  # fresh or padding
+    rows = torch.where(tails.fresh, tails.new_row, -1)
+    return replace(tails, in_place=True, page_stage=stages, write_slot=slots[written],
+                   write_row=rows[written])
 
 
 def _cat(parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -140,39 +180,75 @@ def tail_pages(storage: RaggedStorage, layer: int, tails: TailBatch, k_new: torc
             _gather(tails, storage.stage_v[layer], v_new))
 
 
+def stage_fresh(storage: RaggedStorage, layer: int, tails: TailBatch, k_new: torch.Tensor,
+                v_new: torch.Tensor, copy_rows: RowCopy | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tail_pages` of an in-place forward (tails.in_place): this forward's tokens k_new,
+    v_new [N, H, D] into their staging slots and zeros into the slots past each request's end
+    (`RaggedStorage.stage_tokens`; staged tokens are not rewritten), then every tail page's K
+    and V [M, P, H, D] read back from this layer's staging pages. `store_tails` with
+    kv_staged=True then stores only the statistics. copy_rows: `stage_tokens`' row copy."""
+    if not tails.in_place:
+        raise ValueError("stage_fresh needs tail_batch(..., in_place=True) on a forward that "
+                         "seals only pages staged before it (tails.in_place is False); use "
+                         "tail_pages")
+    storage.stage_tokens(layer, tails.write_slot, tails.write_row, k_new, v_new, copy_rows)
+    return (storage.stage_k[layer].index_select(0, tails.page_stage),
+            storage.stage_v[layer].index_select(0, tails.page_stage))
+
+
+WindowStats = Callable[[RaggedStorage, int, TailBatch, torch.Tensor, torch.Tensor, torch.Tensor,
+                        float], StagedQueryStats]
+"""(storage, layer, tails, k_pages, q, lse, scale) -> every tail page's new accumulators."""
+
+
 def store_tails(storage: RaggedStorage, layer: int, tails: TailBatch, k_pages: torch.Tensor,
-                v_pages: torch.Tensor, q: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+                v_pages: torch.Tensor, q: torch.Tensor, lse: torch.Tensor, scale: float,
+                stats: WindowStats | None = None, kv_staged: bool = False) -> None:
     """One layer, whole batch: seal the tail pages leaving the window, stage the others.
 
-    k_pages, v_pages: [M, P, H, D] from `tail_pages`; q: [N, H_q, D] this forward's queries;
-    lse: [N, H_q] float32 natural-log log-sum-exp of each window query (rows win_row) over all
-    keys it saw, sealed rows included (other rows are not read).
+    k_pages, v_pages: [M, P, H, D] from `tail_pages` (or `stage_fresh`: kv_staged=True, the
+    staging pages hold them already); q: [N, H_q, D] this forward's queries; lse: [N, H_q]
+    float32 natural-log log-sum-exp of each window query (rows win_row) over all keys it saw,
+    sealed rows included (other rows are not read). stats: how the accumulators are computed
+    (default `window_stats`; the native path passes its C++ form).
     """
-    # 1. What the tail tokens received from the window queries.
+    # 1. What the tail tokens received from the window queries, plus what staged pages held.
+    acc = (stats or window_stats)(storage, layer, tails, k_pages, q, lse, scale)
+    # 2. Seal the pages leaving the window (scores from their statistics).
+    if tails.num_seal:
+        s = tails.seal_index
+        stats_s = page_stats(_take_stats(acc, s), take(tails.obs, s), take(k_pages, s),
+                             take(v_pages, s), scale)
+        storage.seal(layer, SealBatch(stats_s, tails.seal_pages, take(tails.page_start, s),
+                                      count=tails.num_seal if tails.counted else 0))
+    # 3. Stage the rest with their statistics.
+    if tails.num_stay:
+        s, stages = tails.stay_index, tails.stay_stage
+        if not kv_staged:
+            storage.stage_kv(layer, stages, take(k_pages, s), take(v_pages, s))
+        storage.store_stats(layer, stages, _take_stats(acc, s) if tails.num_seal else acc)
+
+
+def window_stats(storage: RaggedStorage, layer: int, tails: TailBatch, k_pages: torch.Tensor,
+                 q: torch.Tensor, lse: torch.Tensor, scale: float) -> StagedQueryStats:
+    """[M] accumulators of the tail pages after this forward (torch): what their tokens
+    received from the window queries and the queries' statistics, plus what the staging
+    pages they held accumulated before (`store_tails`' arguments)."""
     attn = _window_attention(tails, q, lse, k_pages, scale)  # [M, H, P]
     q_sum, q_sq, q_cnt = _window_query_stats(tails, q, k_pages.shape[2])
-    # 2. Add what staged pages accumulated before this forward.
     prior = storage.stats.layer(layer, tails.prior_stage)  # [M, ...] (garbage where not held)
     attn += torch.where(tails.staged[:, None, :], prior.attn, 0.0)
     held = tails.has_prior.float()
     q_sum += held[:, None, None] * prior.q_sum
     q_sq += held[:, None, None] * prior.q_sq_sum
     q_cnt += held * prior.q_count
-    # 3. Seal the pages leaving the window (scores from their statistics).
-    if tails.num_seal:
-        s = tails.seal_index
-        acc = StagedQueryStats(attn=take(attn, s), q_sum=take(q_sum, s), q_sq_sum=take(q_sq, s),
-                               q_count=take(q_cnt, s))
-        stats = page_stats(acc, take(tails.obs, s), take(k_pages, s), take(v_pages, s), scale)
-        storage.seal(layer, SealBatch(stats, tails.seal_pages, take(tails.page_start, s),
-                                      count=tails.num_seal if tails.counted else 0))
-    # 4. Stage the rest with their statistics.
-    if tails.num_stay:
-        s, stages = tails.stay_index, tails.stay_stage
-        storage.stage_kv(layer, stages, take(k_pages, s), take(v_pages, s))
-        storage.store_stats(layer, stages, StagedQueryStats(
-            attn=take(attn, s), q_sum=take(q_sum, s), q_sq_sum=take(q_sq, s),
-            q_count=take(q_cnt, s)))
+    return StagedQueryStats(attn=attn, q_sum=q_sum, q_sq_sum=q_sq, q_count=q_cnt)
+
+
+def _take_stats(acc: StagedQueryStats, index: torch.Tensor) -> StagedQueryStats:
+    return StagedQueryStats(attn=take(acc.attn, index), q_sum=take(acc.q_sum, index),
+                            q_sq_sum=take(acc.q_sq_sum, index), q_count=take(acc.q_count, index))
 
 
 def _gather(tails: TailBatch, stage: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ Page 0 is SGLang's padding page; it is never handed out.
 
 The storage owns its writes: every path (the torch reference, the batched and native CPU
 paths, the Triton kernels, finish-time sealing) changes its tensors only through the write
-API below -- `stage_kv`, `store_stats`, `write_obs` (staging), `seal` / `write_sealed` (rows,
+API below -- `stage_kv`, `stage_tokens`, `store_stats`, `write_obs` (staging), `seal` / `write_sealed` (rows,
 through the row writer: torch here, the sealing kernel once the Triton path installs it with
 `use_row_writer`), `mark_sealed`, `seal_staged`. The tensor fields (rows_k, rows_v, low_rows,
 high_rows, row_keep, stage_k, stage_v, stats, and the CPU bookkeeping page_to_stage,
@@ -74,6 +74,12 @@ class RowWriter(Protocol):
 
     def __call__(self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor,
                  v_tok: torch.Tensor, selection: Selection) -> None: ...
+
+
+RowCopy = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+"""copy_rows(dst, slots, src, rows): dst[slots[i]] = src[rows[i]] in place, zeros where
+rows[i] < 0 (dst [R, ...], slots and rows [N] int64, src [n, ...]); `RaggedStorage.stage_tokens`
+hands it its own staging tensor."""
 
 
 class PageTiers(NamedTuple):
@@ -244,6 +250,22 @@ class RaggedStorage:
         staging pages stages [N] int64 (distinct)."""
         self.stage_k[layer].index_copy_(0, stages, k_pages.to(self.dtype))
         self.stage_v[layer].index_copy_(0, stages, v_pages.to(self.dtype))
+
+    def stage_tokens(self, layer: int, slots: torch.Tensor, rows: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, copy_rows: RowCopy | None = None) -> None:
+        """Tokens k, v [n, H, D] (any float dtype) into this layer's staging slots: slot
+        slots[i] (stage * P + offset, distinct) gets row rows[i], zeros where rows[i] < 0 --
+        the narrow write of a decode step (tail_batch.stage_fresh), the rest of each staging
+        page untouched. copy_rows: how (default index_select and index_copy_; the native path
+        passes its C++ copy)."""
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
+        for stage, x in ((self.stage_k[layer], k), (self.stage_v[layer], v)):
+            flat, x = stage.view(-1, H, D), x.to(self.dtype).contiguous()  # [(S + 1) * P, H, D]
+            if copy_rows is not None:
+                copy_rows(flat, slots, x, rows)
+                continue
+            padded = torch.cat([x.new_zeros(1, H, D), x])  # row 0: zeros
+            flat.index_copy_(0, slots, padded.index_select(0, rows + 1))
 
     def store_stats(self, layer: int, stages: torch.Tensor, acc: StagedQueryStats) -> None:
         """One layer's accumulators of the pages that stay staged, stages [N] int64."""

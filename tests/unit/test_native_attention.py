@@ -27,9 +27,11 @@ import pytest
 import torch
 
 from sgl_ragged import native
+from sgl_ragged.attention_backend import native_impl
+from sgl_ragged.attention_backend import tail_batch as tail_batch_module
 from sgl_ragged.attention_backend.native_impl import NativeAttention
 from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
-from sgl_ragged.attention_backend.tail_batch import tail_pages
+from sgl_ragged.attention_backend.tail_batch import tail_batch, tail_pages, window_stats
 from sgl_ragged.attention_backend.torch_ref import TorchAttention
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.precision import PAIR_CHOICES
@@ -506,14 +508,20 @@ def test_refuses_other_dtypes_by_name():
 @pytest.mark.parametrize("decode", [True, False])
 def test_default_routes_prefill_chunks_to_batched(decode, monkeypatch):
     """EXTEND_ON_BATCHED: decode batches run the kernels, batches with a prefill chunk the
-    batched torch path; both match the reference."""
-    calls = []
-    attend = native.load().attend
+    batched torch path (with tails.cpp's window statistics); both match the reference."""
+    calls, stats_calls = [], []
+    module = native.load()
 
     class Spy:
+        copy_rows = staticmethod(module.copy_rows)
+
         def attend(self, *args):
             calls.append(1)
-            return attend(*args)
+            return module.attend(*args)
+
+        def window_stats(self, *args):
+            stats_calls.append(1)
+            return module.window_stats(*args)
 
         def isa(self):
             return native.load().isa()
@@ -523,6 +531,7 @@ def test_default_routes_prefill_chunks_to_batched(decode, monkeypatch):
     compare_with_reference(lambda st: NativeAttention(st, module=Spy()), specs, decode, 17,
                            "cpu", layer=1)
     assert bool(calls) == decode
+    assert stats_calls == [1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -563,3 +572,74 @@ def test_a_failed_build_names_its_compiler_log(monkeypatch, tmp_path):
         native.build()
     log = Path(str(e.value).split("compiler log: ")[1].rstrip(")"))
     assert log.is_file() and log.parent.parent == tmp_path and "false" in log.read_text()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(4))
+def test_window_stats_match_torch(seed, dtype):
+    """cuda_ext/tails.cpp's window statistics equal tail_batch.window_stats' (decode and
+    prefill batches, sealing or not, windows of several queries); rows of q and lse the window
+    does not read hold NaN."""
+    shape = Shape(page_size=16, head_dim=64, kv_heads=4, gqa=3)
+    rng = random.Random(seed)
+    st = random_storage(rng, "cpu", layers=2, num_stages=64, dtype=dtype, shape=shape)
+    specs = (random_specs(rng, 3, False, page=16, max_sealed=2)
+             + random_specs(rng, 3, True, page=16, max_sealed=2))
+    plans = random_plans(st, specs, random.Random(seed + 1), gap=1)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), "cpu", dtype, shape)
+    lse = torch.rand(q.shape[0], q.shape[1]) * 4 + 2
+    tails = tail_batch(plans, 16, torch.device("cpu"))
+    unread = torch.ones(q.shape[0], dtype=torch.bool)
+    unread[tails.page_win_row[tails.page_win_pos >= 0]] = False
+    q[unread], lse[unread] = float("nan"), float("nan")
+    k_pages, _ = tail_pages(st, 1, tails, k, v)
+    want = window_stats(st, 1, tails, k_pages, q, lse, 0.125)
+    got = NativeAttention(st).window_stats(st, 1, tails, k_pages, q, lse, 0.125)
+    for name in ("attn", "q_sum", "q_sq_sum", "q_count"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-5,
+                                   rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("shape", [Shape(page_size=16, head_dim=64, kv_heads=4, gqa=3),
+                                   Shape(page_size=64, head_dim=64, kv_heads=4, gqa=3)])
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_in_place_matches_reference(seed, shape, monkeypatch):
+    """Decode batches (random staged counts; the new token fills a page or opens one; some
+    requests seal their first complete pages) take the in-place tails (stage_fresh: only the
+    fresh slots and the padding past each request's end are written): outputs and the whole
+    storage equal the reference's."""
+    calls = []
+    monkeypatch.setattr(native_impl, "stage_fresh",
+                        lambda *a: calls.append(1) or tail_batch_module.stage_fresh(*a))
+    P = shape.page_size
+    rng = random.Random(seed)
+    staged = [rng.choice([rng.randrange(2 * P), P - 1, P, 2 * P]) for _ in range(rng.randint(1, 6))]
+    specs = [Spec(sealed=rng.randrange(3), staged=n, q_len=1, seal=rng.randint(0, n // P))
+             for n in staged]
+    got, want, plans, outs, _ = twin_forward(specs, True, seed, shape, torch.float32, "int4")
+    rows = rows_of(plans)
+    torch.testing.assert_close(outs[0][rows], outs[1][rows], **TOL[torch.float32])
+    assert_same_state(got, want)
+    assert calls == [1]
+
+
+def test_copy_rows_writes_only_its_slots_and_refuses_bad_input():
+    """tails.cpp's copy_rows (stage_tokens' native copy): dst[slots] = src[rows], zeros where
+    a row is negative, other rows as they were; out-of-range slots and rows, dtype and shape
+    mismatches refused by name."""
+    copy_rows = native.load().copy_rows
+    dst = torch.randn(10, 3, 4).bfloat16()
+    want = dst.clone()
+    slots, rows = torch.tensor([7, 0, 3, 5]), torch.tensor([2, -1, 0, 2])
+    src = torch.randn(3, 3, 4).bfloat16()
+    want[slots] = torch.cat([torch.zeros(1, 3, 4).bfloat16(), src])[rows + 1]
+    copy_rows(dst, slots, src, rows)
+    assert torch.equal(dst, want)
+    with pytest.raises(RuntimeError, match="slot 10 is outside"):
+        copy_rows(dst, torch.tensor([10, 0, 1, 2]), src, rows)
+    with pytest.raises(RuntimeError, match="row 3 is outside"):
+        copy_rows(dst, slots, src, torch.tensor([3, 0, 0, 0]))
+    with pytest.raises(RuntimeError, match="convert it first"):
+        copy_rows(dst, slots, src.float(), rows)
+    with pytest.raises(RuntimeError, match="rows of dst"):
+        copy_rows(dst, slots, torch.randn(3, 3, 5).bfloat16(), rows)

@@ -17,6 +17,7 @@ import torch
 
 from sgl_ragged.attention_backend.plan import BatchPlan
 from sgl_ragged.attention_backend.tail_batch import (
+    stage_fresh,
     store_tails,
     tail_batch,
     tail_pages,
@@ -37,21 +38,83 @@ from tests.unit.kernel_cases import (
 SCALE = 1 / math.sqrt(D)
 
 
-def _run_both(seed: int, specs: list[Spec], layer: int, gap: int) -> None:
+def _run_both(seed: int, specs: list[Spec], layer: int, gap: int, in_place: bool = False) -> None:
+    """in_place: through `stage_fresh` (no page sealed), the staging slots it must overwrite
+    (padding past each request's end, pages it did not hold before) poisoned with NaN in both
+    storages; it must also read back the pages `tail_pages` gathers."""
     batched, ref = (random_storage(random.Random(seed), "cpu", layers=2, num_stages=64)
                     for _ in range(2))
     plans = random_plans(batched, specs, random.Random(seed), gap=gap)
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), "cpu")
+    if in_place:
+        for st in batched, ref:
+            _poison_overwritten(st, plans, layer)
     # The batched path reads the log-sum-exps an attention kernel would return.
     lse = torch.full((q.shape[0], q.shape[1]), float("nan"))  # rows no request owns: garbage
     for p in plans:
         rows = slice(p.q_start, p.q_start + p.q_len)
         lse[rows] = reference_lse(batched, layer, p, q[rows], k[rows], SCALE)
-    tails = tail_batch(plans, P, torch.device("cpu"))
-    k_pages, v_pages = tail_pages(batched, layer, tails, k, v)
-    store_tails(batched, layer, tails, k_pages, v_pages, q, lse, SCALE)
+    tails = tail_batch(plans, P, torch.device("cpu"), in_place=in_place)
+    assert tails.in_place == in_place
+    if in_place:
+        want = tail_pages(batched, layer, tails, k, v)
+        k_pages, v_pages = stage_fresh(batched, layer, tails, k, v)
+        assert torch.equal(k_pages, want[0]) and torch.equal(v_pages, want[1])
+    else:
+        k_pages, v_pages = tail_pages(batched, layer, tails, k, v)
+    store_tails(batched, layer, tails, k_pages, v_pages, q, lse, SCALE, kv_staged=in_place)
     TorchAttention(ref).forward(layer, BatchPlan(requests=plans), q, k, v, SCALE, decode=False)
     assert_same_state(batched, ref)
+
+
+def _poison_overwritten(st, plans, layer: int) -> None:
+    """NaN in the staging slots a forward must overwrite: this layer's slots past each
+    request's end and every slot of staging pages the request did not hold before."""
+    for p in plans:
+        stages = p.after_stages[p.num_seal:]
+        for i, s in enumerate(stages.tolist()):
+            first = p.tail_start + (p.num_seal + i) * P  # the page's first position
+            staged = max(0, min(P, p.prefix - first)) if i < p.prior_stages.numel() else 0
+            for t in st.stage_k[layer], st.stage_v[layer]:
+                t[s, staged:] = float("nan")
+            for t in (st.stats.attn, st.stats.q_sum, st.stats.q_sq_sum, st.stats.q_count):
+                if i >= p.prior_stages.numel():
+                    t[s, layer] = float("nan")
+
+
+def _in_place_specs(rng: random.Random, n: int) -> list[Spec]:
+    """n requests that seal only pages staged before: decode steps (staged counts at random
+    and at page boundaries: the new token fills a page, or opens one; some seal their first
+    complete pages) and a few short chunks that seal nothing."""
+    specs = []
+    for _ in range(n):
+        staged = rng.choice([rng.randrange(3 * P), P - 1, P, 2 * P - 1, 0])
+        q_len = 1 if rng.random() < 0.75 else rng.randint(2, P)
+        seal = rng.randint(0, staged // P) if q_len == 1 else 0
+        specs.append(Spec(sealed=rng.randrange(3), staged=staged, q_len=q_len, seal=seal))
+    return specs
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_stage_fresh_matches_reference(seed):
+    """Forwards that seal nothing write only their tokens' staging slots (and zeros past each
+    request's end): the whole storage then equals the reference's."""
+    rng = random.Random(seed)
+    _run_both(seed, _in_place_specs(rng, rng.randint(1, 6)), layer=seed % 2, gap=seed % 3,
+              in_place=True)
+
+
+def test_stage_fresh_refuses_seals_of_new_tokens():
+    """A chunk whose sealed page holds new tokens has no staging slot for them: the tails
+    are not in place, stage_fresh says to use tail_pages."""
+    storage = random_storage(random.Random(1), "cpu", num_stages=64)
+    plans = random_plans(storage, [Spec(sealed=1, staged=P - 1, q_len=1, seal=1),
+                                   Spec(sealed=0, staged=3, q_len=P, seal=1)], random.Random(1))
+    tails = tail_batch(plans, P, torch.device("cpu"), in_place=True)
+    assert not tails.in_place
+    k = torch.zeros(P + 1, storage.layout.num_kv_heads, D)
+    with pytest.raises(ValueError, match="use tail_pages"):
+        stage_fresh(storage, 0, tails, k, k)
 
 
 @pytest.mark.parametrize("seed", range(6))
