@@ -16,8 +16,10 @@
 #include <string>
 #include <vector>
 
+#include "checks.h"
 #include "quantize.h"
 #include "ragged_attention.h"
+#include "tails.h"
 
 namespace ragged {
 namespace {
@@ -57,13 +59,7 @@ const Isa& isa() {
 }
 
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
-  TORCH_CHECK(t.device().is_cpu(), "native attention: ", name, " must be on the CPU, got ",
-              t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "native attention: ", name, " must be ", dtype, ", got ",
-              t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, "native attention: ", name, " must have ", dim, " dims, got ",
-              t.sizes());
-  TORCH_CHECK(t.is_contiguous(), "native attention: ", name, " must be contiguous");
+  check_cpu_tensor("native attention", t, name, dtype, dim);
 }
 
 const uint16_t* half_ptr(const at::Tensor& t) {
@@ -320,17 +316,6 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
     merge(p, items, block_first, o_ptr, l_ptr, out.data_ptr<float>(), lse.data_ptr<float>(), serial);
   return {out, lse};
 }
-
-// tails.cpp: the window statistics of the batch's tail pages (one call per layer).
-std::vector<at::Tensor> window_stats(const at::Tensor& q, const at::Tensor& lse,
-                                     const at::Tensor& k_pages, const at::Tensor& win_row,
-                                     const at::Tensor& win_pos, const at::Tensor& page_start,
-                                     const at::Tensor& n_staged, const at::Tensor& prior_stage,
-                                     const at::Tensor& attn, const at::Tensor& q_sum,
-                                     const at::Tensor& q_sq_sum, const at::Tensor& q_count,
-                                     int64_t layer, double scale);
-void copy_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,
-               const at::Tensor& rows);
 
 }  // namespace ragged
 

@@ -23,17 +23,14 @@
 #include <cstring>
 #include <vector>
 
+#include "checks.h"
+#include "tails.h"
+
 namespace ragged {
 namespace {
 
 void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
-  TORCH_CHECK(t.device().is_cpu(), "window_stats: ", name, " must be on the CPU, got ",
-              t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "window_stats: ", name, " must be ", dtype, ", got ",
-              t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, "window_stats: ", name, " must have ", dim, " dims, got ",
-              t.sizes());
-  TORCH_CHECK(t.is_contiguous(), "window_stats: ", name, " must be contiguous");
+  check_cpu_tensor("window_stats", t, name, dtype, dim);
 }
 
 struct Shapes {
@@ -199,8 +196,8 @@ void copy_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,
               "contiguous");
   TORCH_CHECK(dst.scalar_type() == src.scalar_type(), "copy_rows: src is ", src.scalar_type(),
               " but dst is ", dst.scalar_type(), " (convert it first)");
-  check(slots, "slots", at::kLong, 1);
-  check(rows, "rows", at::kLong, 1);
+  check_cpu_tensor("copy_rows", slots, "slots", at::kLong, 1);
+  check_cpu_tensor("copy_rows", rows, "rows", at::kLong, 1);
   TORCH_CHECK(dst.dim() >= 1 && src.dim() == dst.dim() && rows.size(0) == slots.size(0) &&
                   src.sizes().slice(1) == dst.sizes().slice(1),
               "copy_rows: src ", src.sizes(), " must be rows of dst ", dst.sizes(),
