@@ -173,11 +173,14 @@ class BudgetProfile:
         if self.tiers is not None:
             if heads_per_group == self.heads_per_group:
                 return self
+            search = (f"`sgl-ragged profile tiers ... --precision mixed --heads-per-group "
+                      f"{heads_per_group}`" if self.tiers.per_head else
+                      f"`sgl-ragged profile tiers` on a profile in groups of {heads_per_group}")
             raise ProfileError(
                 f"this profile carries row tiers searched for head groups of {self.heads_per_group} "
                 f"(tiers {self.tiers.precision!r}), and regrouping to {heads_per_group} heads per "
-                "group would lose them: leave --ragged-heads-per-group unset, or search tiers for "
-                f"that grouping (`sgl-ragged profile tiers ... --heads-per-group {heads_per_group}`)")
+                f"group would lose them: leave --ragged-heads-per-group unset, or search tiers for "
+                f"that grouping ({search})")
         if clustered:
             groups = tuple(
                 budget_math.cluster_heads(layer, heads_per_group) for layer in self.budgets

@@ -345,7 +345,6 @@ def test_shipped_mixed_profiles_serve_at_their_bytes(path):
     assert layout.row_bytes_per_page <= drop_only.row_bytes_per_page
 
 
-
 def test_a_tier_profile_refuses_another_grouping(tmp_path: Path):
     """--ragged-heads-per-group on a profile with searched tiers (profile/spec.py, the server's
     path): the same grouping keeps it, another is refused by name (regrouping would silently
@@ -361,3 +360,11 @@ def test_a_tier_profile_refuses_another_grouping(tmp_path: Path):
                                                rf"regrouping to {hpg} heads per group .* "
                                                rf"--heads-per-group {hpg}"):
             resolve_profile(str(path), shape, hpg)
+    # One low format for all (version 2, `profile tiers --precision int4`): the same refusal,
+    # pointing at a regrouped base profile (that search takes no --heads-per-group).
+    mixed = mixed_profile()
+    one_format = BudgetProfile(mixed.model, mixed.budgets, mixed.groups, mixed.source,
+                               tiers=ProfileTiers("int4", mixed.tiers.hi, mixed.tiers.lo))
+    with pytest.raises(ProfileError, match=r"regrouping to 1 heads per group .*\(`sgl-ragged "
+                                           r"profile tiers` on a profile in groups of 1\)"):
+        one_format.regrouped(1)
