@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>

@@ -125,12 +125,21 @@ inline int64_t amx_workspace_floats(const Params& p) {
   return R * U + (2 * R * D + R * U + 6 * U * D) / 2 + 7 * 16 + 16;
 }
 
+// Floats of the AVX-512 integer-tier scratch (bfloat16 storages, attention_body.inc's VNNI
+// section; 64-byte aligned starts): row scales [R] float32, then bytes: queries' two int8
+// parts [R, 2, D], a page's value codes in 4-token groups [Pp, D], one row's probability
+// parts [2, Pp].
+inline int64_t vnni_workspace_floats(const Params& p) {
+  const int64_t R = p.q_block * p.group_size, D = p.head_dim, Pp = padded_page(p);
+  return R + (2 * R * D + Pp * D + 2 * Pp) / 4 + 4 * 16 + 16;
+}
+
 // Floats of per-thread workspace one item needs (scaled queries, logits, a unit's keys
 // transposed and values converted, per-page parameters, softmax state, AVX-512 partial dots).
 inline int64_t workspace_floats(const Params& p) {
   const int64_t R = p.q_block * p.group_size, D = p.head_dim, Pp = padded_page(p);
   return 2 * R * D + R * Pp + 2 * Pp * D + 2 * (D > Pp ? D : Pp) + 4 * R +
-         R * kKeyTile * kKeyTile + D + amx_workspace_floats(p);
+         R * kKeyTile * kKeyTile + D + vnni_workspace_floats(p) + amx_workspace_floats(p);
 }
 
 // Runs items [begin, end): partial outputs o_part [., R, D] (normalized) and lse_part [., R]

@@ -292,6 +292,34 @@ def test_matches_reference_bfloat16(precision, decode):
     torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, decode))
 
 
+@pytest.mark.parametrize("precision", ["int8", "int4", "int2", "int8+int4", "int8+int2"])
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+def test_integer_tiers_of_bfloat16_storages(precision, head_dim):
+    """Decode over integer tiers of a bfloat16 storage: on AVX-512 the codes are dotted as
+    integers (VNNI, attention_body.inc: q' and p' rounded to 16-bit integers per row; head
+    sizes 64, 128 and 256 in every layout of the codes, 192 on the float loops). Outputs within
+    bf16_tol of the float32 twin's reference; the float32 lse within 1e-3 + 1e-4 |lse|: the
+    rounding moves a logit by at most 2^-16 max|q'| sum_c code_c (here up to 3e-5 of |lse|
+    ~ 46, against 1e-5 absolute on the float loops), far below the error of the bfloat16
+    query's own rounding (2^-9 relative)."""
+    shape = Shape(page_size=16, head_dim=head_dim, kv_heads=2, gqa=3)
+    specs = random_specs(random.Random(head_dim), 4, True, page=16, max_sealed=4)
+    mine, twin, plans, outs, bound = twin_forward(specs, True, 41, shape, torch.bfloat16, precision)
+    rows = rows_of(plans)
+    torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, True))
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(41), "cpu", torch.bfloat16, shape)
+    impl = NativeAttention(mine, extend_on_batched=False)
+    batch = impl.prepare(BatchPlan(requests=list(plans)))
+    k_pages, v_pages = tail_pages(mine, 1, batch.tails, k, v)
+    _, lse = impl.module.attend(q, k_pages, v_pages, mine.rows_k[1], mine.rows_v[1], impl.low[1],
+                                impl.high[1], impl.formats[1], impl.head_map[1], batch.requests,
+                                batch.sealed_off, batch.sealed_pages, head_dim**-0.5, 0)
+    for p in plans:
+        at = slice(p.q_start, p.q_start + p.q_len)
+        want = reference_lse(twin, 1, p, q[at].float(), k[at].float(), head_dim**-0.5)
+        torch.testing.assert_close(lse[at], want, atol=1e-3, rtol=1e-4)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "int4"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_chunks_on_serving_pages(precision, head_dim):
