@@ -70,7 +70,7 @@ def native_only(storage: RaggedStorage) -> NativeAttention:
 
 def twin_forward(specs: Sequence[Spec], decode: bool, seed: int, shape: Shape, dtype: torch.dtype,
                  precision: str, layer: int = 1, gap: int = 1, poison: bool = False,
-                 serial_pairs: int = 0,
+                 serial_pairs: int = 0, heads_per_group: int = 2,
                  ) -> tuple[RaggedStorage, RaggedStorage, list[RequestPlan], list[torch.Tensor], float]:
     """One forward through NativeAttention (storage and q/k/v in `dtype`) and the reference on
     a float32 twin holding the same values (a bfloat16 reference rounds dequantized rows and
@@ -79,7 +79,7 @@ def twin_forward(specs: Sequence[Spec], decode: bool, seed: int, shape: Shape, d
     batches on one thread, unsplit). Returns the storages, plans, both outputs and the largest
     |value| the batch's rows attend to (value_bound)."""
     mine = random_storage(random.Random(seed), "cpu", layers=2, num_stages=64, dtype=dtype,
-                          shape=shape, precision=precision)
+                          shape=shape, precision=precision, heads_per_group=heads_per_group)
     stores = [mine, float32_twin(mine)]
     plans = random_plans(stores[0], specs, random.Random(seed + 1), gap=gap)
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), "cpu", dtype, shape)
@@ -293,18 +293,21 @@ def test_matches_reference_bfloat16(precision, decode):
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4", "int2", "int8+int4", "int8+int2"])
-@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
-def test_integer_tiers_of_bfloat16_storages(precision, head_dim):
+@pytest.mark.parametrize("head_dim,page,heads", [(64, 16, 2), (128, 16, 2), (192, 16, 2),
+                                                 (256, 16, 2), (64, 64, 3)])
+def test_integer_tiers_of_bfloat16_storages(precision, head_dim, page, heads):
     """Decode over integer tiers of a bfloat16 storage: on AVX-512 the codes are dotted as
     integers (VNNI, attention_body.inc: q' and p' rounded to 16-bit integers per row; head
     sizes 64, 128 and 256 in every layout of the codes, 192 on the float loops). Outputs within
     bf16_tol of the float32 twin's reference; the float32 lse within 1e-3 + 1e-4 |lse|: the
     rounding moves a logit by at most 2^-16 max|q'| sum_c code_c (here up to 3e-5 of |lse|
     ~ 46, against 1e-5 absolute on the float loops), far below the error of the bfloat16
-    query's own rounding (2^-9 relative)."""
-    shape = Shape(page_size=16, head_dim=head_dim, kv_heads=2, gqa=3)
-    specs = random_specs(random.Random(head_dim), 4, True, page=16, max_sealed=4)
-    mine, twin, plans, outs, bound = twin_forward(specs, True, 41, shape, torch.bfloat16, precision)
+    query's own rounding (2^-9 relative). The last shape is the server's (SmolLM2: 64-token
+    pages, the 3 KV heads of a uniform profile in one group; other scratch offsets)."""
+    shape = Shape(page_size=page, head_dim=head_dim, kv_heads=heads, gqa=3)
+    specs = random_specs(random.Random(head_dim), 4, True, page=page, max_sealed=4)
+    mine, twin, plans, outs, bound = twin_forward(specs, True, 41, shape, torch.bfloat16, precision,
+                                                  heads_per_group=heads)
     rows = rows_of(plans)
     torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, True))
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(41), "cpu", torch.bfloat16, shape)
