@@ -105,9 +105,9 @@ void page_head(const Shapes& s, int64_t m, int64_t h, const T* q, const float* l
 // Keys of (m, h) are tile-transposed once, kt [Pp / 16, D, 16] float32 (lane: key), or for
 // bfloat16 kept in channel pairs [Pp / 16, D / 2, 16] (one 32-bit unit per lane). A window
 // query's G rows (up to 3 at once) are dotted against up to 4 tiles (64 keys) by broadcast
-// FMAs over the channels (bfloat16: vdpbf16ps over the pairs); exp16 and the max over the rows
-// stay in registers, the causal limit `seen` masks the lanes added to attn. Needs D a multiple
-// of 16.
+// FMAs over the channels (bfloat16: vdpbf16ps over the pairs); the max over the rows of the
+// exponents, then one exp16 per key, stay in registers; the causal limit `seen` masks the
+// lanes added to attn. Needs D a multiple of 16.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
 
@@ -203,8 +203,8 @@ inline __m512 madd(__m512 acc, __m512 x, __m512 key) {
     return _mm512_fmadd_ps(x, key, acc);
 }
 
-// best[t] = max(best[t], max over rows i < RB of exp(scale q[i] . key - norm[i])) for the 16
-// keys of each of NT tiles at kt (W 32-bit units per key; q: [RB, W] units, float32 channels
+// best[t] = max(best[t], max over rows i < RB of scale q[i] . key - norm[i]) for the 16 keys
+// of each of NT tiles at kt (W 32-bit units per key; q: [RB, W] units, float32 channels
 // or bfloat16 pairs; norm: [RB]).
 template <int NT, int RB, bool BF>
 void rows_tiles(const float* kt, int64_t W, const float* q, const float* norm, float scale,
@@ -227,7 +227,7 @@ void rows_tiles(const float* kt, int64_t W, const float* q, const float* norm, f
   for (int i = 0; i < RB; ++i) {
     const __m512 vn = _mm512_set1_ps(norm[i]);
     for (int t = 0; t < NT; ++t)
-      best[t] = _mm512_max_ps(best[t], exp16(_mm512_fmsub_ps(acc[i][t], vs, vn)));
+      best[t] = _mm512_max_ps(best[t], _mm512_fmsub_ps(acc[i][t], vs, vn));
   }
 }
 
@@ -259,7 +259,8 @@ void window_rows(const Shapes& s, int64_t h, int64_t row, const T* q, const floa
 }
 
 // attn[i] += max over the G rows of exp(scale q[g] . key_i - norm[g]) for i < seen (kt and
-// q in W 32-bit units per key / row, tile_keys' and window_rows' layouts).
+// q in W 32-bit units per key / row, tile_keys' and window_rows' layouts): one exp of the
+// rows' largest exponent per key (exp is increasing).
 template <bool BF>
 void window_attn(int64_t G, int64_t W, const float* kt, const float* q, const float* norm,
                  float scale, int64_t seen, float* attn) {
@@ -267,7 +268,7 @@ void window_attn(int64_t G, int64_t W, const float* kt, const float* q, const fl
   for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
     const int64_t nt = std::min<int64_t>(4, tiles - t0);
     __m512 best[4];
-    for (__m512& b : best) b = _mm512_setzero_ps();
+    for (__m512& b : best) b = _mm512_set1_ps(-INFINITY);
     for (int64_t g0 = 0; g0 < G; g0 += 3)
       kRowsTiles<BF>[nt - 1][std::min<int64_t>(3, G - g0) - 1](kt + t0 * W * 16, W, q + g0 * W,
                                                                norm + g0, scale, best);
@@ -275,7 +276,7 @@ void window_attn(int64_t G, int64_t W, const float* kt, const float* q, const fl
       const int64_t at = (t0 + t) * 16;
       const __mmask16 in = first_lanes(seen - at);
       _mm512_mask_storeu_ps(attn + at, in,
-                            _mm512_add_ps(_mm512_maskz_loadu_ps(in, attn + at), best[t]));
+                            _mm512_add_ps(_mm512_maskz_loadu_ps(in, attn + at), exp16(best[t])));
     }
   }
 }
