@@ -13,8 +13,8 @@
 // scratch buffer per parallel chunk). Two forms of the per (page, KV head) loop: the portable
 // one (std::exp, the attention's avx2 and scalar variants) and an AVX-512 one (wide::, taken
 // when the attention runs avx512 or amx and head_dim is a multiple of 16): keys tile-transposed
-// once per page and head, 16 keys per vector (bfloat16: channel pairs by vdpbf16ps, exact
-// products), attention_body.inc's exp16 (relative error < 2e-7 against std::exp).
+// once per page and head (float32), 16 keys per vector, attention_body.inc's exp16 (relative
+// error < 2e-7 against std::exp).
 //
 // copy_rows(dst, slots, src, rows): dst[slots[i]] = src[rows[i]] (zeros where rows[i] < 0),
 // rows of any dtype by memcpy (the staging write of a decode step, RaggedStorage.stage_tokens,
@@ -27,7 +27,6 @@
 #include <cmath>
 #include <cstring>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include <immintrin.h>
@@ -102,14 +101,14 @@ void page_head(const Shapes& s, int64_t m, int64_t h, const T* q, const float* l
 }
 
 // ---- AVX-512 form (window_stats picks it when the attention runs its avx512 or amx variant) ----
-// Keys of (m, h) are tile-transposed once, kt [Pp / 16, D, 16] float32 (lane: key), or for
-// bfloat16 kept in channel pairs [Pp / 16, D / 2, 16] (one 32-bit unit per lane). A window
-// query's G rows (up to 3 at once) are dotted against up to 4 tiles (64 keys) by broadcast
-// FMAs over the channels (bfloat16: vdpbf16ps over the pairs); the max over the rows of the
-// exponents, then one exp16 per key, stay in registers; the causal limit `seen` masks the
-// lanes added to attn. Needs D a multiple of 16.
+// Keys of (m, h) are converted to float32 and tile-transposed once, kt [Pp / 16, D, 16] (lane:
+// key). A window query's G rows (up to 3 at once) are dotted against up to 4 tiles (64 keys)
+// by broadcast FMAs over the D channels; the max over the rows of the exponents, then one
+// exp16 per key, stay in registers; the causal limit `seen` masks the lanes added to attn.
+// Needs D a multiple of 16. (bfloat16 keys dotted in channel pairs by vdpbf16ps measured no
+// faster than converted keys here: not used.)
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
 
 namespace wide {
 
@@ -169,58 +168,40 @@ inline void transpose16(__m512* r) {
   }
 }
 
-// Keys [0, reach) of (m, h) into kt, missing keys zeros: float32 [ceil(reach / 16), D, 16], or
-// for bfloat16 in 32-bit channel pairs [ceil(reach / 16), D / 2, 16] (vdpbf16ps' operand).
-// Either way a 16 x 16 transpose of 32-bit units, W of them per key.
+// Keys [0, reach) of (m, h) into kt [ceil(reach / 16), D, 16] float32 (missing keys: zeros).
 template <typename T>
 void tile_keys(const Shapes& s, int64_t m, int64_t h, const T* k, int64_t reach, float* kt) {
-  constexpr int64_t per = 4 / sizeof(T);  // channels per 32-bit unit
-  const int64_t W = s.D / per;
+  const int64_t D = s.D;
   __m512 r[16];
   for (int64_t t0 = 0; t0 < reach; t0 += 16) {
-    float* tile = kt + t0 * W;  // [W, 16]
-    for (int64_t u0 = 0; u0 < W; u0 += 16) {
-      const __mmask16 in = first_lanes(W - u0);
+    float* tile = kt + t0 * D;  // [D, 16]
+    for (int64_t c0 = 0; c0 < D; c0 += 16) {
       for (int64_t i = 0; i < 16; ++i)
-        r[i] = t0 + i < reach ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(
-                                    in, k + ((m * s.P + t0 + i) * s.H + h) * s.D + u0 * per))
+        r[i] = t0 + i < reach ? load16(k + ((m * s.P + t0 + i) * s.H + h) * D + c0)
                               : _mm512_setzero_ps();
       transpose16(r);
-      for (int64_t u = 0; u < std::min<int64_t>(16, W - u0); ++u)
-        _mm512_storeu_ps(tile + (u0 + u) * 16, r[u]);
+      for (int64_t c = 0; c < 16; ++c) _mm512_storeu_ps(tile + (c0 + c) * 16, r[c]);
     }
   }
 }
 
-// acc += x * key: float32 FMAs, or for bfloat16 (BF) a channel pair's two products in one
-// vdpbf16ps (bfloat16 products are exact in float32; each addition rounded as an FMA's).
-template <bool BF>
-inline __m512 madd(__m512 acc, __m512 x, __m512 key) {
-  if constexpr (BF)
-    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_castps_si512(x),
-                            (__m512bh)_mm512_castps_si512(key));
-  else
-    return _mm512_fmadd_ps(x, key, acc);
-}
-
-// best[t] = max(best[t], max over rows i < RB of scale q[i] . key - norm[i]) for the 16 keys
-// of each of NT tiles at kt (W 32-bit units per key; q: [RB, W] units, float32 channels
-// or bfloat16 pairs; norm: [RB]).
-template <int NT, int RB, bool BF>
-void rows_tiles(const float* kt, int64_t W, const float* q, const float* norm, float scale,
+// best[t] = max(best[t], max over rows i < RB of scale qf[i] . key - norm[i]) for the 16 keys
+// of each of NT tiles at kt (qf: [RB, D] float32, norm: [RB]).
+template <int NT, int RB>
+void rows_tiles(const float* kt, int64_t D, const float* qf, const float* norm, float scale,
                 __m512* best) {
   __m512 acc[RB][NT];
   for (int i = 0; i < RB; ++i)
     for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
-  for (int64_t u = 0; u < W; ++u) {
+  for (int64_t c = 0; c < D; ++c) {
     __m512 key[NT];
     for (int t = 0; t < NT; ++t) {
-      key[t] = _mm512_loadu_ps(kt + (t * W + u) * 16);
+      key[t] = _mm512_loadu_ps(kt + (t * D + c) * 16);
       asm("" : "+v"(key[t]));  // held in a register: loaded once for the RB rows, not RB times
     }
     for (int i = 0; i < RB; ++i) {
-      const __m512 x = _mm512_set1_ps(q[i * W + u]);
-      for (int t = 0; t < NT; ++t) acc[i][t] = madd<BF>(acc[i][t], x, key[t]);
+      const __m512 x = _mm512_set1_ps(qf[i * D + c]);
+      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_fmadd_ps(x, key[t], acc[i][t]);
     }
   }
   const __m512 vs = _mm512_set1_ps(scale);
@@ -232,25 +213,24 @@ void rows_tiles(const float* kt, int64_t W, const float* q, const float* norm, f
 }
 
 using RowsTiles = void (*)(const float*, int64_t, const float*, const float*, float, __m512*);
-template <bool BF>
 constexpr RowsTiles kRowsTiles[4][3] = {
-    {rows_tiles<1, 1, BF>, rows_tiles<1, 2, BF>, rows_tiles<1, 3, BF>},
-    {rows_tiles<2, 1, BF>, rows_tiles<2, 2, BF>, rows_tiles<2, 3, BF>},
-    {rows_tiles<3, 1, BF>, rows_tiles<3, 2, BF>, rows_tiles<3, 3, BF>},
-    {rows_tiles<4, 1, BF>, rows_tiles<4, 2, BF>, rows_tiles<4, 3, BF>}};
+    {rows_tiles<1, 1>, rows_tiles<1, 2>, rows_tiles<1, 3>},
+    {rows_tiles<2, 1>, rows_tiles<2, 2>, rows_tiles<2, 3>},
+    {rows_tiles<3, 1>, rows_tiles<3, 2>, rows_tiles<3, 3>},
+    {rows_tiles<4, 1>, rows_tiles<4, 2>, rows_tiles<4, 3>}};
 
-// qs [G, D] = window query `row`'s query heads of h as stored (float32 or bfloat16: the dot
-// products' operand), pooled into q_sum / q_sq in float32; norm [G] their lse.
+// qf [G, D] = window query `row`'s query heads of h in float32, pooled into q_sum / q_sq;
+// norm [G] their lse.
 template <typename T>
-void window_rows(const Shapes& s, int64_t h, int64_t row, const T* q, const float* lse, T* qs,
-                 float* norm, float* q_sum, float* q_sq) {
+void window_rows(const Shapes& s, int64_t h, int64_t row, const T* q, const float* lse,
+                 float* qf, float* norm, float* q_sum, float* q_sq) {
   const int64_t D = s.D, Hq = s.H * s.G;
   for (int64_t g = 0; g < s.G; ++g) {
     const int64_t qh = h * s.G + g;
     const T* qrow = q + (row * Hq + qh) * D;
-    std::memcpy(qs + g * D, qrow, D * sizeof(T));
     for (int64_t c = 0; c < D; c += 16) {
       const __m512 x = load16(qrow + c);
+      _mm512_storeu_ps(qf + g * D + c, x);
       _mm512_storeu_ps(q_sum + c, _mm512_add_ps(_mm512_loadu_ps(q_sum + c), x));
       _mm512_storeu_ps(q_sq + c, _mm512_fmadd_ps(x, x, _mm512_loadu_ps(q_sq + c)));
     }
@@ -258,11 +238,9 @@ void window_rows(const Shapes& s, int64_t h, int64_t row, const T* q, const floa
   }
 }
 
-// attn[i] += max over the G rows of exp(scale q[g] . key_i - norm[g]) for i < seen (kt and
-// q in W 32-bit units per key / row, tile_keys' and window_rows' layouts): one exp of the
-// rows' largest exponent per key (exp is increasing).
-template <bool BF>
-void window_attn(int64_t G, int64_t W, const float* kt, const float* q, const float* norm,
+// attn[i] += max over the G rows of exp(scale qf[g] . key_i - norm[g]) for i < seen: one exp
+// of the rows' largest exponent per key (exp is increasing).
+void window_attn(int64_t G, int64_t D, const float* kt, const float* qf, const float* norm,
                  float scale, int64_t seen, float* attn) {
   const int64_t tiles = (seen + 15) / 16;
   for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
@@ -270,8 +248,8 @@ void window_attn(int64_t G, int64_t W, const float* kt, const float* q, const fl
     __m512 best[4];
     for (__m512& b : best) b = _mm512_set1_ps(-INFINITY);
     for (int64_t g0 = 0; g0 < G; g0 += 3)
-      kRowsTiles<BF>[nt - 1][std::min<int64_t>(3, G - g0) - 1](kt + t0 * W * 16, W, q + g0 * W,
-                                                               norm + g0, scale, best);
+      kRowsTiles[nt - 1][std::min<int64_t>(3, G - g0) - 1](kt + t0 * D * 16, D, qf + g0 * D,
+                                                           norm + g0, scale, best);
     for (int64_t t = 0; t < nt; ++t) {
       const int64_t at = (t0 + t) * 16;
       const __mmask16 in = first_lanes(seen - at);
@@ -286,10 +264,8 @@ template <typename T>
 void page_head(const Shapes& s, int64_t m, int64_t h, const T* q, const float* lse, const T* k,
                const int64_t* win_row, const int64_t* win_pos, int64_t page_start, float scale,
                float* attn, float* q_sum, float* q_sq, float* scratch) {
-  constexpr bool bf = std::is_same_v<T, c10::BFloat16>;
-  const int64_t P = s.P, D = s.D, Pp = (P + 15) / 16 * 16, W = bf ? D / 2 : D;
-  // kt [Pp / 16, W, 16], qs [G, D] of T, norm [G] (scratch_floats: Pp D + G D + G + P)
-  float *kt = scratch, *qs = kt + Pp * D, *norm = qs + s.G * D;
+  const int64_t P = s.P, D = s.D, Pp = (P + 15) / 16 * 16;
+  float *kt = scratch, *qf = kt + Pp * D, *norm = qf + s.G * D;  // [Pp/16, D, 16], [G, D], [G]
   tile_keys(s, m, h, k, page_reach(s, m, win_pos, page_start), kt);
   std::fill(attn, attn + P, 0.f);
   std::fill(q_sum, q_sum + D, 0.f);
@@ -297,8 +273,8 @@ void page_head(const Shapes& s, int64_t m, int64_t h, const T* q, const float* l
   for (int64_t j = 0; j < s.w; ++j) {
     const int64_t pos = win_pos[m * s.w + j];
     if (pos < page_start) continue;  // no such query, or it precedes the page
-    window_rows(s, h, win_row[m * s.w + j], q, lse, reinterpret_cast<T*>(qs), norm, q_sum, q_sq);
-    window_attn<bf>(s.G, W, kt, qs, norm, scale, std::min(P, pos - page_start + 1), attn);
+    window_rows(s, h, win_row[m * s.w + j], q, lse, qf, norm, q_sum, q_sq);
+    window_attn(s.G, D, kt, qf, norm, scale, std::min(P, pos - page_start + 1), attn);
   }
 }
 
