@@ -605,7 +605,7 @@ def test_a_failed_build_names_its_compiler_log(monkeypatch, tmp_path):
 
 # Window statistics shapes: the tests' page, serving pages (P = 64, head_dim 64 / 128, G = 3 / 4:
 # whole and split row blocks of the AVX-512 form), a page not in whole 16-key tiles with G = 8
-# and head_dim 48 (bfloat16 keys: 24 channel pairs, a partial 16-pair block).
+# (row blocks of 3, 3 and 2) and head_dim 48.
 WINDOW_SHAPES = [Shape(page_size=16, head_dim=64, kv_heads=4, gqa=3),
                  Shape(page_size=64, head_dim=64, kv_heads=4, gqa=3),
                  Shape(page_size=64, head_dim=128, kv_heads=2, gqa=4),
