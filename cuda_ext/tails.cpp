@@ -9,7 +9,12 @@
 // that reached the page (win_pos[m, j] >= page_start[m]), q_count counts them. What the page's
 // staging page accumulated before (prior_stage[m] >= 0, row of the staging statistics; its first
 // n_staged[m] tokens' attn) is added. Only reads: the caller stores the result through the
-// storage's write API. No dequantization, no temporaries beyond the four outputs.
+// storage's write API. No dequantization, no temporaries beyond the four outputs (and one
+// scratch buffer per parallel chunk). Two forms of the per (page, KV head) loop: the portable
+// one (std::exp, the attention's avx2 and scalar variants) and an AVX-512 one (wide::, taken
+// when the attention runs avx512 or amx and head_dim is a multiple of 16): keys tile-transposed
+// once per page and head (float32), 16 keys per vector, attention_body.inc's exp16 (relative
+// error < 2e-7 against std::exp).
 //
 // copy_rows(dst, slots, src, rows): dst[slots[i]] = src[rows[i]] (zeros where rows[i] < 0),
 // rows of any dtype by memcpy (the staging write of a decode step, RaggedStorage.stage_tokens,
@@ -21,7 +26,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
+
+#include <immintrin.h>
 
 #include "checks.h"
 #include "tails.h"
@@ -37,16 +45,28 @@ struct Shapes {
   int64_t M, P, H, D, G, w, L;
 };
 
-// One (page m, KV head h): attn[P], q_sum[D], q_sq[D] of the outputs.
+// Tokens [0, reach) of page m some window query sees.
+int64_t page_reach(const Shapes& s, int64_t m, const int64_t* win_pos, int64_t page_start) {
+  int64_t reach = 0;
+  for (int64_t j = 0; j < s.w; ++j)
+    reach = std::max(reach, std::min(s.P, win_pos[m * s.w + j] - page_start + 1));
+  return reach;
+}
+
+// Floats of page_head's scratch (either form): keys [Pp, D] (Pp: P in whole 16-key tiles),
+// queries [G, D], lse [G] and best [P].
+int64_t scratch_floats(const Shapes& s) {
+  return (s.P + 15) / 16 * 16 * s.D + s.G * s.D + s.G + s.P;
+}
+
+// One (page m, KV head h): attn[P], q_sum[D], q_sq[D] of the outputs (portable form).
 template <typename T>
 void page_head(const Shapes& s, int64_t m, int64_t h, const T* q, const float* lse, const T* k,
                const int64_t* win_row, const int64_t* win_pos, int64_t page_start, float scale,
                float* attn, float* q_sum, float* q_sq, float* scratch) {
   const int64_t P = s.P, D = s.D, G = s.G, Hq = s.H * s.G;
   float *keys = scratch, *qf = scratch + P * D, *best = qf + D;  // [P, D], [D], [P]
-  int64_t reach = 0;  // tokens [0, reach) some window query sees
-  for (int64_t j = 0; j < s.w; ++j)
-    reach = std::max(reach, std::min(P, win_pos[m * s.w + j] - page_start + 1));
+  const int64_t reach = page_reach(s, m, win_pos, page_start);
   for (int64_t i = 0; i < reach; ++i)  // those keys of head h in float32
     for (int64_t d = 0; d < D; ++d)
       keys[i * D + d] = static_cast<float>(k[((m * P + i) * s.H + h) * D + d]);
@@ -80,12 +100,204 @@ void page_head(const Shapes& s, int64_t m, int64_t h, const T* q, const float* l
   }
 }
 
+// ---- AVX-512 form (window_stats picks it when the attention runs its avx512 or amx variant) ----
+// Keys of (m, h) are converted to float32 and tile-transposed once, kt [Pp / 16, D, 16] (lane:
+// key). A window query's G rows (up to 3 at once) are dotted against up to 4 tiles (64 keys)
+// by broadcast FMAs over the D channels; the max over the rows of the exponents, then one
+// exp16 per key, stay in registers; the causal limit `seen` masks the lanes added to attn.
+// Needs D a multiple of 16. (bfloat16 keys dotted in channel pairs by vdpbf16ps measured no
+// faster than converted keys here: not used.)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")
+
+namespace wide {
+
+// exp(x) on 16 lanes: attention_body.inc's exp16 (exp_approx's reduction and degree-7
+// polynomial, relative error < 2e-7; x clamped to [-87, 88]).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145752f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(1.42860677e-6f)));
+  __m512 e = _mm512_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(c));
+  const __m512i pow2 =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(e, _mm512_castsi512_ps(pow2));
+}
+
+// The first k of 16 lanes (none for k <= 0).
+inline __mmask16 first_lanes(int64_t k) {
+  if (k <= 0) return __mmask16(0);
+  return k >= 16 ? __mmask16(0xffff) : __mmask16((1u << k) - 1);
+}
+
+// 16 values at p as float32 (bfloat16: a 16-bit shift).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+// r[i] (row i: 16 floats) -> r[c] = column c, in place.
+inline void transpose16(__m512* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: rows (i, i+1) interleaved
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // u[i + k], lane L: column 4L + k of rows i..i+3
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 2]);
+    const __m512d c = _mm512_castps_pd(t[i + 1]), d = _mm512_castps_pd(t[i + 3]);
+    u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  for (int k = 0; k < 4; ++k) {  // gather lane L of u[k], u[4 + k], u[8 + k], u[12 + k]
+    const __m512 v0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);   // cols k, 8+k of rows 0-7
+    const __m512 v1 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xdd);   // cols 4+k, 12+k
+    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);  // of rows 8-15
+    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xdd);
+    r[k] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+    r[8 + k] = _mm512_shuffle_f32x4(v0, w0, 0xdd);
+    r[4 + k] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+    r[12 + k] = _mm512_shuffle_f32x4(v1, w1, 0xdd);
+  }
+}
+
+// Keys [0, reach) of (m, h) into kt [ceil(reach / 16), D, 16] float32 (missing keys: zeros).
+template <typename T>
+void tile_keys(const Shapes& s, int64_t m, int64_t h, const T* k, int64_t reach, float* kt) {
+  const int64_t D = s.D;
+  __m512 r[16];
+  for (int64_t t0 = 0; t0 < reach; t0 += 16) {
+    float* tile = kt + t0 * D;  // [D, 16]
+    for (int64_t c0 = 0; c0 < D; c0 += 16) {
+      for (int64_t i = 0; i < 16; ++i)
+        r[i] = t0 + i < reach ? load16(k + ((m * s.P + t0 + i) * s.H + h) * D + c0)
+                              : _mm512_setzero_ps();
+      transpose16(r);
+      for (int64_t c = 0; c < 16; ++c) _mm512_storeu_ps(tile + (c0 + c) * 16, r[c]);
+    }
+  }
+}
+
+// best[t] = max(best[t], max over rows i < RB of scale qf[i] . key - norm[i]) for the 16 keys
+// of each of NT tiles at kt (qf: [RB, D] float32, norm: [RB]).
+template <int NT, int RB>
+void rows_tiles(const float* kt, int64_t D, const float* qf, const float* norm, float scale,
+                __m512* best) {
+  __m512 acc[RB][NT];
+  for (int i = 0; i < RB; ++i)
+    for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; ++c) {
+    __m512 key[NT];
+    for (int t = 0; t < NT; ++t) {
+      key[t] = _mm512_loadu_ps(kt + (t * D + c) * 16);
+      asm("" : "+v"(key[t]));  // held in a register: loaded once for the RB rows, not RB times
+    }
+    for (int i = 0; i < RB; ++i) {
+      const __m512 x = _mm512_set1_ps(qf[i * D + c]);
+      for (int t = 0; t < NT; ++t) acc[i][t] = _mm512_fmadd_ps(x, key[t], acc[i][t]);
+    }
+  }
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int i = 0; i < RB; ++i) {
+    const __m512 vn = _mm512_set1_ps(norm[i]);
+    for (int t = 0; t < NT; ++t)
+      best[t] = _mm512_max_ps(best[t], _mm512_fmsub_ps(acc[i][t], vs, vn));
+  }
+}
+
+using RowsTiles = void (*)(const float*, int64_t, const float*, const float*, float, __m512*);
+constexpr RowsTiles kRowsTiles[4][3] = {
+    {rows_tiles<1, 1>, rows_tiles<1, 2>, rows_tiles<1, 3>},
+    {rows_tiles<2, 1>, rows_tiles<2, 2>, rows_tiles<2, 3>},
+    {rows_tiles<3, 1>, rows_tiles<3, 2>, rows_tiles<3, 3>},
+    {rows_tiles<4, 1>, rows_tiles<4, 2>, rows_tiles<4, 3>}};
+
+// qf [G, D] = window query `row`'s query heads of h in float32, pooled into q_sum / q_sq;
+// norm [G] their lse.
+template <typename T>
+void window_rows(const Shapes& s, int64_t h, int64_t row, const T* q, const float* lse,
+                 float* qf, float* norm, float* q_sum, float* q_sq) {
+  const int64_t D = s.D, Hq = s.H * s.G;
+  for (int64_t g = 0; g < s.G; ++g) {
+    const int64_t qh = h * s.G + g;
+    const T* qrow = q + (row * Hq + qh) * D;
+    for (int64_t c = 0; c < D; c += 16) {
+      const __m512 x = load16(qrow + c);
+      _mm512_storeu_ps(qf + g * D + c, x);
+      _mm512_storeu_ps(q_sum + c, _mm512_add_ps(_mm512_loadu_ps(q_sum + c), x));
+      _mm512_storeu_ps(q_sq + c, _mm512_fmadd_ps(x, x, _mm512_loadu_ps(q_sq + c)));
+    }
+    norm[g] = lse[row * Hq + qh];
+  }
+}
+
+// attn[i] += max over the G rows of exp(scale qf[g] . key_i - norm[g]) for i < seen: one exp
+// of the rows' largest exponent per key (exp is increasing).
+void window_attn(int64_t G, int64_t D, const float* kt, const float* qf, const float* norm,
+                 float scale, int64_t seen, float* attn) {
+  const int64_t tiles = (seen + 15) / 16;
+  for (int64_t t0 = 0; t0 < tiles; t0 += 4) {
+    const int64_t nt = std::min<int64_t>(4, tiles - t0);
+    __m512 best[4];
+    for (__m512& b : best) b = _mm512_set1_ps(-INFINITY);
+    for (int64_t g0 = 0; g0 < G; g0 += 3)
+      kRowsTiles[nt - 1][std::min<int64_t>(3, G - g0) - 1](kt + t0 * D * 16, D, qf + g0 * D,
+                                                           norm + g0, scale, best);
+    for (int64_t t = 0; t < nt; ++t) {
+      const int64_t at = (t0 + t) * 16;
+      const __mmask16 in = first_lanes(seen - at);
+      _mm512_mask_storeu_ps(attn + at, in,
+                            _mm512_add_ps(_mm512_maskz_loadu_ps(in, attn + at), exp16(best[t])));
+    }
+  }
+}
+
+// page_head (above) in AVX-512: the same sums, exp by exp16.
+template <typename T>
+void page_head(const Shapes& s, int64_t m, int64_t h, const T* q, const float* lse, const T* k,
+               const int64_t* win_row, const int64_t* win_pos, int64_t page_start, float scale,
+               float* attn, float* q_sum, float* q_sq, float* scratch) {
+  const int64_t P = s.P, D = s.D, Pp = (P + 15) / 16 * 16;
+  float *kt = scratch, *qf = kt + Pp * D, *norm = qf + s.G * D;  // [Pp/16, D, 16], [G, D], [G]
+  tile_keys(s, m, h, k, page_reach(s, m, win_pos, page_start), kt);
+  std::fill(attn, attn + P, 0.f);
+  std::fill(q_sum, q_sum + D, 0.f);
+  std::fill(q_sq, q_sq + D, 0.f);
+  for (int64_t j = 0; j < s.w; ++j) {
+    const int64_t pos = win_pos[m * s.w + j];
+    if (pos < page_start) continue;  // no such query, or it precedes the page
+    window_rows(s, h, win_row[m * s.w + j], q, lse, qf, norm, q_sum, q_sq);
+    window_attn(s.G, D, kt, qf, norm, scale, std::min(P, pos - page_start + 1), attn);
+  }
+}
+
+}  // namespace wide
+
+#pragma GCC pop_options
+
+// The attention runs its avx512 or amx variant (bindings.cpp's choice, RAGGED_NATIVE_ISA
+// included): the window statistics take their AVX-512 form too.
+bool avx512_variant() {
+  static const bool chosen = [] {
+    const std::string name = isa_name();
+    return name == "avx512" || name == "amx";
+  }();
+  return chosen;
+}
+
 template <typename T>
 void run(const Shapes& s, const at::Tensor& q, const at::Tensor& lse, const at::Tensor& k_pages,
          const at::Tensor& win_row, const at::Tensor& win_pos, const at::Tensor& page_start,
          const at::Tensor& n_staged, const at::Tensor& prior_stage,
          const std::vector<at::Tensor>& prior, int64_t layer, double scale,
-         const std::vector<at::Tensor>& out) {
+         const std::vector<at::Tensor>& out, bool avx512) {
   const T* qp = q.data_ptr<T>();
   const T* kp = k_pages.data_ptr<T>();
   const float* lp = lse.data_ptr<float>();
@@ -99,12 +311,13 @@ void run(const Shapes& s, const at::Tensor& q, const at::Tensor& lse, const at::
   const int64_t P = s.P, D = s.D, H = s.H;
   const int64_t cost = std::max<int64_t>(1, s.w * s.G * P * D);
   at::parallel_for(0, s.M * H, std::max<int64_t>(1, (1 << 16) / cost), [&](int64_t b, int64_t e) {
-    std::vector<float> scratch(P * D + D + P);  // page_head's buffers
+    std::vector<float> scratch(scratch_floats(s));  // page_head's buffers
+    const auto head = avx512 ? &wide::page_head<T> : &page_head<T>;
     for (int64_t mh = b; mh < e; ++mh) {
       const int64_t m = mh / H, h = mh % H;
       float *a = attn + mh * P, *sm = q_sum + mh * D, *sq = q_sq + mh * D;
-      page_head<T>(s, m, h, qp, lp, kp, rows, pos, start[m], static_cast<float>(scale), a, sm,
-                   sq, scratch.data());
+      head(s, m, h, qp, lp, kp, rows, pos, start[m], static_cast<float>(scale), a, sm, sq,
+           scratch.data());
       if (stage[m] < 0) continue;
       const int64_t at = stage[m] * s.L + layer;  // row of [S + 1, L, ...]
       const float* pa = p_attn + (at * H + h) * P;
@@ -179,12 +392,13 @@ std::vector<at::Tensor> window_stats(const at::Tensor& q, const at::Tensor& lse,
   std::vector<at::Tensor> out{at::empty({s.M, s.H, s.P}, f32), at::empty({s.M, s.H, s.D}, f32),
                               at::empty({s.M, s.H, s.D}, f32), at::empty({s.M}, f32)};
   std::vector<at::Tensor> prior{attn, q_sum, q_sq_sum, q_count};
+  const bool avx512 = s.D % 16 == 0 && avx512_variant();
   if (q.scalar_type() == at::kFloat)
     run<float>(s, q, lse, k_pages, win_row, win_pos, page_start, n_staged, prior_stage, prior,
-               layer, scale, out);
+               layer, scale, out, avx512);
   else
     run<c10::BFloat16>(s, q, lse, k_pages, win_row, win_pos, page_start, n_staged, prior_stage,
-                       prior, layer, scale, out);
+                       prior, layer, scale, out, avx512);
   return out;
 }
 
