@@ -277,7 +277,8 @@ def markdown(results: list[dict], profile_name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", type=Path, default=DEFAULT_PROFILE)
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--batch", type=int, nargs="*", default=[1, 8, 32],
+                        help="decode batch sizes (none: prefill only)")
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--prefill-batch", type=int, nargs="*", default=[1, 4],
                         help="prefill batch sizes (none: decode only)")

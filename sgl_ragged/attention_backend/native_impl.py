@@ -2,9 +2,9 @@
 per layer for the whole batch, then the batched torch staging and sealing (`store_tails`, its
 window statistics in C++: cuda_ext/tails.cpp). Decode forwards (whose sealed pages were all
 staged before) write only their new tokens' staging slots (`tail_batch.stage_fresh`).
-Forwards with prefill chunks go to the batched torch path (EXTEND_ON_BATCHED; its window
-statistics still from tails.cpp) unless the kernels run them on AMX tiles (`extends_on_tiles`:
-bfloat16 storages on an AMX CPU).
+Forwards with prefill chunks stay native where that measured faster (`prefill_on_batched`:
+the avx512 variant on a CPU without AMX, bfloat16 storages on the amx variant's tiles) and go to
+the batched torch path elsewhere (its window statistics still from tails.cpp).
 
 The kernels attend on the rows as stored: hi slots at the storage dtype (or, with
 --ragged-precision H+L, quantized), the low tier on its codes (scales folded into the queries
@@ -45,13 +45,8 @@ from sgl_ragged.precision import LowPrecision
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 EXTEND_ON_BATCHED = True
-"""Forwards with a prefill chunk (any request with more than one query) run on the batched
-torch path unless `extends_on_tiles`: its SDPA (oneDNN, AMX on this CPU) beats the kernels'
-AVX-512 float32 loops on long query runs (bench.cpu_attention --native, a 256-token chunk:
-native 0.37-0.56x of batched), while decode forwards run 1.8-5x faster native
-(docs/results.md). On the kernels' amx variant bfloat16 prefill chunks are bfloat16 matrix
-products and beat batched (whole forward x1.1-1.6 at 1K-4K, batch 1 and 4, bf16 and int4 rows;
-shared machine), so they stay native. False: every forward native."""
+"""Forwards with a prefill chunk (any request with more than one query) may run on the batched
+torch path: where `prefill_on_batched` says it beats the kernels. False: every forward native."""
 SERIAL_TAIL_TOKENS = 2**13
 """Tail pages of at most this many tokens (decode batches, short chunks) are gathered, staged and
 sealed on the calling thread alone: each of their ~30 small ops per layer would otherwise wake
@@ -78,6 +73,26 @@ def extends_on_tiles(storage: RaggedStorage, module: ModuleType) -> bool:
     return storage.dtype == torch.bfloat16 and module.isa() == "amx"
 
 
+def prefill_on_batched(storage: RaggedStorage, module: ModuleType) -> bool:
+    """Whether this storage's prefill chunks run faster on the batched torch path than on the
+    kernels (bench.cpu_attention --native, whole prefill forwards; docs/results.md):
+    - amx variant: bfloat16 chunks are tile products and beat batched (x1.1-1.6 at 1K-4K on a
+      Sapphire Rapids-class CPU); float32 ones go to batched.
+    - avx512 variant on a CPU with AMX (forced lower): torch's SDPA multiplies on the tiles and
+      beats the kernels' float32 loops (native 0.37-0.56x of batched).
+    - avx512 variant on a CPU without AMX: the loops win (x1.2-2.1 on an AMD EPYC, Zen 4, where
+      torch has no tiles either): every forward native.
+    - avx2 and scalar variants: batched (the avx2 loops lost at 4K: x0.68)."""
+    isa = module.isa()
+    if isa == "amx":
+        return not extends_on_tiles(storage, module)
+    if isa == "avx512":
+        from sgl_ragged import native
+
+        return native.cpu_has_amx()
+    return True
+
+
 def _group_formats(layout: RaggedLayout, layer: int) -> torch.Tensor:
     """[groups, 4] int64 of one layer: each group's (low bits, low is_float, high bits, high
     is_float), 0 bits where the group has no such tier (the high tier: the model dtype)."""
@@ -102,7 +117,7 @@ class NativeBatch:
     """What `NativeAttention.prepare` builds once per forward (module table)."""
 
     tails: TailBatch | None  # the batch's tail pages (staging and sealing); None: batched
-    batched: BatchedTorchBatch | None  # a forward with prefill chunks (EXTEND_ON_BATCHED, off tiles)
+    batched: BatchedTorchBatch | None  # a forward with prefill chunks (prefill_on_batched)
     requests: torch.Tensor  # [B, 6] int64
     sealed_off: torch.Tensor  # [B + 1] int64
     sealed_pages: torch.Tensor  # [S] int64
@@ -128,7 +143,7 @@ class NativeAttention(AttentionImpl[NativeBatch]):
         # Window statistics in C++ (a module without them, e.g. an older build passed as
         # bench's baseline, gets the torch form), here and for the chunks handed over.
         self.stats = self.window_stats if hasattr(module, "window_stats") else None
-        extend_on_batched = extend_on_batched and not extends_on_tiles(storage, module)
+        extend_on_batched = extend_on_batched and prefill_on_batched(storage, module)
         self.batched = (BatchedTorchAttention(storage, stats=self.stats) if extend_on_batched
                         else None)
         layout = storage.layout

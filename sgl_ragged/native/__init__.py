@@ -155,3 +155,10 @@ def reason() -> str | None:
     """Why the native kernels are unavailable (None when they load)."""
     result = _load()
     return str(result) if isinstance(result, NativeUnavailableError) else None
+
+
+def cpu_has_amx() -> bool:
+    """The CPU advertises AMX bfloat16 tiles (Linux's /proc/cpuinfo flags; False elsewhere):
+    where torch's CPU matrix products (oneDNN, cpublas) multiply bfloat16 on them."""
+    info = Path("/proc/cpuinfo")
+    return info.is_file() and "amx_bf16" in info.read_text()

@@ -340,12 +340,6 @@ def test_prefill_chunks_on_serving_pages(precision, head_dim):
         torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **tol)
 
 
-def cpu_has_amx() -> bool:
-    """The CPU advertises AMX bfloat16 tiles (Linux /proc/cpuinfo flags)."""
-    info = Path("/proc/cpuinfo")
-    return info.is_file() and "amx_bf16" in info.read_text()
-
-
 @pytest.mark.parametrize("precision", [*PRECISIONS, "int8+int4"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("gqa", [1, 3, 8])
@@ -354,7 +348,7 @@ def test_prefill_chunks_on_amx_tiles(precision, head_dim, gqa):
     runs them as bfloat16 matrix products (attention_body.inc, RAGGED_AMX); outputs within
     bf16_tol of the float32 twin's reference (a decode request rides along on the loops)."""
     module = native.load()
-    if cpu_has_amx():
+    if native.cpu_has_amx():
         assert module.isa() == "amx", "an AMX CPU must run prefill chunks on the tiles"
     shape = Shape(page_size=64, head_dim=head_dim, kv_heads=2, gqa=gqa)
     specs = random_specs(random.Random(gqa), 2, False, page=64, max_sealed=3)
@@ -393,9 +387,11 @@ def test_poisoned_padding_stays_off_the_tiles(precision):
 
 @pytest.mark.parametrize("precision", ["bf16", "int4", "int8+int4"])
 def test_log_sum_exp_on_amx_tiles(precision):
-    """The log-sum-exp sealing reads, of bfloat16 prefill chunks on 64-token pages (the AMX
-    path where the CPU has it): logits stay float32 (bfloat16 q and keys multiply exactly,
-    quantized keys split in two parts), so within 1e-4 of the reference's on a float32 twin."""
+    """The log-sum-exp sealing reads, of bfloat16 prefill chunks on 64-token pages. On the AMX
+    path (where the CPU has it) logits stay float32 (bfloat16 q and keys multiply exactly,
+    quantized keys split in two parts), so within 1e-4 of the reference's on a float32 twin;
+    on the AVX-512 loops integer tiers are dotted on VNNI, within the tolerance
+    test_integer_tiers_of_bfloat16_storages states (1e-3 + 1e-4 |lse|)."""
     shape = Shape(page_size=64, head_dim=64, kv_heads=2, gqa=3)
     st = random_storage(random.Random(8), "cpu", layers=2, num_stages=64, dtype=torch.bfloat16,
                         shape=shape, precision=precision)
@@ -409,10 +405,12 @@ def test_log_sum_exp_on_amx_tiles(precision):
     _, lse = impl.module.attend(q, k_pages, v_pages, st.rows_k[1], st.rows_v[1], impl.low[1],
                                 impl.high[1], impl.formats[1], impl.head_map[1], batch.requests,
                                 batch.sealed_off, batch.sealed_pages, 0.125, 0)
+    on_tiles = impl.module.isa() == "amx"
+    tol = dict(atol=1e-4, rtol=1e-5) if on_tiles or precision == "bf16" else dict(atol=1e-3, rtol=1e-4)
     for p in plans:
         rows = slice(p.q_start, p.q_start + p.q_len)
         want = reference_lse(twin, 1, p, q[rows].float(), k[rows].float(), 0.125)
-        torch.testing.assert_close(lse[rows], want, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(lse[rows], want, **tol)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int4", "fp8"])
@@ -537,53 +535,73 @@ def test_refuses_other_dtypes_by_name():
         NativeAttention(st)
 
 
+class SpyModule:
+    """The built kernels behind a spy: counts attend and window_stats calls and reports `isa`
+    as the variant in use (the routing asks the module which variant runs)."""
+
+    def __init__(self, isa: str | None = None) -> None:
+        self.module = native.load()
+        self.copy_rows = self.module.copy_rows
+        self.variant = isa or self.module.isa()
+        self.calls: list[int] = []
+        self.stats_calls: list[int] = []
+
+    def attend(self, *args):
+        self.calls.append(1)
+        return self.module.attend(*args)
+
+    def window_stats(self, *args):
+        self.stats_calls.append(1)
+        return self.module.window_stats(*args)
+
+    def isa(self) -> str:
+        return self.variant
+
+
 @pytest.mark.parametrize("decode", [True, False])
-def test_default_routes_prefill_chunks_to_batched(decode, monkeypatch):
-    """EXTEND_ON_BATCHED: decode batches run the kernels, batches with a prefill chunk the
-    batched torch path (with tails.cpp's window statistics); both match the reference."""
-    calls, stats_calls = [], []
-    module = native.load()
-
-    class Spy:
-        copy_rows = staticmethod(module.copy_rows)
-
-        def attend(self, *args):
-            calls.append(1)
-            return module.attend(*args)
-
-        def window_stats(self, *args):
-            stats_calls.append(1)
-            return module.window_stats(*args)
-
-        def isa(self):
-            return native.load().isa()
-
-    rng = random.Random(17)
-    specs = random_specs(rng, 4, decode)
-    compare_with_reference(lambda st: NativeAttention(st, module=Spy()), specs, decode, 17,
-                           "cpu", layer=1)
-    assert bool(calls) == decode
-    assert stats_calls == [1]
+@pytest.mark.parametrize("amx_cpu", [False, True])
+def test_prefill_chunks_routed_by_variant(decode, amx_cpu, monkeypatch):
+    """native_impl.prefill_on_batched: on the avx512 variant, prefill chunks run the kernels on
+    a CPU without AMX and the batched torch path (with tails.cpp's window statistics) on one
+    with AMX; decode batches always run the kernels; both match the reference."""
+    monkeypatch.setattr(native, "cpu_has_amx", lambda: amx_cpu)
+    spy = SpyModule("avx512")
+    specs = random_specs(random.Random(17), 4, decode)
+    compare_with_reference(lambda st: NativeAttention(st, module=spy), specs, decode, 17, "cpu",
+                           layer=1)
+    assert bool(spy.calls) == (decode or not amx_cpu)
+    assert spy.stats_calls == [1]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_chunks_on_amx_tiles_stay_native(dtype):
-    """bfloat16 storages on the amx variant keep their prefill chunks native (the tiles beat
-    batched torch); float32 ones, and any storage on a lower variant, send them to batched."""
-    st = random_storage(random.Random(0), "cpu", dtype=dtype, precision="int4")
-    on_tiles = dtype == torch.bfloat16 and native.load().isa() == "amx"
-    assert on_tiles == (cpu_has_amx() and dtype == torch.bfloat16)
-    assert (NativeAttention(st).batched is None) == on_tiles
-    assert NativeAttention(st, extend_on_batched=False).batched is None
-
-
-def test_high_tier_prefill_chunks_stay_native_while_batched_cannot_read_them():
-    """With H+L rows, prefill chunks go to the batched path only once it reads them."""
+@pytest.mark.parametrize(("isa", "amx_cpu", "dtype", "on_batched"), [
+    ("amx", True, torch.bfloat16, False),   # tile products
+    ("amx", True, torch.float32, True),
+    ("avx512", True, torch.bfloat16, True),  # forced lower on an AMX CPU
+    ("avx512", False, torch.bfloat16, False),
+    ("avx512", False, torch.float32, False),
+    ("avx2", False, torch.bfloat16, True),
+    ("scalar", False, torch.float32, True),
+])
+@pytest.mark.parametrize("precision", ["int4", "int8+int4"])
+def test_prefill_routing_table(isa, amx_cpu, dtype, on_batched, precision, monkeypatch):
+    """Which variant sends a storage's prefill chunks to batched torch (prefill_on_batched's
+    docstring has the measurements; H+L rows alike: the batched path reads a quantized high
+    tier, registry.HIGH_TIER_READERS); extend_on_batched=False keeps every forward native."""
     from sgl_ragged.attention_backend.registry import HIGH_TIER_READERS
 
-    st = random_storage(random.Random(0), "cpu", precision="int8+int4")
-    assert (NativeAttention(st).batched is not None) == ("batched" in HIGH_TIER_READERS)
-    assert NativeAttention(random_storage(random.Random(0), "cpu", precision="int4")).batched
+    assert "batched" in HIGH_TIER_READERS
+    monkeypatch.setattr(native, "cpu_has_amx", lambda: amx_cpu)
+    st = random_storage(random.Random(0), "cpu", dtype=dtype, precision=precision)
+    assert native_impl.prefill_on_batched(st, SpyModule(isa)) == on_batched
+    assert (NativeAttention(st, module=SpyModule(isa)).batched is not None) == on_batched
+    assert NativeAttention(st, module=SpyModule(isa), extend_on_batched=False).batched is None
+
+
+def test_amx_variant_where_the_cpu_has_tiles():
+    """The built kernels pick the amx variant exactly where the CPU advertises AMX."""
+    if os.environ.get("RAGGED_NATIVE_ISA"):
+        pytest.skip("RAGGED_NATIVE_ISA forces a variant")
+    assert (native.load().isa() == "amx") == native.cpu_has_amx()
 
 
 def test_build_command_finds_the_cached_build(capsys):
