@@ -2,9 +2,9 @@
 per layer for the whole batch, then the batched torch staging and sealing (`store_tails`, its
 window statistics in C++: cuda_ext/tails.cpp). Decode forwards (whose sealed pages were all
 staged before) write only their new tokens' staging slots (`tail_batch.stage_fresh`).
-Forwards with prefill chunks stay native where that measured faster (`prefill_on_batched`:
-the avx512 variant on a CPU without AMX, bfloat16 storages on the amx variant's tiles) and go to
-the batched torch path elsewhere (its window statistics still from tails.cpp).
+Forwards with prefill chunks stay native only for bfloat16 storages on the amx variant's tiles
+(`prefill_on_batched`) and go to the batched torch path elsewhere (its window statistics still
+from tails.cpp).
 
 The kernels attend on the rows as stored: hi slots at the storage dtype (or, with
 --ragged-precision H+L, quantized), the low tier on its codes (scales folded into the queries
