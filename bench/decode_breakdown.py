@@ -1,6 +1,6 @@
 """Where decode attention's time goes: the split, tail and merge kernels of one decode step,
 eager and under a CUDA graph, for the AOT split map and uniform splits, and what the split
-kernel's launch configuration (warps, BLOCK_N) would change.
+kernel's launch configuration (warps, BLOCK_N) would change (`--sweep WARPS:BLOCK_N ...`).
 
     python -m bench.decode_breakdown [--precision int4] [--batch 4 16] [--context 8192 65536] \
         --out results/decode_breakdown
@@ -90,7 +90,7 @@ def kernel_seconds(step: Callable[[], object], steps: int = 3) -> dict[str, floa
 
 
 def measure(profile, batch: int, context: int, warmup: int, repeats: int,
-            precision: str = FULL_PRECISION) -> list[dict]:
+            precision: str = FULL_PRECISION, sweep=SWEEP) -> list[dict]:
     """One row per (split config, strategy) for this batch, context and row precision."""
     from sgl_ragged.attention_backend.registry import profile_split_ratios
     from sgl_ragged.attention_backend.triton_impl import decode_parallelism
@@ -104,7 +104,7 @@ def measure(profile, batch: int, context: int, warmup: int, repeats: int,
     ratios = profile_split_ratios(storage, profile)  # by bytes read when rows have a low tier
     ctas = decode_parallelism(storage, tables[0], ratios, HEADS * GQA)
     rows, nbytes = [], bytes_read(storage, batch, context)
-    for warps, block_n in SWEEP:
+    for warps, block_n in sweep:
         for strategy in SplitStrategy:
             splits = split_plan(ratios, ctas, "cuda", strategy)
 
@@ -155,9 +155,35 @@ def cases(batches: list[int] | None, contexts: list[int] | None) -> list[tuple[i
             if (not batches or b in batches) and (not contexts or c in contexts)]
 
 
+def sweep_config(text: str) -> tuple[int, int]:
+    """argparse type of one --sweep entry, WARPS:BLOCK_N."""
+    try:
+        warps, block_n = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write a configuration as WARPS:BLOCK_N, "
+                                         "for example 2:16") from None
+    if warps not in (1, 2, 4, 8) or block_n not in (16, 32, 64, 128):
+        raise argparse.ArgumentTypeError(f"{text!r}: warps must be 1, 2, 4 or 8 and BLOCK_N "
+                                         "16, 32, 64 or 128")
+    return warps, block_n
+
+
+def write(out: Path, rows: list[dict], device: str, profile_name: str) -> str:
+    """decode_breakdown.json and .md of the rows so far; the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode_breakdown.json").write_text(
+        json.dumps({"device": device, "profile": profile_name, "rows": rows}, indent=2))
+    table = markdown(rows, device)
+    (out / "decode_breakdown.md").write_text(table)
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_case_args(parser, batch=None, context=None)  # default: CASES
+    parser.add_argument("--sweep", type=sweep_config, nargs="+", default=list(SWEEP),
+                        help="split-kernel configurations WARPS:BLOCK_N to time (default: "
+                        + " ".join(f"{w}:{n}" for w, n in SWEEP) + ")")
     parser.add_argument("--out", type=Path, default=Path("results/decode_breakdown"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -166,20 +192,16 @@ def main() -> None:
     profile, name = bench_profile(args.profile, args.heads_per_group)
     torch.manual_seed(0)
     cap = torch.cuda.mem_get_info()[0] * args.mem_fraction
-    rows = []
+    rows, device = [], torch.cuda.get_device_name()
     for batch, context in cases(args.batch, args.context):
         for precision in dict.fromkeys([FULL_PRECISION, args.precision]):
             if fits(profile, batch, context, cap, precision):
                 print(f"batch {batch}, context {context}, {precision} ...", flush=True)
-                rows += measure(profile, batch, context, args.warmup, args.repeats, precision)
+                rows += measure(profile, batch, context, args.warmup, args.repeats, precision,
+                                args.sweep)
                 torch.cuda.empty_cache()
-    device = torch.cuda.get_device_name()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode_breakdown.json").write_text(
-        json.dumps({"device": device, "profile": name, "rows": rows}, indent=2))
-    table = markdown(rows, device)
-    (args.out / "decode_breakdown.md").write_text(table)
-    print(table)
+                write(args.out, rows, device, name)  # what a run cut short has measured
+    print(write(args.out, rows, device, name))
 
 
 if __name__ == "__main__":

@@ -106,15 +106,20 @@ def _per_head_formats(profile: BudgetProfile, rng: random.Random, page: int) -> 
 
 
 def _randomize_tier(tier: QuantTier, gen: torch.Generator) -> None:
-    """Random codes, positive scales and zero points around -scale * levels / 2 (so that
-    dequantized entries are roughly centred), in place."""
+    """Random codes, positive scales and zero points, in place. Scales are sized to the largest
+    code value, as a quantizer sizes them to the data's range: every width dequantizes into
+    about [-4, 4] (int4's codes times 0.05-0.15, zero points N(-1, 1)). With one scale range
+    for every width, random 8-bit codes read back as values up to ~38 (fp8: ~36), far from any
+    real row, where the kernels' bfloat16 outputs are 0.25 apart."""
+    bits = tier.k_codes.shape[-1] * 8 // tier.k_scale.shape[-1]
+    top = 240.0 if tier.k_zero is None else float(2**bits - 1)  # largest code value
     for codes in (tier.k_codes, tier.v_codes):
         codes.copy_(torch.randint(0, 256, codes.shape, generator=gen, dtype=torch.uint8))
-    if tier.k_zero is None:  # fp8 codes: finite float8_e4m3fn values only (no 0x7f / 0xff)
+    if tier.k_zero is None:  # fp8 codes: finite float8_e4m3fn values only (no 0x7f / 0xff), <= 240
         for codes in (tier.k_codes, tier.v_codes):
             codes.copy_(codes & 0xF7)
     for scale, zero in ((tier.k_scale, tier.k_zero), (tier.v_scale, tier.v_zero)):
-        scale.copy_((0.05 + torch.rand(scale.shape, generator=gen) * 0.1).half())
+        scale.copy_(((0.05 + torch.rand(scale.shape, generator=gen) * 0.1) * (15.0 / top)).half())
         if zero is not None:
             zero.copy_((torch.randn(zero.shape, generator=gen) - 1.0).half())
 
