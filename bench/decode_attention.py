@@ -9,7 +9,7 @@ attention of one decode step over all layers (CUDA events, medians over repetiti
 warm-up). Achieved bandwidth = bytes of the rows read / time, beside a device-to-device copy.
 With `--precision` (docs/architecture.md, "Row tiers") every case also runs rows with that low tier, composed
 from the same budgets (tiers.compose: at most the drop-only bytes per page, so equal bytes up to
-rounding; the split map weighs groups by bytes read, registry.profile_split_ratios), beside the
+rounding; the split map gives their groups equal shares, registry.profile_split_ratios), beside the
 drop-only rows. Writes decode_attention.json and decode_attention.md. Needs CUDA; exits 0
 without it.
 """

@@ -6,13 +6,13 @@ kernel's launch configuration (warps, BLOCK_N) would change (`--sweep WARPS:BLOC
         --out results/decode_breakdown
 
 Same shapes and synthetic profile as bench.decode_attention; with `--precision`, every case also
-runs rows with that low tier composed from the same budgets (equal bytes; the split map weighs
-groups by bytes read), beside the drop-only rows, as bench.decode_attention does. Per case: the step's median time
+runs rows with that low tier composed from the same budgets (equal bytes; the split map
+gives their groups equal shares), beside the drop-only rows, as bench.decode_attention does. Per case: the step's median time
 eager and replayed from a CUDA graph (no launch overhead), and each kernel's device time per
 step (torch.profiler over eager steps). N_CTA is what serving measures from the compiled split
-kernel (triton_impl.decode_parallelism). The sweep rebuilds both kernels with another
-num_warps for the split kernel and another BLOCK_N (both kernels) at the same N_CTA: a what-if,
-not the shipped configuration. Writes decode_breakdown.json and decode_breakdown.md. Needs CUDA.
+kernel (triton_impl.decode_parallelism) in its shipped configuration (decode.DECODE_LAUNCH,
+marked in the table). The sweep rebuilds the kernels with another num_warps for the split
+kernel and another BLOCK_N (split and tail kernels) at that same N_CTA. Writes decode_breakdown.json and decode_breakdown.md. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -41,21 +41,21 @@ from bench.decode_attention import (
 from sgl_ragged.precision import FULL_PRECISION
 
 CASES = ((4, 8192), (4, 65536), (16, 8192), (16, 65536), (64, 8192))
-SWEEP = ((4, 32), (2, 32), (4, 16), (2, 16), (4, 64))  # (split-kernel warps, BLOCK_N); first = shipped
+SWEEP = ((2, 16), (1, 16), (4, 16), (2, 32), (4, 32))  # (split-kernel warps, BLOCK_N)
 
 
 @contextmanager
 def split_config(warps: int, block_n: int) -> Iterator[None]:
-    """Build the decode kernels with `warps` for the split kernel and `block_n` for both."""
+    """Build the decode kernels with `warps` for the split kernel and `block_n` for the split
+    and tail kernels, whatever the rows (decode.DECODE_LAUNCH)."""
     from sgl_ragged.kernels import decode
 
-    saved = decode.SPLIT_WARPS, decode.block_config
-    decode.SPLIT_WARPS = warps
-    decode.block_config = lambda q, gsize, d: {**saved[1](q, gsize, d), "BLOCK_N": block_n}
+    saved = decode.DECODE_LAUNCH
+    decode.DECODE_LAUNCH = dict.fromkeys(saved, (warps, block_n))
     try:
         yield
     finally:
-        decode.SPLIT_WARPS, decode.block_config = saved
+        decode.DECODE_LAUNCH = saved
 
 
 def graph_seconds(step: Callable[[], object], repeats: int) -> float:
@@ -101,7 +101,7 @@ def measure(profile, batch: int, context: int, warmup: int, repeats: int,
 
     storage, plans, (q, k, v) = build_case(profile, batch, context, precision)
     tables, batch_t = all_layer_tables(storage), kernel_batch(plans, "cuda")
-    ratios = profile_split_ratios(storage, profile)  # by bytes read when rows have a low tier
+    ratios = profile_split_ratios(storage, profile)  # equal shares when rows have a low tier
     ctas = decode_parallelism(storage, tables[0], ratios, HEADS * GQA)
     rows, nbytes = [], bytes_read(storage, batch, context)
     for warps, block_n in sweep:
@@ -129,6 +129,14 @@ def kernel_ms(row: dict, name: str) -> str:
     return f"{sum(t for k, t in row['kernels_s'].items() if name in k) * 1e3:.2f}"
 
 
+def shipped(row: dict) -> str:
+    """' (shipped)' where the row's configuration is decode.DECODE_LAUNCH's for its rows."""
+    from sgl_ragged.kernels.decode import DECODE_LAUNCH
+
+    rows = "rows" if row.get("precision", FULL_PRECISION) == FULL_PRECISION else "codes"
+    return " (shipped)" if DECODE_LAUNCH[rows] == (row["warps"], row["block_n"]) else ""
+
+
 def markdown(rows: list[dict], device: str) -> str:
     lines = [f"Decode attention per step (32 layers) on {device}: split, tail and merge kernels "
              "(device ms per step), eager and CUDA-graph step.", "",
@@ -138,7 +146,7 @@ def markdown(rows: list[dict], device: str) -> str:
     for r in rows:
         lines.append(
             f"| {r['batch']} | {r['context']} | {r.get('precision', FULL_PRECISION)} "
-            f"| {r['num_ctas']} | {r['warps']} | {r['block_n']} "
+            f"| {r['num_ctas']} | {r['warps']} | {r['block_n']}{shipped(r)} "
             f"| {r['strategy']} | {r['max_splits']} | {kernel_ms(r, '_sealed_splits_kernel')} "
             f"| {kernel_ms(r, '_tail_kernel')} | {kernel_ms(r, '_merge_kernel')} "
             f"| {r['eager_s'] * 1e3:.2f} "

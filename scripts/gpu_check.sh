@@ -16,7 +16,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' \
   | tee -a "$out/device.txt"
 rc=0
-python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_kernels_aot.py \
+xdist=()  # compile the kernels in parallel where pytest-xdist is installed (the device image has it)
+python3 -c 'import xdist' 2>/dev/null && xdist=(-n 8)
+python3 -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" tests/unit/test_kernels_aot.py \
   tests/unit/test_kernels_attention.py tests/unit/test_kernels_seal.py \
   tests/unit/test_kernels_backend.py tests/unit/test_tail_batch.py \
   tests/unit/test_batched_torch.py tests/unit/test_cuda_graph.py 2>&1 | tee "$out/tests.txt" || rc=1

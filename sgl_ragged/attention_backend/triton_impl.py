@@ -23,6 +23,7 @@ from sgl_ragged.attention_backend.plan import BatchPlan
 from sgl_ragged.attention_backend.tail_batch import store_tails, tail_pages
 from sgl_ragged.attention_backend.triton_batch import TritonBatch, triton_batch
 from sgl_ragged.kernels.aot import (
+    MAX_PROGRAMS_PER_SM,
     PROGRAMS_PER_SM,
     SplitStrategy,
     device_parallelism,
@@ -68,7 +69,8 @@ class TritonAttention(AttentionImpl[TritonBatch]):
                  strategy: SplitStrategy = SplitStrategy.AOT, num_ctas: int | None = None,
                  num_q_heads: int | None = None) -> None:
         """num_ctas: N_CTA of the split map; by default SMs x the split kernel's resident
-        programs per SM, measured from its build for num_q_heads query heads when given."""
+        programs per SM (at most aot.MAX_PROGRAMS_PER_SM), measured from its build for
+        num_q_heads query heads when given."""
         super().__init__(storage)
         self.tables = all_layer_tables(storage)
         if num_ctas is None:
@@ -101,8 +103,9 @@ class TritonAttention(AttentionImpl[TritonBatch]):
 def decode_parallelism(storage: RaggedStorage, tables: LayerTables,
                        split_ratios: Sequence[Sequence[float]], num_q_heads: int | None) -> int:
     """N_CTA on this device: SMs x resident programs per SM of the split kernel as compiled
-    for these shapes (aot.PROGRAMS_PER_SM where it cannot be measured: not CUDA, no head
-    count, or a Triton build that does not expose its resource use)."""
+    for these shapes, at most aot.MAX_PROGRAMS_PER_SM (aot.PROGRAMS_PER_SM where it cannot be
+    measured: not CUDA, no head count, or a Triton build that does not expose its resource
+    use)."""
     device = storage.device
     if device.type != "cuda" or num_q_heads is None:
         return device_parallelism(device)
@@ -114,9 +117,9 @@ def decode_parallelism(storage: RaggedStorage, tables: LayerTables,
         logger.warning("could not read the split kernel's resource use (%s); assuming %d "
                        "programs per SM", exc, PROGRAMS_PER_SM)
         return device_parallelism(device)
-    per_sm = programs_per_sm(used, SMLimits.of(device))
-    num_ctas = device_parallelism(device, per_sm)
+    resident = programs_per_sm(used, SMLimits.of(device))
+    num_ctas = device_parallelism(device, min(resident, MAX_PROGRAMS_PER_SM))
     logger.info("decode split kernel: %d registers/thread, %d B shared, %d warps -> %d programs "
-                "per SM, N_CTA %d", used.registers_per_thread, used.shared_bytes, used.num_warps,
-                per_sm, num_ctas)
+                "per SM resident, N_CTA %d", used.registers_per_thread, used.shared_bytes,
+                used.num_warps, resident, num_ctas)
     return num_ctas

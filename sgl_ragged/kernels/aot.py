@@ -30,6 +30,13 @@ inspected: its sm_80/sm_90 builds (4 warps, D = 128, BLOCK_N 32) use 254 registe
 so 65536 / (128 * 254) = 2 fit (read with cuobjdump from builds made without a GPU). Serving
 measures it at start from the compiled kernel (triton_impl.decode_parallelism, occupancy.py)."""
 
+MAX_PROGRAMS_PER_SM = 2
+"""Most resident programs per SM that N_CTA counts. The retuned split kernels (1-2 warps,
+decode.DECODE_LAUNCH) fit 8-9 per SM, but each one more per SM adds splits to every group (the
+split map is static: short contexts get empty splits) and partials for the merge to read. The
+retuned builds were timed at 2 per SM (N_CTA 264 on an H200's 132 SMs, docs/results.md,
+"Decode attention on an H200"); more was not measured."""
+
 
 class SplitStrategy(str, Enum):
     AOT = "aot"  # S proportional to the group's budget (Algorithm 1)

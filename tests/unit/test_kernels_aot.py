@@ -130,7 +130,8 @@ def test_programs_per_sm_matches_a_brute_force_count():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiling for a GPU needs CUDA")
 def test_split_kernel_resources_are_read_from_its_build():
     from sgl_ragged.attention_backend.triton_impl import decode_parallelism
-    from sgl_ragged.kernels.decode import split_kernel_resources
+    from sgl_ragged.kernels.aot import MAX_PROGRAMS_PER_SM
+    from sgl_ragged.kernels.decode import DECODE_LAUNCH, split_kernel_resources
     from sgl_ragged.kernels.tables import layer_tables
     from tests.unit.kernel_cases import GPU
 
@@ -139,7 +140,28 @@ def test_split_kernel_resources_are_read_from_its_build():
     tables = layer_tables(storage, 0)
     used = split_kernel_resources(tables, split_plan(ratios, 1, "cuda").layer(0),
                                   GPU.kv_heads * GPU.gqa, GPU.head_dim, torch.bfloat16)
-    assert 0 < used.registers_per_thread <= 255 and used.num_warps == 4
+    assert 0 < used.registers_per_thread <= 255 and used.num_warps == DECODE_LAUNCH["rows"][0]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     num_ctas = decode_parallelism(storage, tables, ratios, GPU.kv_heads * GPU.gqa)
-    assert num_ctas == sms * programs_per_sm(used, SMLimits.of("cuda"))
+    resident = programs_per_sm(used, SMLimits.of("cuda"))
+    assert num_ctas == sms * min(resident, MAX_PROGRAMS_PER_SM)
+
+
+@pytest.mark.parametrize("precision,rows", [("bf16", "rows"), ("int4", "codes"), ("fp8", "codes"),
+                                            ("int8+int4", "codes")])
+def test_decode_launch_follows_the_rows(precision, rows):
+    """Drop-only layouts take the "rows" launch, any quantized tier (a quantized high tier
+    too) the "codes" one; under the interpreter BLOCK_N stays block_config's."""
+    from sgl_ragged.kernels.decode import DECODE_LAUNCH, decode_launch
+    from sgl_ragged.kernels.launch import block_config
+    from sgl_ragged.kernels.tables import layer_tables
+
+    storage = random_storage(random.Random(3), "cpu", layers=3, dtype=torch.bfloat16,
+                             precision=precision)
+    d = storage.layout.head_dim
+    q = torch.zeros(1, 8, d, dtype=torch.bfloat16)
+    assert storage.layout.quantized == (rows == "codes")
+    for layer in range(3):
+        cfg, warps = decode_launch(q, layer_tables(storage, layer), 2, d)
+        assert warps == DECODE_LAUNCH[rows][0]
+        assert cfg == block_config(q, 2, d)
