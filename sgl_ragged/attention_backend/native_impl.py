@@ -21,6 +21,7 @@ forward by `prepare` (B requests, S sealed pages in all; int64, CPU):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -82,7 +83,15 @@ def prefill_on_batched(storage: RaggedStorage, module: ModuleType) -> bool:
       beats the kernels' float32 loops (native 0.37-0.56x of batched).
     - avx512 variant on a CPU without AMX: the loops win (x1.2-2.1 on an AMD EPYC, Zen 4, where
       torch has no tiles either), but stay off for now (below).
-    - avx2 and scalar variants: batched (the avx2 loops lost at 4K: x0.68)."""
+    - avx2 and scalar variants: batched (the avx2 loops lost at 4K: x0.68).
+    RAGGED_NATIVE_PREFILL=native|batched overrides the rule (measurements, other CPUs)."""
+    forced = os.environ.get("RAGGED_NATIVE_PREFILL", "")
+    if forced:
+        if forced not in ("native", "batched"):
+            raise ValueError(f"RAGGED_NATIVE_PREFILL={forced} is not a choice: set it to native "
+                             "(prefill chunks on the kernels) or batched (on batched torch), "
+                             "or unset it for the measured rule")
+        return forced == "batched"
     isa = module.isa()
     if isa == "amx":
         return not extends_on_tiles(storage, module)

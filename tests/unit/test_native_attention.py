@@ -591,10 +591,25 @@ def test_prefill_routing_table(isa, amx_cpu, dtype, on_batched, precision, monke
 
     assert "batched" in HIGH_TIER_READERS
     monkeypatch.setattr(native, "cpu_has_amx", lambda: amx_cpu)
+    monkeypatch.delenv("RAGGED_NATIVE_PREFILL", raising=False)
     st = random_storage(random.Random(0), "cpu", dtype=dtype, precision=precision)
     assert native_impl.prefill_on_batched(st, SpyModule(isa)) == on_batched
     assert (NativeAttention(st, module=SpyModule(isa)).batched is not None) == on_batched
     assert NativeAttention(st, module=SpyModule(isa), extend_on_batched=False).batched is None
+
+
+@pytest.mark.parametrize("isa", ["amx", "avx512", "avx2"])
+def test_prefill_routing_forced_by_the_environment(isa, monkeypatch):
+    """RAGGED_NATIVE_PREFILL=native|batched overrides the measured rule on every variant; any
+    other value is refused with the choices."""
+    st = random_storage(random.Random(0), "cpu", dtype=torch.bfloat16, precision="int4")
+    for forced, on_batched in (("native", False), ("batched", True)):
+        monkeypatch.setenv("RAGGED_NATIVE_PREFILL", forced)
+        assert native_impl.prefill_on_batched(st, SpyModule(isa)) == on_batched
+        assert (NativeAttention(st, module=SpyModule(isa)).batched is not None) == on_batched
+    monkeypatch.setenv("RAGGED_NATIVE_PREFILL", "tiles")
+    with pytest.raises(ValueError, match="RAGGED_NATIVE_PREFILL=tiles is not a choice"):
+        NativeAttention(st, module=SpyModule(isa))
 
 
 def test_amx_variant_where_the_cpu_has_tiles():
