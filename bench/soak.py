@@ -32,7 +32,7 @@ import aiohttp
 
 from bench import counters
 from bench.corpus import sentence
-from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
+from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE, README_QUESTION
 
 PAGE = 64
 
@@ -161,7 +161,7 @@ def run_soak(base_url: str, cfg: SoakConfig) -> dict[str, Any]:
               "server": server, "evicted_pages": server["evicted_tokens"] // PAGE,
               "max_total_tokens": idle.max_total_tokens, "free_tokens_idle": idle.free_tokens,
               "free_tokens_after": after_state.free_tokens,
-              "answer_after": _chat(base_url, "What is the capital of France?")}
+              "answer_after": _chat(base_url, README_QUESTION)}
     report["problems"] = problems(report)
     return report
 

@@ -2,9 +2,9 @@
 per layer for the whole batch, then the batched torch staging and sealing (`store_tails`, its
 window statistics in C++: cuda_ext/tails.cpp). Decode forwards (whose sealed pages were all
 staged before) write only their new tokens' staging slots (`tail_batch.stage_fresh`).
-Forwards with prefill chunks stay native only for bfloat16 storages on the amx variant's tiles
-(`prefill_on_batched`) and go to the batched torch path elsewhere (its window statistics still
-from tails.cpp).
+Forwards with prefill chunks stay native where the kernels measured faster (`prefill_on_batched`:
+bfloat16 storages on the amx variant's tiles, the avx512 variant on a CPU without AMX) and go to
+the batched torch path elsewhere (its window statistics still from tails.cpp).
 
 The kernels attend on the rows as stored: hi slots at the storage dtype (or, with
 --ragged-precision H+L, quantized), the low tier on its codes (scales folded into the queries
@@ -82,7 +82,10 @@ def prefill_on_batched(storage: RaggedStorage, module: ModuleType) -> bool:
     - avx512 variant on a CPU with AMX (forced lower): torch's SDPA multiplies on the tiles and
       beats the kernels' float32 loops (native 0.37-0.56x of batched).
     - avx512 variant on a CPU without AMX: the loops win (x1.2-2.1 on an AMD EPYC, Zen 4, where
-      torch has no tiles either), but stay off for now (below).
+      torch has no tiles either): every forward native. bfloat16 prefill there flipped the
+      default model's answer to a question whose first token is a 0.1-logit tie in float32
+      (below bfloat16's resolution of the logits); answer-token top-1 in bench.accuracy was
+      no worse (full 0.811 vs 0.807 batched, the default profile 0.807 vs 0.800).
     - avx2 and scalar variants: batched (the avx2 loops lost at 4K: x0.68).
     RAGGED_NATIVE_PREFILL=native|batched overrides the rule (measurements, other CPUs)."""
     forced = os.environ.get("RAGGED_NATIVE_PREFILL", "")
@@ -95,9 +98,10 @@ def prefill_on_batched(storage: RaggedStorage, module: ModuleType) -> bool:
     isa = module.isa()
     if isa == "amx":
         return not extends_on_tiles(storage, module)
-    # avx512 without AMX: the loops win (above), but bfloat16 prefill on them flipped the
-    # default model's near-tie answer to the README question (e2e test_readme_server, session
-    # 12's CI); batched until that is understood.
+    if isa == "avx512":
+        from sgl_ragged import native
+
+        return native.cpu_has_amx()
     return True
 
 

@@ -42,13 +42,19 @@ MARKER = ".sgl-ragged-complete"
 # Sampling defaults of the chat endpoints: SGLang uses a checkpoint's generation_config.json
 # (--sampling-defaults model); without one a chat with no temperature samples at 1.0 and this
 # small model rambles (issue 12). The model card recommends temperature 0.2, top_p 0.9 for its
-# bf16 weights; from the Q4_1 GGUF the first token of the README's answer ("What is the capital
-# of France?") is nearly a tie: a bf16 CPU server's logprobs put "The" at -1.71 and "L" (->
+# bf16 weights; from the Q4_1 GGUF the first token of the answer to "What is the capital of
+# France?" is nearly a tie: a bf16 CPU server's logprobs put "The" at -1.71 and "L" (->
 # "L'Etoile ...") at -1.96. At temperature 0.2 that answered "L'Etoile" in 5 of 20 tries, at 0.1
 # in 2 of 5 in one suite run. min_p 0.5 keeps only tokens at least half as likely as the best
 # one after temperature (a logit gap under 0.07 at 0.1), which cut "L" in 20 of 20 tries while
 # still sampling among true near-ties.
 SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.1, "top_p": 0.9, "min_p": 0.5}
+# The README's question (its tests and bench.soak ask it too). Without "Answer in one sentence."
+# the first answer token leads by 0.098 logits in float32 (transformers, greedy), under
+# bfloat16's spacing of the logits (0.125 at 25): bfloat16 prefill on the native avx512 loops
+# (more precise than torch's SDPA, which rounds probabilities to bfloat16) turned it to
+# "L'Etoile ...". With it, each of the first 8 answer tokens leads by 0.85 logits or more.
+README_QUESTION = "What is the capital of France? Answer in one sentence."
 
 # Used only if the GGUF metadata carries no chat template (SmolLM2's own ChatML template).
 FALLBACK_CHAT_TEMPLATE = (

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
+from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE, README_QUESTION
 from sgl_ragged.testing.server import ServerProcess
 from tests.e2e.conftest import COMMON, _start
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.e2e
 KEY = "test-key-1c9e"
 PROFILE = Path(__file__).parents[2] / DEFAULT_PROFILE
 README_CHAT = {"model": "default", "max_tokens": 30,
-               "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+               "messages": [{"role": "user", "content": README_QUESTION}]}
 
 
 @pytest.fixture(scope="module")

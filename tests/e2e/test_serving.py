@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from bench import counters
+from sgl_ragged.models.smollm2 import README_QUESTION
 from tests.e2e.conftest import get, post, stream_lines
 
 pytestmark = pytest.mark.e2e
@@ -31,7 +32,7 @@ def test_startup_log_reports_compression(ragged_server):
 
 
 def test_chat_completion_answers(ragged_server):
-    out = _chat(ragged_server.base_url, [{"role": "user", "content": "What is the capital of France?"}])
+    out = _chat(ragged_server.base_url, [{"role": "user", "content": README_QUESTION}])
     text = out["choices"][0]["message"]["content"]
     assert "Paris" in text
     assert out["usage"]["completion_tokens"] > 0

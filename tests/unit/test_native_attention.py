@@ -561,15 +561,16 @@ class SpyModule:
 @pytest.mark.parametrize("decode", [True, False])
 @pytest.mark.parametrize("amx_cpu", [False, True])
 def test_prefill_chunks_routed_by_variant(decode, amx_cpu, monkeypatch):
-    """native_impl.prefill_on_batched: on the avx512 variant prefill chunks run the batched
-    torch path (with tails.cpp's window statistics), decode batches the kernels; both match
-    the reference."""
+    """native_impl.prefill_on_batched: on the avx512 variant, prefill chunks run the kernels on
+    a CPU without AMX and the batched torch path (with tails.cpp's window statistics) on one
+    with AMX; decode batches always run the kernels; both match the reference."""
     monkeypatch.setattr(native, "cpu_has_amx", lambda: amx_cpu)
+    monkeypatch.delenv("RAGGED_NATIVE_PREFILL", raising=False)
     spy = SpyModule("avx512")
     specs = random_specs(random.Random(17), 4, decode)
     compare_with_reference(lambda st: NativeAttention(st, module=spy), specs, decode, 17, "cpu",
                            layer=1)
-    assert bool(spy.calls) == decode
+    assert bool(spy.calls) == (decode or not amx_cpu)
     assert spy.stats_calls == [1]
 
 
@@ -577,8 +578,8 @@ def test_prefill_chunks_routed_by_variant(decode, amx_cpu, monkeypatch):
     ("amx", True, torch.bfloat16, False),   # tile products
     ("amx", True, torch.float32, True),
     ("avx512", True, torch.bfloat16, True),  # forced lower on an AMX CPU
-    ("avx512", False, torch.bfloat16, True),
-    ("avx512", False, torch.float32, True),
+    ("avx512", False, torch.bfloat16, False),
+    ("avx512", False, torch.float32, False),
     ("avx2", False, torch.bfloat16, True),
     ("scalar", False, torch.float32, True),
 ])

@@ -58,6 +58,7 @@ def test_serve_script_and_readme_serve_the_default():
     readme = (root / "README.md").read_text()
     assert f"--ragged-profile {smollm2.DEFAULT_PROFILE}" in readme
     assert f"--ragged-precision {smollm2.DEFAULT_PRECISION}" in readme
+    assert f'"content":"{smollm2.README_QUESTION}"' in readme  # what its tests and bench.soak ask
     profile = BudgetProfile.load(root / smollm2.DEFAULT_PROFILE)
     assert profile.tiers is not None and profile.tiers.precision == smollm2.DEFAULT_PRECISION
     assert (root / smollm2.DROP_ONLY_PROFILE).is_file()
