@@ -17,7 +17,24 @@ sgl_kernel.speculative  assign_req_to_token_pool_cpu                           i
 sgl_kernel.speculative  the other ``*_cpu`` ops of speculative decoding        stub
 sgl_kernel.mamba        causal_conv1d_fn_cpu, causal_conv1d_update_cpu,        stub
                         chunk_gated_delta_rule_cpu
+sgl_kernel.utils        is_arch_support_pdl (False: no programmatic launch)    implemented
+sgl_kernel.graph        weak_ref_tensor (the tensor itself)                    implemented
+sgl_kernel.sampling     top_k_renorm_prob, top_p_renorm_prob                   stub
+sgl_kernel.moe          moe_sum, moe_sum_reduce                                stub
+sgl_kernel.gemm         int8_scaled_mm                                         stub
+sgl_kernel.quantization ggml_dequantize, ggml_moe_a8, ggml_mul_mat_a8,         stub
+                        ggml_mul_mat_vec_a8
+sgl_kernel.kvcacheio    the 13 ``transfer_kv_*`` ops of host KV offload        stub
 ======================  =====================================================  ============
+
+The last rows are the names a dense model's CUDA path imports at module level (SGLang
+0.5.23: layernorm, activation, sampler, the Triton attention backend, quantization and
+host-memory pool modules), for a lent GPU machine without the 1.2 GB sgl-kernel wheel
+(scripts/gpu_serve.sh; docs/gpu_serving.md). There the server runs with
+``SGLANG_FORCE_FUSED_OP_BACKEND=torch`` (norms, activations and rotary embedding on their
+torch ``forward_native``), ``--sampling-backend pytorch`` (no FlashInfer sampling) and
+``SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1``; the norms and activations above work on CUDA
+tensors too.
 
 ``sgl_kernel`` itself re-exports every name. Stubs raise ``NotImplementedError`` naming
 the op. Any other name or submodule (``sgl_kernel.scalar_type``, ``sgl_kernel.allreduce``)
@@ -218,6 +235,19 @@ def assign_req_to_token_pool_cpu(
     req_to_token.view(-1)[flat] = out_cache_loc[:total].to(torch.int32)
 
 
+# --- the CUDA path's launch helpers ------------------------------------------------------
+
+
+def is_arch_support_pdl() -> bool:
+    """Programmatic dependent launch: off (the stand-in launches no CUDA kernels)."""
+    return False
+
+
+def weak_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """CUDA-graph capture's weak reference: the tensor itself (a strong reference)."""
+    return tensor
+
+
 # --- stubs -------------------------------------------------------------------------------
 
 
@@ -248,6 +278,17 @@ _SPECULATIVE_STUBS = (
     "verify_tree_greedy_cpu",
 )
 _MAMBA_STUBS = ("causal_conv1d_fn_cpu", "causal_conv1d_update_cpu", "chunk_gated_delta_rule_cpu")
+_CUDA_WHY = {
+    "sampling": "FlashInfer-style sampling; serve with --sampling-backend pytorch",
+    "moe": "mixture-of-experts models need the real sgl_kernel",
+    "gemm": "int8 weight quantization needs the real sgl_kernel",
+    "quantization": "GGUF-quantized weights on a GPU need the real sgl_kernel",
+    "kvcacheio": "host KV offload (hierarchical cache) needs the real sgl_kernel",
+}
+_KV_TRANSFER_STUBS = tuple(f"transfer_kv_{name}" for name in (
+    "all_layer", "all_layer_direct_lf_pf", "all_layer_lf_pf", "all_layer_lf_ph",
+    "all_layer_mla", "all_layer_mla_lf_pf", "direct", "per_layer", "per_layer_direct_pf_lf",
+    "per_layer_mla", "per_layer_mla_pf_lf", "per_layer_pf_lf", "per_layer_ph_lf"))
 
 IMPLEMENTED: dict[str, tuple[Callable[..., object], ...]] = {
     "elementwise": (
@@ -261,22 +302,32 @@ IMPLEMENTED: dict[str, tuple[Callable[..., object], ...]] = {
     ),
     "kvcacheio": (copy_all_layer_kv_cache_cpu,),
     "speculative": (assign_req_to_token_pool_cpu,),
+    "utils": (is_arch_support_pdl,),
+    "graph": (weak_ref_tensor,),
 }
-STUBBED: dict[str, tuple[str, ...]] = {"speculative": _SPECULATIVE_STUBS, "mamba": _MAMBA_STUBS}
+STUBBED: dict[str, tuple[str, ...]] = {
+    "speculative": _SPECULATIVE_STUBS,
+    "mamba": _MAMBA_STUBS,
+    "sampling": ("top_k_renorm_prob", "top_p_renorm_prob"),
+    "moe": ("moe_sum", "moe_sum_reduce"),
+    "gemm": ("int8_scaled_mm",),
+    "quantization": ("ggml_dequantize", "ggml_moe_a8", "ggml_mul_mat_a8", "ggml_mul_mat_vec_a8"),
+    "kvcacheio": _KV_TRANSFER_STUBS,
+}
 
 
 # --- installation ------------------------------------------------------------------------
 
 # What a failing `import sgl_kernel` raises here (libcuda.so.1 missing: ImportError).
 _LOAD_ERRORS = (ImportError, OSError, RuntimeError)
-_DOC = "sgl_ragged's pure-torch stand-in for sgl_kernel (CPU only; see sgl_ragged.compat)."
+_DOC = "sgl_ragged's pure-torch stand-in for sgl_kernel (see sgl_ragged.compat.sgl_kernel_cpu)."
 
 
 def _submodule(sub: str) -> types.ModuleType:
     """``sgl_kernel.<sub>`` holding its implemented ops and stubs."""
     module = types.ModuleType(f"sgl_kernel.{sub}", _DOC)
     setattr(module, STANDIN_FLAG, True)
-    why = _SPEC_WHY if sub == "speculative" else _MAMBA_WHY
+    why = {"speculative": _SPEC_WHY, "mamba": _MAMBA_WHY, **_CUDA_WHY}.get(sub, "")
     for func in IMPLEMENTED.get(sub, ()):
         setattr(module, func.__name__, func)
     for name in STUBBED.get(sub, ()):

@@ -1,8 +1,31 @@
-"""A tiny random-weight Llama checkpoint with a byte-level tokenizer (nothing downloaded)."""
+"""Random-weight Llama checkpoints with a byte-level tokenizer (nothing downloaded): tiny ones
+for tests, and ones of a real model's shape for a lent GPU (scripts/gpu_serve.sh)."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
+
+# Llama-3.1-8B's shape (its config.json), for a random checkpoint of a real size on a GPU.
+LLAMA_3_1_8B = {
+    "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+}  # fmt: skip
+
+
+def _save_byte_tokenizer(path: Path) -> int:
+    """A byte-level BPE tokenizer without merges (256 tokens) saved at path; its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    return len(alphabet)
 
 
 def save_tiny_llama(path: Path, layers: int = 2, kv_heads: int = 2, q_heads: int = 4,
@@ -11,19 +34,51 @@ def save_tiny_llama(path: Path, layers: int = 2, kv_heads: int = 2, q_heads: int
     SGLang and transformers load; tests use it where the default model's 3 KV heads do not fit
     (tensor parallelism) or where any model will do."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
+    vocab = _save_byte_tokenizer(path)
     config = LlamaConfig(
-        vocab_size=len(alphabet), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=q_heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=1024, initializer_range=0.2, architectures=["LlamaForCausalLM"],
     )  # fmt: skip
     torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+def save_random_llama(path: Path, shape: dict[str, object] = LLAMA_3_1_8B, layers: int | None = None,
+                      device: str = "cuda", seed: int = 0) -> Path:
+    """A bfloat16 random-weight Llama of `shape` (`layers` overrides its layer count), built on
+    `device` (an 8B model initializes in seconds on a GPU, minutes on a CPU), with the byte-level
+    tokenizer (token ids below 256 of the shape's vocabulary)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _save_byte_tokenizer(path)
+    fields = {**shape, **({"num_hidden_layers": layers} if layers else {})}
+    config = LlamaConfig(**fields, architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+    torch.manual_seed(seed)
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(dtype)
+    model.save_pretrained(path)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Save a random-weight Llama-3.1-8B-shaped "
+                                     "checkpoint (byte-level tokenizer; nothing downloaded).")
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--layers", type=int, default=None, help="default: the shape's 32")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    print(save_random_llama(args.path, layers=args.layers, device=args.device))
+
+
+if __name__ == "__main__":
+    main()

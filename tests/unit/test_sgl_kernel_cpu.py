@@ -256,6 +256,52 @@ def test_names_sglang_imports_on_cpu(real_import_fails: None) -> None:
     )
 
 
+def test_launch_helpers_of_the_cuda_path(real_import_fails: None) -> None:
+    sk.install_if_needed()
+    from sgl_kernel import weak_ref_tensor
+    from sgl_kernel.utils import is_arch_support_pdl
+
+    x = torch.zeros(3)
+    assert is_arch_support_pdl() is False and weak_ref_tensor(x) is x
+
+
+# The modules a dense Llama's CUDA path imports at start (SGLang 0.5.23), and the server's
+# entry point: each imports sgl_kernel names at module level under `if _is_cuda`.
+CUDA_PATH_MODULES = (
+    "sglang.srt.layers.layernorm", "sglang.srt.layers.activation", "sglang.srt.layers.sampler",
+    "sglang.srt.layers.attention.triton_backend", "sglang.srt.layers.quantization.gguf",
+    "sglang.srt.layers.quantization.w8a8_int8", "sglang.srt.mem_cache.memory_pool_host",
+    "sglang.srt.model_executor.runner_backend_utils.weak_ref_tensor", "sglang.srt.models.llama",
+    "sglang.srt.model_executor.model_runner", "sglang.launch_server",
+)
+
+
+def test_cuda_path_imports_with_the_standin() -> None:
+    """On a GPU machine without the sgl-kernel wheel (scripts/gpu_serve.sh), SGLang's CUDA path
+    imports every name it needs from the stand-in: checked here with torch reporting a CUDA
+    device, in a fresh process."""
+    pytest.importorskip("sglang")
+    code = (
+        "import importlib, sys, torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "torch.version.cuda = '13.0'\n"
+        "torch.cuda.get_device_capability = lambda *a, **k: (9, 0)\n"
+        "torch.cuda.get_device_name = lambda *a, **k: 'NVIDIA H200'\n"
+        "torch.cuda.device_count = lambda: 1\n"
+        "torch.cuda.current_device = lambda: 0\n"
+        "from sgl_ragged.compat import sgl_kernel_cpu as sk\n"
+        "sk.install_if_needed()\n"
+        "assert sk.is_standin_installed()\n"
+        f"for name in {CUDA_PATH_MODULES!r}:\n"
+        "    importlib.import_module(name)\n"
+        "from sglang.srt.utils.common import is_cuda\n"
+        "assert is_cuda(), 'the CUDA path was not taken'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_absent_names_raise_import_error(real_import_fails: None) -> None:
     sk.install_if_needed()
     with pytest.raises(ImportError):
