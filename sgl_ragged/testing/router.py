@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
-from sgl_ragged.testing.server import HOST, ServerProcess, free_port
+from sgl_ragged.testing.server import BIND_RETRIES, HOST, PortTakenError, ServerProcess, free_port
 
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 
@@ -44,12 +44,17 @@ class RouterDeployment:
                           startup_timeout=startup_timeout)
             for i in range(num_workers)
         ]
-        self.router = ServerProcess(
-            router_args([w.base_url for w in self.workers], policy, free_port()),
-            log_path=log_dir / "router.log", startup_timeout=300.0,
+        self.policy = policy
+        self.log_dir = log_dir
+        self.router = self._router()
+
+    def _router(self) -> ServerProcess:
+        """The router's process, on fresh ports (its own and its Prometheus port)."""
+        return ServerProcess(
+            router_args([w.base_url for w in self.workers], self.policy, free_port()),
+            log_path=self.log_dir / "router.log", startup_timeout=300.0,
             module="sglang_router.launch_router",
         )
-        self.policy = policy
 
     @property
     def base_url(self) -> str:
@@ -62,7 +67,16 @@ class RouterDeployment:
             with ThreadPoolExecutor(len(self.workers)) as pool:
                 for future in [pool.submit(w.start) for w in self.workers]:
                     future.result()
-            self.router.start()
+            for attempt in range(BIND_RETRIES + 1):
+                # Ports picked before the workers started may have gone to their sockets since:
+                # a taken Prometheus port gets a new router with new ports.
+                self.router = self._router()
+                try:
+                    self.router.start()
+                    break
+                except PortTakenError:
+                    if attempt == BIND_RETRIES:
+                        raise
         except BaseException:
             self.stop()
             raise

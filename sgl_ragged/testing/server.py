@@ -28,7 +28,9 @@ from types import TracebackType
 import psutil
 
 HOST = "127.0.0.1"
-BIND_ERROR = "error while attempting to bind on address"  # uvicorn's, when the port is taken
+# What a server logs when its port was taken: uvicorn's (SGLang), and the Rust std's (the
+# router, its Prometheus port too).
+BIND_ERRORS = ("error while attempting to bind on address", "Address already in use (os error 98)")
 BIND_RETRIES = 3
 
 
@@ -168,7 +170,7 @@ class ServerProcess:
         """Poll the health endpoints until one answers, the process dies, or time runs out."""
         assert self.proc is not None
         while True:
-            if BIND_ERROR in self.log_text():
+            if any(e in self.log_text() for e in BIND_ERRORS):
                 raise PortTakenError(self._failure(f"port {self.port} was taken before the server bound it"))
             if self.proc.poll() is not None:
                 raise ServerError(self._failure(f"server exited with code {self.proc.returncode}"))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from sgl_ragged.testing.server import ServerProcess
+import pytest
+
+from sgl_ragged.testing.server import BIND_ERRORS, ServerProcess
 
 
 def test_cpu_servers_sleep_when_idle():
@@ -23,9 +25,10 @@ from pathlib import Path
 
 port = int(sys.argv[sys.argv.index("--port") + 1])
 marker = Path(sys.argv[sys.argv.index("--marker") + 1])
+message = sys.argv[sys.argv.index("--message") + 1]
 if not marker.exists():  # first start: the port "was taken"; hang on like uvicorn does
     marker.write_text(str(port))
-    print("ERROR:    [Errno 98] error while attempting to bind on address", flush=True)
+    print(f"ERROR:    {message}", flush=True)
     time.sleep(600)
 
 
@@ -39,12 +42,13 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 '''
 
 
-def test_a_port_taken_before_the_bind_is_retried_on_another(tmp_path):
+@pytest.mark.parametrize("message", BIND_ERRORS)  # SGLang's uvicorn, the router
+def test_a_port_taken_before_the_bind_is_retried_on_another(tmp_path, message):
     """The first launch reports a taken port and hangs: start() stops it and relaunches on a
     new free port, which answers."""
     (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
     marker = tmp_path / "first-port"
-    server = ServerProcess(["--marker", str(marker)], module="fake_server",
+    server = ServerProcess(["--marker", str(marker), "--message", message], module="fake_server",
                            env={"PYTHONPATH": str(tmp_path)}, log_path=tmp_path / "log",
                            startup_timeout=60)
     first = server.port
