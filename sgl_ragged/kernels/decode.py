@@ -33,8 +33,8 @@ DECODE_LAUNCH = {"rows": (2, 16), "codes": (1, 16)}
 layouts whose sealed rows are all in the model dtype (drop-only), "codes" for layouts with a
 quantized tier. The fastest of bench.decode_breakdown's sweep on an H200 at every measured
 shape, int4 for "codes" (docs/results.md, "Decode attention on an H200"; 4 warps, BLOCK_N 32
-before: 1.4-2.7x slower for rows, 1.1-1.7x for codes). Under the interpreter BLOCK_N stays
-block_config's."""
+before: 1.8-2.5x slower for rows, 1.2-1.7x for codes with the same split map). Other quantized
+formats take int4's launch unmeasured. Under the interpreter BLOCK_N stays block_config's."""
 
 MERGE_BLOCK_S = 32
 """Partials the merge kernel reads per tile."""
