@@ -22,12 +22,12 @@ import json
 import random
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from bench.accuracy_client import post
 from sgl_ragged.testing.server import ServerError, ServerProcess
 
 # What the server needs on a GPU machine without the sgl-kernel wheel (docs/gpu_serving.md):
@@ -49,12 +49,8 @@ def prompts(n: int, seed: int, min_chars: int, max_chars: int) -> list[str]:
 
 def generate(base_url: str, text: str, max_new_tokens: int) -> str:
     """Greedy completion of `text` through /generate."""
-    body = json.dumps({"text": text, "sampling_params": {"temperature": 0,
-                                                         "max_new_tokens": max_new_tokens}})
-    req = urllib.request.Request(base_url + "/generate", data=body.encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        return json.loads(resp.read())["text"]
+    body = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
+    return post(base_url, body, timeout=600)["text"]
 
 
 def serve_rounds(server: ServerProcess, first: list[str], follow: list[str],

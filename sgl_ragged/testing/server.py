@@ -170,7 +170,8 @@ class ServerProcess:
         """Poll the health endpoints until one answers, the process dies, or time runs out."""
         assert self.proc is not None
         while True:
-            if any(e in self.log_text() for e in BIND_ERRORS):
+            log = self.log_text()
+            if any(e in log for e in BIND_ERRORS):
                 raise PortTakenError(self._failure(f"port {self.port} was taken before the server bound it"))
             if self.proc.poll() is not None:
                 raise ServerError(self._failure(f"server exited with code {self.proc.returncode}"))
