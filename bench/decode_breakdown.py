@@ -1,27 +1,41 @@
 """Where decode attention's time goes: the split, tail and merge kernels of one decode step,
-eager and under a CUDA graph, for the AOT split map and uniform splits, and what the split
-kernel's launch configuration (warps, BLOCK_N) would change (`--sweep WARPS:BLOCK_N ...`).
+eager and under a CUDA graph, for several split maps (`--splits`), caps on the split kernel's
+programs per SM (`--programs-per-sm`) and launch configurations of the split kernel
+(`--sweep WARPS:BLOCK_N ...`).
 
     python -m bench.decode_breakdown [--precision int4] [--batch 4 16] [--context 8192 65536] \
+        [--programs-per-sm 2 4 8] [--sweep shipped 2:16] [--splits uniform aot cost] \
         --out results/decode_breakdown
 
 Same shapes and synthetic profile as bench.decode_attention; with `--precision`, every case also
-runs rows with that low tier composed from the same budgets (equal bytes; the split map
-gives their groups equal shares), beside the drop-only rows, as bench.decode_attention does. Per case: the step's median time
-eager and replayed from a CUDA graph (no launch overhead), and each kernel's device time per
-step (torch.profiler over eager steps). N_CTA is what serving measures from the compiled split
-kernel (triton_impl.decode_parallelism) in its shipped configuration (decode.DECODE_LAUNCH,
-marked in the table). The sweep rebuilds the kernels with another num_warps for the split
-kernel and another BLOCK_N (split and tail kernels) at that same N_CTA. Writes decode_breakdown.json and decode_breakdown.md. Needs CUDA.
+runs rows with that low tier composed from the same budgets (equal bytes), beside the drop-only
+rows, as bench.decode_attention does. Per case and variant: the step's median time eager and
+replayed from a CUDA graph (no launch overhead), and each kernel's device time per step
+(torch.profiler over eager steps).
+
+- N_CTA is what serving measures from the compiled split kernel in its shipped launch
+  (triton_impl.decode_parallelism: SMs x resident programs per SM), with each
+  `--programs-per-sm` value in place of the cap aot.MAX_PROGRAMS_PER_SM (serving's 2 by default).
+- Split maps (split_plan_of): `uniform`, `aot` (byte-weighted) and `cost[:F]`
+  (aot.cost_split_ratios at the launch's BLOCK_N, fold constant F).
+- The sweep rebuilds the kernels with another num_warps for the split kernel and another
+  BLOCK_N (split and tail kernels) at the same N_CTA; `shipped` is decode.DECODE_LAUNCH's
+  launch for the case's rows.
+
+The table marks the rows serving runs (its launch, split map and cap). Writes
+decode_breakdown.json and decode_breakdown.md after every case (a run cut short keeps what it
+measured). Needs CUDA; exits 0 without it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,10 +52,44 @@ from bench.decode_attention import (
     fits,
     timed,
 )
+from sgl_ragged.kernels.aot import (
+    FOLD_TILES,
+    MAX_PROGRAMS_PER_SM,
+    SplitPlan,
+    SplitStrategy,
+    cost_split_ratios,
+    layout_split_ratios,
+    split_plan,
+)
 from sgl_ragged.precision import FULL_PRECISION
 
 CASES = ((4, 8192), (4, 65536), (16, 8192), (16, 65536), (64, 8192))
 SWEEP = ((2, 16), (1, 16), (4, 16), (2, 32), (4, 32))  # (split-kernel warps, BLOCK_N)
+SHIPPED = "shipped"  # a --sweep entry: decode.DECODE_LAUNCH's launch for the case's rows
+SPLITS = ("aot", "uniform")  # default --splits
+
+
+@dataclass(frozen=True)
+class Variants:
+    """What every case is measured under: caps on the split kernel's programs per SM (N_CTA),
+    its launches ((warps, BLOCK_N) or SHIPPED) and split maps (split_choice's names)."""
+
+    programs_per_sm: tuple[int, ...] = (MAX_PROGRAMS_PER_SM,)
+    sweep: tuple[tuple[int, int] | str, ...] = SWEEP
+    splits: tuple[str, ...] = SPLITS
+
+    def launches(self, precision: str) -> list[tuple[int, int]]:
+        """The sweep's (warps, BLOCK_N) for rows of `precision`, SHIPPED read from
+        decode.DECODE_LAUNCH; each once, in order."""
+        from sgl_ragged.kernels.decode import DECODE_LAUNCH
+
+        shipped = DECODE_LAUNCH[launch_kind(precision)]
+        return list(dict.fromkeys(shipped if c == SHIPPED else c for c in self.sweep))
+
+
+def launch_kind(precision: str) -> str:
+    """decode.DECODE_LAUNCH's key for rows of `precision`: "rows" drop-only, "codes" quantized."""
+    return "rows" if precision == FULL_PRECISION else "codes"
 
 
 @contextmanager
@@ -56,6 +104,31 @@ def split_config(warps: int, block_n: int) -> Iterator[None]:
         yield
     finally:
         decode.DECODE_LAUNCH = saved
+
+
+def split_plan_of(split: str, storage, profile, num_ctas: int, block_n: int) -> SplitPlan:
+    """The split map `split` names for this storage, at N_CTA and BLOCK_N:
+
+    - uniform: the same splits for every group (what serving's equal shares for quantized
+      layouts give);
+    - aot: Algorithm 1 on the profile's ratios for drop-only rows (as served), on the layout's
+      bytes per group for quantized rows (aot.layout_split_ratios: the map session 13 timed
+      against uniform);
+    - cost[:F]: Algorithm 1 on aot.cost_split_ratios with fold constant F (aot.FOLD_TILES
+      where left out)."""
+    from sgl_ragged.attention_backend.registry import profile_split_ratios
+
+    name, _, fold = split.partition(":")
+    layout = storage.layout
+    if name == "uniform":
+        return split_plan(layout_split_ratios(layout), num_ctas, storage.device,
+                          SplitStrategy.UNIFORM)
+    if name == "aot":
+        ratios = (layout_split_ratios(layout) if layout.quantized
+                  else profile_split_ratios(storage, profile))
+    else:
+        ratios = cost_split_ratios(layout, block_n, float(fold) if fold else FOLD_TILES)
+    return split_plan(ratios, num_ctas, storage.device)
 
 
 def graph_seconds(step: Callable[[], object], repeats: int) -> float:
@@ -89,39 +162,46 @@ def kernel_seconds(step: Callable[[], object], steps: int = 3) -> dict[str, floa
     return result
 
 
+def timings(step: Callable[[], object], warps: int, block_n: int, warmup: int,
+            repeats: int) -> dict:
+    """eager_s, graph_s and kernels_s of `step` with the split kernel built for this launch."""
+    with split_config(warps, block_n):
+        return {"eager_s": timed(step, warmup, repeats), "graph_s": graph_seconds(step, repeats),
+                "kernels_s": kernel_seconds(step)}
+
+
 def measure(profile, batch: int, context: int, warmup: int, repeats: int,
-            precision: str = FULL_PRECISION, sweep=SWEEP) -> list[dict]:
-    """One row per (split config, strategy) for this batch, context and row precision."""
+            precision: str = FULL_PRECISION, variants: Variants = Variants()) -> list[dict]:
+    """One row per (programs-per-SM cap, launch, split map) for this batch, context and row
+    precision."""
     from sgl_ragged.attention_backend.registry import profile_split_ratios
     from sgl_ragged.attention_backend.triton_impl import decode_parallelism
-    from sgl_ragged.kernels.aot import SplitStrategy, split_plan
     from sgl_ragged.kernels.batch import kernel_batch
     from sgl_ragged.kernels.decode import decode_attention
     from sgl_ragged.kernels.tables import all_layer_tables
 
     storage, plans, (q, k, v) = build_case(profile, batch, context, precision)
     tables, batch_t = all_layer_tables(storage), kernel_batch(plans, "cuda")
-    ratios = profile_split_ratios(storage, profile)  # equal shares when rows have a low tier
-    ctas = decode_parallelism(storage, tables[0], ratios, HEADS * GQA)
+    ratios = profile_split_ratios(storage, profile)  # sizes decode_parallelism's probe only
     rows, nbytes = [], bytes_read(storage, batch, context)
-    for warps, block_n in sweep:
-        for strategy in SplitStrategy:
-            splits = split_plan(ratios, ctas, "cuda", strategy)
+    for per_sm in variants.programs_per_sm:
+        ctas = decode_parallelism(storage, tables[0], ratios, HEADS * GQA, per_sm)
+        for warps, block_n in variants.launches(precision):
+            for split in variants.splits:
+                splits = split_plan_of(split, storage, profile, ctas, block_n)
 
-            def step(splits=splits):
-                for layer in range(LAYERS):
-                    decode_attention(q, k, v, storage.stage_k[layer], storage.stage_v[layer],
-                                     tables[layer], splits.layer(layer), batch_t, HEAD_DIM**-0.5)
+                def step(splits=splits):
+                    for layer in range(LAYERS):
+                        decode_attention(q, k, v, storage.stage_k[layer],
+                                         storage.stage_v[layer], tables[layer],
+                                         splits.layer(layer), batch_t, HEAD_DIM**-0.5)
 
-            with split_config(warps, block_n):
-                eager, graphed = timed(step, warmup, repeats), graph_seconds(step, repeats)
-                kernels = kernel_seconds(step)
-            rows.append({
-                "batch": batch, "context": context, "precision": precision, "num_ctas": ctas,
-                "warps": warps,
-                "block_n": block_n, "strategy": strategy.value,
-                "max_splits": max(s.max_splits for s in splits.layers), "eager_s": eager,
-                "graph_s": graphed, "graph_gbps": nbytes / graphed / 1e9, "kernels_s": kernels})
+                row = {"batch": batch, "context": context, "precision": precision,
+                       "programs_per_sm": per_sm, "num_ctas": ctas, "warps": warps,
+                       "block_n": block_n, "strategy": split,
+                       "max_splits": max(s.max_splits for s in splits.layers),
+                       **timings(step, warps, block_n, warmup, repeats)}
+                rows.append({**row, "graph_gbps": nbytes / row["graph_s"] / 1e9})
     return rows
 
 
@@ -129,28 +209,33 @@ def kernel_ms(row: dict, name: str) -> str:
     return f"{sum(t for k, t in row['kernels_s'].items() if name in k) * 1e3:.2f}"
 
 
-def shipped(row: dict) -> str:
-    """' (shipped)' where the row's configuration is decode.DECODE_LAUNCH's for its rows."""
+def served(row: dict) -> bool:
+    """Whether the row is what serving runs for its rows: decode.DECODE_LAUNCH's launch,
+    registry.profile_split_ratios' map (the profile's ratios for drop-only rows, equal shares,
+    i.e. uniform splits, for quantized ones) and the cap aot.MAX_PROGRAMS_PER_SM."""
     from sgl_ragged.kernels.decode import DECODE_LAUNCH
 
-    rows = "rows" if row.get("precision", FULL_PRECISION) == FULL_PRECISION else "codes"
-    return " (shipped)" if DECODE_LAUNCH[rows] == (row["warps"], row["block_n"]) else ""
+    kind = launch_kind(row["precision"])
+    return (DECODE_LAUNCH[kind] == (row["warps"], row["block_n"])
+            and row["strategy"] == ("aot" if kind == "rows" else "uniform")
+            and row["programs_per_sm"] == MAX_PROGRAMS_PER_SM)
 
 
 def markdown(rows: list[dict], device: str) -> str:
     lines = [f"Decode attention per step (32 layers) on {device}: split, tail and merge kernels "
-             "(device ms per step), eager and CUDA-graph step.", "",
-             "| batch | context | rows | N_CTA | warps | BLOCK_N | strategy | max S | split ms "
-             "| tail ms | merge ms | eager ms | graph ms | graph GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(device ms per step), eager and CUDA-graph step; cap/SM: the most programs per "
+             "SM N_CTA counts; served: serving's launch, split map and cap.", "",
+             "| batch | context | rows | cap/SM | N_CTA | warps | BLOCK_N | strategy | max S "
+             "| split ms | tail ms | merge ms | eager ms | graph ms | graph GB/s | served |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['batch']} | {r['context']} | {r.get('precision', FULL_PRECISION)} "
-            f"| {r['num_ctas']} | {r['warps']} | {r['block_n']}{shipped(r)} "
-            f"| {r['strategy']} | {r['max_splits']} | {kernel_ms(r, '_sealed_splits_kernel')} "
+            f"| {r['batch']} | {r['context']} | {r['precision']} | {r['programs_per_sm']} "
+            f"| {r['num_ctas']} | {r['warps']} | {r['block_n']} | {r['strategy']} "
+            f"| {r['max_splits']} | {kernel_ms(r, '_sealed_splits_kernel')} "
             f"| {kernel_ms(r, '_tail_kernel')} | {kernel_ms(r, '_merge_kernel')} "
-            f"| {r['eager_s'] * 1e3:.2f} "
-            f"| {r['graph_s'] * 1e3:.2f} | {r['graph_gbps']:.0f} |")
+            f"| {r['eager_s'] * 1e3:.2f} | {r['graph_s'] * 1e3:.2f} | {r['graph_gbps']:.0f} "
+            f"| {'yes' if served(r) else ''} |")
     return "\n".join(lines) + "\n"
 
 
@@ -163,17 +248,63 @@ def cases(batches: list[int] | None, contexts: list[int] | None) -> list[tuple[i
             if (not batches or b in batches) and (not contexts or c in contexts)]
 
 
-def sweep_config(text: str) -> tuple[int, int]:
-    """argparse type of one --sweep entry, WARPS:BLOCK_N."""
+def sweep_config(text: str) -> tuple[int, int] | str:
+    """argparse type of one --sweep entry: WARPS:BLOCK_N, or SHIPPED."""
+    if text == SHIPPED:
+        return text
     try:
         warps, block_n = (int(x) for x in text.split(":"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: write a configuration as WARPS:BLOCK_N, "
-                                         "for example 2:16") from None
+                                         f"for example 2:16, or {SHIPPED}") from None
     if warps not in (1, 2, 4, 8) or block_n not in (16, 32, 64, 128):
         raise argparse.ArgumentTypeError(f"{text!r}: warps must be 1, 2, 4 or 8 and BLOCK_N "
                                          "16, 32, 64 or 128")
     return warps, block_n
+
+
+def split_choice(text: str) -> str:
+    """argparse type of one --splits entry: uniform, aot, or cost[:F] with a fold constant
+    F >= 0 (written cost:F, aot.FOLD_TILES where F is left out)."""
+    name, sep, fold = text.partition(":")
+    if name in ("uniform", "aot") and not sep:
+        return text
+    if name == "cost" and (not sep or re.fullmatch(r"\d+\.?\d*|\.\d+", fold)):
+        return f"cost:{float(fold) if sep else FOLD_TILES:g}"
+    raise argparse.ArgumentTypeError(f"{text!r}: a split map is uniform, aot, cost or cost:F "
+                                     "with a fold constant F >= 0 in tiles, for example cost:0.5")
+
+
+def positive(text: str) -> int:
+    """argparse type of one --programs-per-sm entry: an integer >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: programs per SM is an integer >= 1")
+    return int(text)
+
+
+def argument_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_case_args(parser, batch=None, context=None)  # default: CASES
+    parser.add_argument("--programs-per-sm", type=positive, nargs="+",
+                        default=[MAX_PROGRAMS_PER_SM],
+                        help="caps on the split kernel's resident programs per SM that N_CTA "
+                        f"counts, each measured (default: serving's {MAX_PROGRAMS_PER_SM})")
+    parser.add_argument("--sweep", type=sweep_config, nargs="+", default=list(SWEEP),
+                        help="split-kernel configurations WARPS:BLOCK_N to time, or "
+                        f"{SHIPPED} for decode.DECODE_LAUNCH's (default: "
+                        + " ".join(f"{w}:{n}" for w, n in SWEEP) + ")")
+    parser.add_argument("--splits", type=split_choice, nargs="+", default=list(SPLITS),
+                        help="split maps to time: uniform, aot (byte-weighted), cost[:F] "
+                        f"(aot.cost_split_ratios, fold constant F, default {FOLD_TILES:g}) "
+                        "(default: " + " ".join(SPLITS) + ")")
+    parser.add_argument("--out", type=Path, default=Path("results/decode_breakdown"))
+    return parser
+
+
+def variants_of(args: argparse.Namespace) -> Variants:
+    """The parsed options' variants, each value once."""
+    return Variants(*(tuple(dict.fromkeys(x)) for x in (args.programs_per_sm, args.sweep,
+                                                          args.splits)))
 
 
 def write(out: Path, rows: list[dict], device: str, profile_name: str) -> str:
@@ -187,26 +318,20 @@ def write(out: Path, rows: list[dict], device: str, profile_name: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_case_args(parser, batch=None, context=None)  # default: CASES
-    parser.add_argument("--sweep", type=sweep_config, nargs="+", default=list(SWEEP),
-                        help="split-kernel configurations WARPS:BLOCK_N to time (default: "
-                        + " ".join(f"{w}:{n}" for w, n in SWEEP) + ")")
-    parser.add_argument("--out", type=Path, default=Path("results/decode_breakdown"))
-    args = parser.parse_args()
+    args = argument_parser().parse_args()
     if not torch.cuda.is_available():
         print("bench/decode_breakdown.py needs a CUDA device; nothing measured.")
         sys.exit(0)
     profile, name = bench_profile(args.profile, args.heads_per_group)
     torch.manual_seed(0)
     cap = torch.cuda.mem_get_info()[0] * args.mem_fraction
-    rows, device = [], torch.cuda.get_device_name()
+    rows, device, measured = [], torch.cuda.get_device_name(), variants_of(args)
     for batch, context in cases(args.batch, args.context):
         for precision in dict.fromkeys([FULL_PRECISION, args.precision]):
             if fits(profile, batch, context, cap, precision):
                 print(f"batch {batch}, context {context}, {precision} ...", flush=True)
                 rows += measure(profile, batch, context, args.warmup, args.repeats, precision,
-                                args.sweep)
+                                measured)
                 torch.cuda.empty_cache()
                 write(args.out, rows, device, name)  # what a run cut short has measured
     print(write(args.out, rows, device, name))

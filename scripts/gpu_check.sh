@@ -5,8 +5,13 @@
 # decode-attention benchmark (FlashInfer's column only where FlashInfer is installed) and its
 # per-kernel breakdown (bench.decode_breakdown).
 # Results go to $OUT (or ./results/gpu_check). Arguments (--precision, --batch, --context, ...)
-# go to both benchmarks.
+# go to both benchmarks; those after a `--` to bench.decode_breakdown alone (--programs-per-sm,
+# --sweep, --splits).
 #   device run:  PYTHONUNBUFFERED=1 ./scripts/gpu_check.sh
+#   issue 21's next run (docs/results.md, "Decode attention on an H200"):
+#     PYTHONUNBUFFERED=1 ./scripts/gpu_check.sh --precision int4 --batch 4 16 64 \
+#       --context 8192 65536 --warmup 3 --repeats 10 -- --programs-per-sm 2 4 8 \
+#       --sweep shipped --splits uniform aot cost
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-results/gpu_check}"
@@ -15,6 +20,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/device.txt"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' \
   | tee -a "$out/device.txt"
+shared=()  # arguments for both benchmarks; the rest, after `--`, for the breakdown
+while (($#)) && [[ $1 != -- ]]; do shared+=("$1"); shift; done
+(($#)) && shift
 rc=0
 xdist=()  # compile the kernels in parallel where pytest-xdist is installed (the device image has it)
 python3 -c 'import xdist' 2>/dev/null && xdist=(-n 8)
@@ -22,6 +30,7 @@ python3 -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" tests/unit/test_kerne
   tests/unit/test_kernels_attention.py tests/unit/test_kernels_seal.py \
   tests/unit/test_kernels_backend.py tests/unit/test_tail_batch.py \
   tests/unit/test_batched_torch.py tests/unit/test_cuda_graph.py 2>&1 | tee "$out/tests.txt" || rc=1
-python3 -m bench.decode_attention --out "$out" "$@" 2>&1 | tee "$out/bench.txt" || rc=1
-python3 -m bench.decode_breakdown --out "$out" "$@" 2>&1 | tee "$out/breakdown.txt" || rc=1
+python3 -m bench.decode_attention --out "$out" "${shared[@]}" 2>&1 | tee "$out/bench.txt" || rc=1
+python3 -m bench.decode_breakdown --out "$out" "${shared[@]}" "$@" 2>&1 \
+  | tee "$out/breakdown.txt" || rc=1
 exit "$rc"

@@ -101,24 +101,27 @@ class TritonAttention(AttentionImpl[TritonBatch]):
 
 
 def decode_parallelism(storage: RaggedStorage, tables: LayerTables,
-                       split_ratios: Sequence[Sequence[float]], num_q_heads: int | None) -> int:
+                       split_ratios: Sequence[Sequence[float]], num_q_heads: int | None,
+                       max_programs_per_sm: int = MAX_PROGRAMS_PER_SM) -> int:
     """N_CTA on this device: SMs x resident programs per SM of the split kernel as compiled
-    for these shapes, at most aot.MAX_PROGRAMS_PER_SM (aot.PROGRAMS_PER_SM where it cannot be
-    measured: not CUDA, no head count, or a Triton build that does not expose its resource
-    use)."""
+    for these shapes, at most max_programs_per_sm (aot.MAX_PROGRAMS_PER_SM as served;
+    bench.decode_breakdown --programs-per-sm measures other caps). Where residency cannot be
+    measured (not CUDA, no head count, or a Triton build that does not expose its resource
+    use) it is aot.PROGRAMS_PER_SM, under the same cap."""
     device = storage.device
+    fallback = min(PROGRAMS_PER_SM, max_programs_per_sm)
     if device.type != "cuda" or num_q_heads is None:
-        return device_parallelism(device)
+        return device_parallelism(device, fallback)
     probe = split_plan(split_ratios, 1, device)  # one split per group: sizes the probe's buffers
     try:
         used = split_kernel_resources(tables, probe.layer(0), num_q_heads,
                                       storage.layout.head_dim, storage.dtype)
     except (AttributeError, RuntimeError, TypeError) as exc:
         logger.warning("could not read the split kernel's resource use (%s); assuming %d "
-                       "programs per SM", exc, PROGRAMS_PER_SM)
-        return device_parallelism(device)
+                       "programs per SM", exc, fallback)
+        return device_parallelism(device, fallback)
     resident = programs_per_sm(used, SMLimits.of(device))
-    num_ctas = device_parallelism(device, min(resident, MAX_PROGRAMS_PER_SM))
+    num_ctas = device_parallelism(device, min(resident, max_programs_per_sm))
     logger.info("decode split kernel: %d registers/thread, %d B shared, %d warps -> %d programs "
                 "per SM resident, N_CTA %d", used.registers_per_thread, used.shared_bytes,
                 used.num_warps, resident, num_ctas)

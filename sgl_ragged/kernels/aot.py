@@ -4,7 +4,9 @@ At server start the profile's split ratios Phi[l,g] / Omega[l] and the device's 
 N_CTA (programs of the decode kernel that can be resident at once) give
 S[l,g] = max(1, round(ratio * N_CTA)) (budgets.split_map_from_ratios, = Algorithm 1). The decode
 kernel reads S and a per-layer work list; nothing is planned per step. The uniform baseline
-gives every group the same split count (FlashDecoding's num_splits), for measurement.
+gives every group the same split count (FlashDecoding's num_splits), for measurement. Ratios
+come from the profile, from a layout's bytes per page (layout_split_ratios) or from a model of
+the split kernel's tiles per page (cost_split_ratios, measured by bench.decode_breakdown only).
 
 A decode launch has batch * sum_g S[l,g] programs; program (w, b) covers split work_split[w] of
 group work_group[w] for request b: an equal share of that group's sealed tokens, all H_p heads.
@@ -20,6 +22,7 @@ import torch
 
 from sgl_ragged.budgets import split_map_from_ratios
 from sgl_ragged.mem_pool.layout import RaggedLayout
+from sgl_ragged.mem_pool.tiers import RowTiers
 
 CPU_PARALLELISM = 8
 """N_CTA used on a CPU (Triton interpreter, tests): a fixed small value, no meaning for speed."""
@@ -119,9 +122,49 @@ def layout_split_ratios(layout: RaggedLayout) -> tuple[tuple[float, ...], ...]:
     """[L][G] work share of each group from the layout alone: the bytes of its rows one page
     holds (what the split kernel reads: hi slots at the model dtype or quantized, then the low tier's codes
     and parameters; k[l][g] * H_p slots without a low tier) over the layer's total. Used when
-    no profile ratios are at hand and for quantized layouts (profile ratios count slots)."""
+    no profile ratios are at hand (registry.profile_split_ratios; quantized layouts get equal
+    shares there: this map lost to them on an H200, docs/results.md, "Decode attention on an
+    H200")."""
     result = []
     for li, layer_groups in enumerate(layout.groups):
         work = [layout.group_bytes(li, g) for g in range(len(layer_groups))]  # each in its format
         result.append(tuple(w / sum(work) for w in work))
     return tuple(result)
+
+
+FOLD_TILES = 1.0
+"""cost_split_ratios' default cost of one page's fold (a quantized tier's key parameters folded
+into the query, attend._attend_low_page step 1), in tiles of BLOCK_N tokens. Not measured:
+`bench.decode_breakdown --splits cost:F` times other values."""
+
+
+def cost_split_ratios(layout: RaggedLayout, block_n: int,
+                      fold_tiles: float = FOLD_TILES) -> tuple[tuple[float, ...], ...]:
+    """[L][G] work share of each group from a model of the split kernel's time per page
+    (attend.attend_sealed), counted in tiles of block_n tokens for each of the group's H_p heads:
+
+    - hi slots at the model dtype: hi / block_n (a split's high slots run as one sequence of
+      tiles across its pages);
+    - each quantized tier with slots (the low tier; a quantized high tier too, read page by
+      page): fold_tiles for the page's fold, plus ceil(slots / block_n) tiles.
+
+    A tile costs the same whatever it holds (on an H200 an int4 token took about as long as a
+    model-dtype one, docs/results.md, "Decode attention on an H200"); a layer's shares are its
+    groups' work over their sum. Not served: registry.profile_split_ratios gives quantized
+    layouts equal shares until `bench.decode_breakdown --splits cost` has timed this map."""
+    result = []
+    for layer_groups, layer_tiers in zip(layout.groups, layout.tiers, strict=True):
+        work = [len(heads) * _page_tiles(t, layout.high is not None, block_n, fold_tiles)
+                for heads, t in zip(layer_groups, layer_tiers, strict=True)]
+        result.append(tuple(w / sum(work) for w in work))
+    return tuple(result)
+
+
+def _page_tiles(tiers: RowTiers, quantized_high: bool, block_n: int, fold_tiles: float) -> float:
+    """One head's modeled tiles per page of a group with these tiers (cost_split_ratios)."""
+
+    def quantized(slots: int) -> float:
+        return fold_tiles + -(-slots // block_n) if slots else 0.0
+
+    high = quantized(tiers.hi) if quantized_high else tiers.hi / block_n
+    return high + quantized(tiers.lo)

@@ -11,13 +11,20 @@ import torch
 from sgl_ragged.budgets import split_map, split_ratios
 from sgl_ragged.kernels.aot import (
     CPU_PARALLELISM,
+    FOLD_TILES,
     SplitStrategy,
+    cost_split_ratios,
     device_parallelism,
+    layout_split_ratios,
     split_plan,
     uniform_split_map,
 )
 from sgl_ragged.kernels.batch import kernel_batch
 from sgl_ragged.kernels.occupancy import KernelResources, SMLimits, programs_per_sm
+from sgl_ragged.mem_pool.layout import RaggedLayout
+from sgl_ragged.mem_pool.tiers import RowTiers
+from sgl_ragged.precision import LOW_PRECISIONS
+from sgl_ragged.scoring import SINK_TOKENS
 from tests.conftest import USER_INTERPRET
 from tests.unit.kernel_cases import P, Spec, random_plans, random_storage
 
@@ -42,6 +49,70 @@ def test_uniform_plan_gives_every_group_the_same_splits():
     assert plan.split_map.tolist() == [[32, 32], [32, 32]]
     assert uniform_split_map(1, 3, 10) == ((3, 3, 3),)
     assert uniform_split_map(1, 8, 2) == ((1,) * 8,)  # never zero splits
+
+
+# ---- the cost-model split ratios (aot.cost_split_ratios) ---------------------------------------
+
+
+def _kernel_tiles(tiers: RowTiers, quantized_high: bool, block_n: int, fold: float,
+                  pages: int) -> float:
+    """One head's tiles and folds over `pages` pages, loop by loop as attend.attend_sealed runs
+    them: model-dtype high slots as one run of tiles across the pages, a quantized tier page by
+    page (a fold, then its tiles)."""
+    work = 0.0
+    if quantized_high:
+        for _ in range(pages if tiers.hi else 0):
+            work += fold + len(range(0, tiers.hi, block_n))
+    else:
+        work += len(range(0, pages * tiers.hi, block_n))
+    for _ in range(pages if tiers.lo else 0):
+        work += fold + len(range(0, tiers.lo, block_n))
+    return work
+
+
+def _random_layout(rng: random.Random) -> RaggedLayout:
+    """Random groups (1-4 of random sizes per layer), tiers and high-tier format; P = 64."""
+    heads, groups, tiers = rng.choice([4, 6, 8]), [], []
+    for _ in range(rng.randint(1, 3)):
+        order = rng.sample(range(heads), heads)
+        cuts = sorted(rng.sample(range(1, heads), rng.randint(0, 3)))
+        groups.append(tuple(tuple(order[a:b]) for a, b in zip([0, *cuts], [*cuts, heads],
+                                                               strict=True)))
+        totals = [rng.randint(SINK_TOKENS, 64) for _ in groups[-1]]
+        tiers.append(tuple(RowTiers(hi, t - hi) for t in totals
+                           for hi in [rng.choice([0, t, rng.randint(0, t)])]))
+    return RaggedLayout(page_size=64, head_dim=64, dtype_bytes=2, groups=tuple(groups),
+                        slots=tuple(tuple(t.total for t in layer) for layer in tiers),
+                        tiers=tuple(tiers), low=LOW_PRECISIONS["int4"],
+                        high=rng.choice([None, LOW_PRECISIONS["int8"]]))
+
+
+def test_cost_ratios_match_a_count_of_the_kernels_loops():
+    """Over BLOCK_N pages (whole tiles of high slots), each group's share is its heads' counted
+    tiles and folds over the layer's."""
+    rng = random.Random(5)
+    for _ in range(200):
+        layout = _random_layout(rng)
+        block_n, fold = rng.choice([16, 32, 64]), rng.choice([0.0, 0.5, 1.0, 3.0])
+        high = layout.high is not None
+        got = cost_split_ratios(layout, block_n, fold)
+        for layer_groups, layer_tiers, ratios in zip(layout.groups, layout.tiers, got,
+                                                     strict=True):
+            work = [len(h) * _kernel_tiles(t, high, block_n, fold, block_n)
+                    for h, t in zip(layer_groups, layer_tiers, strict=True)]
+            assert ratios == pytest.approx([w / sum(work) for w in work]), (layout, block_n)
+
+
+def test_cost_ratios_count_tiles_not_bytes():
+    """Two int4 groups of 2 heads at BLOCK_N 16: 16 bf16 + 48 int4 slots cost 1 + (1 + 3) tiles,
+    19 int4 slots 1 + 2; by bytes the first would take 5 / 6 of the splits."""
+    tiers = ((RowTiers(16, 48), RowTiers(0, 19)),)
+    layout = RaggedLayout(page_size=64, head_dim=128, dtype_bytes=2, groups=(((0, 1), (2, 3)),),
+                          slots=((64, 19),), tiers=tiers, low=LOW_PRECISIONS["int4"])
+    assert FOLD_TILES == 1.0
+    assert cost_split_ratios(layout, 16)[0] == pytest.approx((5 / 8, 3 / 8))
+    assert cost_split_ratios(layout, 16, fold_tiles=0.0)[0] == pytest.approx((4 / 6, 2 / 6))
+    assert layout_split_ratios(layout)[0] == pytest.approx((30080 / 36120, 6040 / 36120))
 
 
 def test_cpu_parallelism_is_fixed():
@@ -145,6 +216,9 @@ def test_split_kernel_resources_are_read_from_its_build():
     num_ctas = decode_parallelism(storage, tables, ratios, GPU.kv_heads * GPU.gqa)
     resident = programs_per_sm(used, SMLimits.of("cuda"))
     assert num_ctas == sms * min(resident, MAX_PROGRAMS_PER_SM)
+    for cap in (1, 4, 8):  # another cap (bench.decode_breakdown --programs-per-sm)
+        assert decode_parallelism(storage, tables, ratios, GPU.kv_heads * GPU.gqa,
+                                  cap) == sms * min(resident, cap)
 
 
 @pytest.mark.parametrize("precision,rows", [("bf16", "rows"), ("int4", "codes"), ("fp8", "codes"),
