@@ -28,13 +28,9 @@ from pathlib import Path
 import torch
 
 from bench.accuracy_client import post
+from bench.servers import GPU_ARGS, GPU_ENV  # what a server needs on the lent GPU machine
 from sgl_ragged.testing.server import ServerError, ServerProcess
 
-# What the server needs on a GPU machine without the sgl-kernel wheel (docs/gpu_serving.md):
-# norms, activations and rotary embedding on their torch forward_native, no version check of
-# the absent package, and SGLang's CUDA platform (testing.server sets the CPU engine).
-GPU_ENV = {"SGLANG_USE_CPU_ENGINE": "0", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",
-           "SGLANG_FORCE_FUSED_OP_BACKEND": "torch"}
 GRAPHS = {"decode graphs on": [], "decode graphs off": ["--cuda-graph-backend-decode", "disabled"]}
 LOG_MARKERS = ("ragged attention:", "Ragged KV cache:", "decode split kernel:", "Capture cuda graph")
 
@@ -128,9 +124,7 @@ def main() -> None:
     follow = prompts(args.requests, 1, 20, 200)
     common = ["--model-path", args.model, "--attention-backend", "ragged", "--ragged-profile",
               args.profile, "--ragged-precision", args.precision, "--ragged-check-integrity", "1",
-              "--sampling-backend", "pytorch", "--grammar-backend", "none",
-              "--cuda-graph-backend-prefill", "disabled",
-              "--cuda-graph-max-bs-decode", str(args.cuda_graph_max_bs), *args.extra]
+              *GPU_ARGS, "--cuda-graph-max-bs-decode", str(args.cuda_graph_max_bs), *args.extra]
     rows = [run_server(name, common + flags, args.out, first, follow, args.max_new_tokens)
             for name, flags in GRAPHS.items()]
     outputs = [r.get("round1", []) + r.get("round2", []) for r in rows]

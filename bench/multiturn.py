@@ -10,12 +10,17 @@ OpenAI-compatible chat endpoint (streamed, for TTFT and TPOT).
     # N workers (each at that budget) behind SGLang's router, by routing policy:
     python -m bench.multiturn --launch router:2:cache_aware:ragged:uniform:0.3 \
         --launch router:2:round_robin:ragged:uniform:0.3 --kv-budget-tokens 8192 ...
+    # on a GPU (stock `triton`, here also with fp8 KV entries; scripts/gpu_multiturn.sh):
+    python -m bench.multiturn --device cuda --model M --launch baseline \
+        --launch baseline@fp8_e4m3 --launch ragged@int4:uniform:0.3 ...
 
 Each of `--concurrency` users runs one session at a time, turn after turn (an answer becomes
 history); `--request-rate R` (repeatable: a sweep) additionally releases requests at Poisson
 times of rate R per second. The cache is flushed and one warm-up request sent before each run.
 Writes multiturn.json (every request, the /metrics timeline, summaries, ratios against the
-baseline), multiturn.md and PNG plots (bench/report.py).
+baseline), multiturn.md and PNG plots (bench/report.py); launched servers are written after each
+one (a server that fails to start is reported, and the next one runs). `--dry-run` prints what
+each launched server would get (budget, arguments, environment) and starts nothing.
 """
 
 from __future__ import annotations
@@ -28,15 +33,16 @@ import random
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
 from bench import report
 from bench.client import MetricsPoller, RequestRecord, chat_payload, stream_chat
-from bench.servers import Budget, Target, equal_budget, launch_args
+from bench.servers import STOCK_BACKEND, Budget, Target, equal_budget, launch_args, launch_env
 from bench.stats import summarize
 from bench.tokens import make_counter
 from bench.workloads import TASKS, Session, WorkloadConfig, build_sessions
@@ -195,17 +201,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     where = p.add_argument_group("servers (one of)")
     where.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:30000")
     where.add_argument("--launch", action="append", default=[],
-                       metavar="baseline|ragged:<profile>|router:<N>:<policy>:<target>",
+                       metavar="baseline[@<kv dtype>]|ragged[@<precision>]:<profile>|"
+                               "router:<N>:<policy>:<target>",
                        help="launch this server (repeatable); they run one after the other. "
-                            "router:<N>:<policy>:<target>: N such workers, each at the common "
-                            "budget, behind sglang_router (policy cache_aware, round_robin, ...)")
+                            "baseline@fp8_e4m3: stock with --kv-cache-dtype fp8_e4m3 (twice the "
+                            "tokens in the same bytes). router:<N>:<policy>:<target>: N such "
+                            "workers, each at the common budget, behind sglang_router (policy "
+                            "cache_aware, round_robin, ...)")
     where.add_argument("--label", default="server", help="name of the --base-url run")
     where.add_argument("--model", help="model path (default: SmolLM2-135M-Instruct)")
     where.add_argument("--kv-budget-tokens", type=int, default=16384,
                        help="common KV budget: the bytes of this many uncompressed tokens")
     where.add_argument("--max-running-requests", type=int, default=16)
     where.add_argument("--chunked-prefill-size", type=int, default=512)
-    where.add_argument("--device", default="cpu")
+    where.add_argument("--device", default="cpu", choices=tuple(STOCK_BACKEND),
+                       help="of launched servers; cuda: the lent GPU machine's environment and "
+                            "arguments (bench.servers.GPU_ENV, GPU_ARGS), stock on triton")
+    where.add_argument("--dry-run", action="store_true",
+                       help="print each --launch target's budget, arguments and environment "
+                            "(and write plan.json); start nothing")
     where.add_argument("--server-arg", action="append", default=[],
                        help="extra launch_server argument for every launched server (repeatable; "
                             "use --server-arg=--flag)")
@@ -230,6 +244,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if bool(args.base_url) == bool(args.launch):
         p.error("give either --base-url or at least one --launch")
+    if args.dry_run and not args.launch:
+        p.error("--dry-run shows what --launch would start; give at least one --launch")
     return args
 
 
@@ -241,39 +257,83 @@ def _window_pages(extra: list[str]) -> int:
     return 1
 
 
-def run_launched(args: argparse.Namespace, model: str, sessions: list[Session],
-                 loads: list[LoadConfig]) -> list[dict[str, Any]]:
-    """Each --launch target in turn at the common budget; every rate on each."""
-    targets = [Target.parse(spec) for spec in args.launch]
-    budgets = {t.label: equal_budget(t, model, args.kv_budget_tokens, args.max_running_requests,
-                                     _window_pages(args.server_arg)) for t in targets}
-    runs = []
-    for i, target in enumerate(targets, 1):
-        budget: Budget = budgets[target.label]
-        print(f"[{i}/{len(targets)}] {target.label}: --max-total-tokens {budget.kv_tokens} "
-              f"(retention {budget.retention:.3f}), starting ...", file=sys.stderr, flush=True)
+class Launch(NamedTuple):
+    """One --launch target as it will be started."""
+
+    target: Target
+    budget: Budget
+    server_args: list[str]  # launch_server arguments (launch_args)
+
+
+class Launched(NamedTuple):
+    """What the launched servers gave: their runs, and the targets that failed."""
+
+    runs: list[dict[str, Any]]
+    failed: list[dict[str, Any]]  # {"label", "launch_args", "error"}
+
+
+def plan_launches(args: argparse.Namespace, model: str) -> list[Launch]:
+    """Every --launch target with its budget and launch_server arguments."""
+    launches = []
+    for target in (Target.parse(spec) for spec in args.launch):
+        budget = equal_budget(target, model, args.kv_budget_tokens, args.max_running_requests,
+                              _window_pages(args.server_arg))
         server_args = launch_args(target, model, budget.kv_tokens,
                                   max_running=args.max_running_requests,
                                   chunk=args.chunked_prefill_size, device=args.device,
                                   extra=args.server_arg)
+        launches.append(Launch(target, budget, server_args))
+    return launches
+
+
+def dry_run(args: argparse.Namespace, model: str, sessions: list[Session]) -> dict[str, Any]:
+    """What --launch would start, and how large the concurrent histories are; nothing started."""
+    contexts = sorted((s.context_tokens for s in sessions), reverse=True)
+    targets = [{"label": launch.target.label, "budget": launch.budget._asdict(),
+                "launch_args": launch.server_args} for launch in plan_launches(args, model)]
+    return {"model": model, "device": args.device, "env": launch_env(args.device),
+            # the contexts of the `concurrency` largest sessions: a lower bound of the live
+            # histories' tokens (questions, answers and the chat template come on top)
+            "concurrent_context_tokens": sum(contexts[:args.concurrency]), "targets": targets}
+
+
+def run_launched(args: argparse.Namespace, model: str, sessions: list[Session],
+                 loads: list[LoadConfig], save: Callable[[Launched], None]) -> Launched:
+    """Each --launch target in turn at the common budget, every rate on each; `save` after each
+    target. A target whose server fails (to start, or while it serves) is recorded and skipped."""
+    from sgl_ragged.testing.server import ServerError
+
+    launches, env = plan_launches(args, model), launch_env(args.device)
+    done = Launched([], [])
+    for i, (target, budget, server_args) in enumerate(launches, 1):
+        print(f"[{i}/{len(launches)}] {target.label}: --max-total-tokens {budget.kv_tokens} "
+              f"(retention {budget.retention:.3f}), starting ...", file=sys.stderr, flush=True)
         log = args.out / "logs" / f"{target.label.replace(':', '_').replace('/', '_')}.log"
-        with _deployment(target, server_args, log) as server:
-            for load in loads:
-                run = run_one(server.base_url, target.label, sessions, load, not args.no_flush)
-                runs.append({**run, "budget": budget._asdict(), "launch_args": server_args,
-                             "workers": target.workers, "router_policy": target.policy})
-    return runs
+        about = {"budget": budget._asdict(), "launch_args": server_args,
+                 "workers": target.workers, "router_policy": target.policy}
+        try:
+            with _deployment(target, server_args, env, log) as server:
+                for load in loads:
+                    run = run_one(server.base_url, target.label, sessions, load, not args.no_flush)
+                    done.runs.append({**run, **about})
+        except (ServerError, OSError) as exc:
+            print(f"{target.label}: FAILED {type(exc).__name__}: {str(exc)[-1500:]}",
+                  file=sys.stderr, flush=True)
+            done.failed.append({"label": target.label, "launch_args": server_args,
+                                "error": f"{type(exc).__name__}: {str(exc)[-4000:]}"})
+        save(done)
+    return done
 
 
-def _deployment(target: Target, server_args: list[str], log: Path) -> Any:
+def _deployment(target: Target, server_args: list[str], env: dict[str, str], log: Path) -> Any:
     """One server, or target.workers of them behind SGLang's router (logs under log's stem)."""
     from sgl_ragged.testing.router import RouterDeployment
     from sgl_ragged.testing.server import ServerProcess
 
     if target.policy is None:
-        return ServerProcess(server_args, log_path=log, startup_timeout=900)
+        return ServerProcess(server_args, env=env, log_path=log, startup_timeout=900)
     return RouterDeployment(server_args, num_workers=target.workers, policy=target.policy,
-                            log_dir=log.with_suffix(""), startup_timeout=900)
+                            log_dir=log.with_suffix(""), env=env, startup_timeout=900)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -291,16 +351,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     loads = [LoadConfig(args.concurrency, rate, args.max_tokens, args.seed)
              for rate in (args.request_rate or [math.inf])]
     args.out.mkdir(parents=True, exist_ok=True)
+    argv = sys.argv[1:] if argv is None else argv
+    if args.dry_run and args.launch:
+        plan = dry_run(args, model, sessions)
+        (args.out / "plan.json").write_text(json.dumps(plan, indent=1))
+        print(json.dumps(plan, indent=1))
+        return plan
+
+    def save(so_far: Launched) -> None:  # after each launched server: a timeout keeps those
+        report.write(report.build(so_far.runs, so_far.failed, workload=asdict(cfg), argv=argv),
+                     args.out, plots=False)
+
     if args.base_url:
-        runs = [run_one(args.base_url, args.label, sessions, load, not args.no_flush)
-                for load in loads]
+        done = Launched([run_one(args.base_url, args.label, sessions, load, not args.no_flush)
+                         for load in loads], [])
     else:
-        runs = run_launched(args, model, sessions, loads)
-    result = report.build(runs, workload=asdict(cfg), argv=sys.argv[1:] if argv is None else argv)
-    table = report.write(result, args.out, plots=not args.no_plots)
+        done = run_launched(args, model, sessions, loads, save)
+    result = report.build(done.runs, done.failed, workload=asdict(cfg), argv=argv)
+    table = report.write(result, args.out, plots=not args.no_plots and bool(done.runs))
     print(table)
     return result
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main().get("failed") else 0)

@@ -24,8 +24,10 @@ def _reference(runs: list[dict[str, Any]], rate: float) -> dict[str, Any]:
     return next((r for r in same if r["label"] == "baseline"), same[0])
 
 
-def build(runs: list[dict[str, Any]], *, workload: dict[str, Any], argv: list[str]) -> dict[str, Any]:
-    """The JSON document: workload, command line, runs and their ratios to the reference."""
+def build(runs: list[dict[str, Any]], failed: list[dict[str, Any]] | None = None, *,
+          workload: dict[str, Any], argv: list[str]) -> dict[str, Any]:
+    """The JSON document: workload, command line, runs and their ratios to the reference, and
+    the launched targets that failed ({"label", "launch_args", "error"})."""
     pairs = []
     for run in runs:
         ref = _reference(runs, _rate(run))
@@ -33,7 +35,8 @@ def build(runs: list[dict[str, Any]], *, workload: dict[str, Any], argv: list[st
             pairs.append({"run": run["label"], "reference": ref["label"],
                           "request_rate": run["request_rate"],
                           **ratios(run["summary"], ref["summary"])})
-    return {"workload": workload, "argv": argv, "runs": runs, "ratios": pairs}
+    return {"workload": workload, "argv": argv, "runs": runs, "ratios": pairs,
+            "failed": list(failed or [])}
 
 
 def _num(x: Any, fmt: str = ".2f") -> str:
@@ -77,6 +80,10 @@ def markdown(result: dict[str, Any]) -> str:
                                               "max_total_num_tokens")]
             lines.append(f"| {r['run']} / {r['reference']} | {_rate_text(_rate(r))} | "
                          + " | ".join(cells) + " |")
+    for f in result.get("failed", []):
+        first = (f["error"].strip().splitlines() or [""])[0][:200]
+        lines += ["", f"**{f['label']} failed**: {first} (multiturn.json: the whole error; "
+                      "logs/: the server's log)"]
     return "\n".join(lines)
 
 

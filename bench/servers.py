@@ -1,13 +1,16 @@
 """Servers the multi-turn harness launches itself, all at the same KV memory budget.
 
 The budget is given in tokens of stock SGLang (`--kv-budget-tokens T`: the bytes an
-uncompressed pool of T tokens takes). The baseline (`torch_native`) gets
-`--max-total-tokens T`; a ragged server gets the logical tokens that fit in the same bytes
-once its staging pool is taken out, computed with the plugin's own layout arithmetic
-(`RaggedLayout.num_logical_pages`, as `calculate_pool_sizes` does at startup). Explicit token
-caps instead of `--mem-fraction-static` keep the runs reproducible on a CPU host, whose free
-memory changes under other processes; bench/capacity.py measures the same equality the other
-way round (same fraction, compare the tokens each server reports).
+uncompressed pool of T tokens takes). The baseline (stock `torch_native` on the CPU, `triton` on
+CUDA) gets `--max-total-tokens T`; stock with a narrower KV cache dtype (`baseline@fp8_e4m3`) the
+tokens of its entry size in the same bytes (T x 2 for 1-byte entries of a bfloat16 model); a
+ragged server gets the logical tokens that fit in the same bytes once its staging pool is taken
+out, computed with the plugin's own layout arithmetic (`RaggedLayout.num_logical_pages`, as
+`calculate_pool_sizes` does at startup). Explicit token caps instead of `--mem-fraction-static`
+keep the runs reproducible on a CPU host, whose free memory changes under other processes, and
+hold on a GPU as well (SGLang takes the smaller of the cap and what memory allows);
+bench/capacity.py measures the same equality the other way round (same fraction, compare the
+tokens each server reports).
 """
 
 from __future__ import annotations
@@ -22,38 +25,67 @@ from sgl_ragged.profile import ModelShape, model_shape, resolve_profile
 
 PAGE = 64
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Bytes per KV entry of stock SGLang 0.5.23's `--kv-cache-dtype` values whose pool is one plain
+# tensor per layer (1-byte fp8 codes plus a per-layer scale). Its other values: `auto` is the plain
+# baseline; mxfp8, nvfp4 and fp4_mx_block16 keep block scales beside the codes, not counted here.
+STOCK_KV_BYTES = {"bf16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# Stock SGLang's attention backend for the baseline, by --device.
+STOCK_BACKEND = {"cpu": "torch_native", "cuda": "triton"}
+# What every server needs on a lent GPU machine without the sgl-kernel wheel (docs/gpu_serving.md):
+# norms, activations and rotary embedding on their torch forward_native, no version check of the
+# absent package, and SGLang's CUDA platform (testing.server sets the CPU engine) ...
+GPU_ENV = {"SGLANG_USE_CPU_ENGINE": "0", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",
+           "SGLANG_FORCE_FUSED_OP_BACKEND": "torch"}
+# ... and its arguments: torch sampling (no FlashInfer kernels), no grammar backend, prefill CUDA
+# graphs off (the ragged backend plans each chunk on the host; stock runs the same way).
+GPU_ARGS = ("--sampling-backend", "pytorch", "--grammar-backend", "none",
+            "--cuda-graph-backend-prefill", "disabled")
 
 
 @dataclass(frozen=True)
 class Target:
-    """A deployment to launch: `baseline` (stock torch_native), `ragged:<profile>`,
+    """A deployment to launch: `baseline` (stock torch_native on the CPU, triton on CUDA),
+    `baseline@<kv dtype>` (stock with --kv-cache-dtype, STOCK_KV_BYTES), `ragged:<profile>`,
     `ragged@<precision>:<profile>` (row tiers, --ragged-precision), or
     `router:<N>:<policy>:<either>` (N such workers behind SGLang's router with that policy)."""
 
     label: str
-    profile: str | None  # None: the baseline
+    profile: str | None  # None: stock SGLang
     precision: str = "bf16"  # --ragged-precision of ragged workers
     workers: int = 1  # > 1 or a policy: behind sglang_router
     policy: str | None = None  # router policy (sgl_ragged.testing.router.POLICIES)
+    kv_dtype: str | None = None  # stock's --kv-cache-dtype; None: the model's dtype
 
     @classmethod
     def parse(cls, spec: str) -> Target:
         kind, _, rest = spec.partition(":")
         if kind == "router":
             return cls._parse_router(spec, rest)
-        kind, _, precision = kind.partition("@")
-        if kind == "baseline" and not rest and not precision:
-            return cls("baseline", None)
+        kind, _, variant = kind.partition("@")
+        if kind == "baseline" and not rest:
+            return cls._parse_stock(spec, variant)
         if kind == "ragged" and rest:
-            if precision:
+            if variant:
                 from sgl_ragged.precision import tier_precision
 
-                tier_precision(precision)  # raises for an unknown one
-            return cls(spec, rest, precision or "bf16")
-        raise ValueError(f"--launch {spec!r}: use 'baseline', 'ragged:<profile>' or "
-                         "'ragged@<precision>:<profile>' (e.g. ragged:uniform:0.3, "
-                         "ragged@int4:uniform:0.3 or ragged:calib_profiles/x.json) or "
+                tier_precision(variant)  # raises for an unknown one
+            return cls(spec, rest, variant or "bf16")
+        raise ValueError(f"--launch {spec!r}: use 'baseline', 'baseline@<kv dtype>', "
+                         "'ragged:<profile>' or 'ragged@<precision>:<profile>' (e.g. "
+                         "baseline@fp8_e4m3, ragged:uniform:0.3, ragged@int4:uniform:0.3 or "
+                         "ragged:calib_profiles/x.json) or "
                          "'router:<N>:<policy>:baseline|ragged:<profile>'")
+
+    @classmethod
+    def _parse_stock(cls, spec: str, kv_dtype: str) -> Target:
+        if not kv_dtype:
+            return cls("baseline", None)
+        if kv_dtype not in STOCK_KV_BYTES:
+            raise ValueError(f"--launch {spec!r}: unknown stock KV cache dtype {kv_dtype!r}; use "
+                             f"one of {', '.join(STOCK_KV_BYTES)} (plain 'baseline' is SGLang's "
+                             "'auto'; mxfp8, nvfp4 and fp4_mx_block16 keep block scales that "
+                             "the equal-bytes budget does not count)")
+        return cls(spec, None, kv_dtype=kv_dtype)
 
     @classmethod
     def _parse_router(cls, spec: str, rest: str) -> Target:
@@ -67,7 +99,7 @@ class Target:
                              "'ragged:<profile>' (e.g. router:2:cache_aware:ragged:uniform:0.3)")
         worker = cls.parse(inner)
         return cls(f"router:{count}:{policy}:{worker.label}", worker.profile, worker.precision,
-                   int(count), policy)
+                   int(count), policy, worker.kv_dtype)
 
 
 def kv_geometry(model: str) -> tuple[ModelShape, int]:
@@ -81,7 +113,7 @@ class Budget(NamedTuple):
     """What a target gets at the common KV budget."""
 
     kv_tokens: int  # --max-total-tokens: logical tokens
-    rho: float  # target retention (1.0: baseline; a profile's recorded rho, else its mean budget)
+    rho: float  # target retention (1.0: stock; a profile's recorded rho, else its mean budget)
     retention: float  # effective: bytes of a compressed page over a full one
 
 
@@ -89,7 +121,7 @@ def equal_budget(target: Target, model: str, baseline_tokens: int, max_running: 
                  window_pages: int = 1) -> Budget:
     """The logical tokens `target` holds in the bytes of `baseline_tokens` full tokens."""
     if target.profile is None:
-        return Budget(baseline_tokens, 1.0, 1.0)
+        return stock_budget(target, model, baseline_tokens)
     shape, dtype_bytes = kv_geometry(model)
     profile = resolve_profile(target.profile, shape)
     layout = RaggedLayout.from_profile(profile, PAGE, shape.head_dim, dtype_bytes, target.precision)
@@ -104,13 +136,43 @@ def equal_budget(target: Target, model: str, baseline_tokens: int, max_running: 
     return Budget(pages * PAGE, rho, layout.retention)
 
 
+def stock_budget(target: Target, model: str, baseline_tokens: int) -> Budget:
+    """Stock SGLang keeps every token; with a KV cache dtype narrower than the model's, the same
+    bytes hold more of them (whole pages: SGLang's pool stores K and V of every layer and head
+    at that dtype, one per-layer scale aside)."""
+    if target.kv_dtype is None:
+        return Budget(baseline_tokens, 1.0, 1.0)
+    _, dtype_bytes = kv_geometry(model)
+    entry = STOCK_KV_BYTES[target.kv_dtype]
+    tokens = baseline_tokens * dtype_bytes // entry // PAGE * PAGE
+    return Budget(tokens, 1.0, entry / dtype_bytes)
+
+
+def launch_env(device: str) -> dict[str, str]:
+    """Environment entries every launched server gets (ServerProcess's `env`) on `device`."""
+    _check_device(device)
+    return dict(GPU_ENV) if device == "cuda" else {}
+
+
 def launch_args(target: Target, model: str, kv_tokens: int, *, max_running: int, chunk: int,
                 device: str, extra: list[str]) -> list[str]:
-    """`launch_server` arguments for `target` (host and port are added by ServerProcess)."""
+    """`launch_server` arguments for `target` on `device` (host and port are added by
+    ServerProcess, and `--sleep-on-idle` on the CPU); on CUDA, GPU_ARGS and decode CUDA graphs
+    up to the running-request cap (fewer captures: a faster start)."""
+    _check_device(device)
     common = ["--model-path", model, "--device", device, "--page-size", str(PAGE),
               "--chunked-prefill-size", str(chunk), "--max-running-requests", str(max_running),
               "--max-total-tokens", str(kv_tokens), "--enable-metrics", "--enable-cache-report"]
+    if device == "cuda":
+        common += [*GPU_ARGS, "--cuda-graph-max-bs-decode", str(max_running)]
     if target.profile is None:
-        return [*common, "--attention-backend", "torch_native", *extra]
+        kv = ["--kv-cache-dtype", target.kv_dtype] if target.kv_dtype else []
+        return [*common, "--attention-backend", STOCK_BACKEND[device], *kv, *extra]
     return [*common, "--attention-backend", "ragged", "--ragged-profile", target.profile,
             "--ragged-precision", target.precision, *extra]
+
+
+def _check_device(device: str) -> None:
+    if device not in STOCK_BACKEND:
+        raise ValueError(f"--device {device!r}: the harness launches servers on "
+                         f"{' or '.join(STOCK_BACKEND)}")

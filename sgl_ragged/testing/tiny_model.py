@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 # Llama-3.1-8B's shape (its config.json), for a random checkpoint of a real size on a GPU.
 LLAMA_3_1_8B = {
@@ -13,19 +17,43 @@ LLAMA_3_1_8B = {
     "head_dim": 128, "max_position_embeddings": 131072, "rope_theta": 500000.0,
     "rms_norm_eps": 1e-5,
 }  # fmt: skip
+# A plain-text chat template (the byte tokenizer has no special tokens), so that SGLang's
+# /v1/chat/completions serves the checkpoints of a real shape (bench.multiturn on a GPU); the
+# tiny ones have none (the calibration tests' samples stay plain text).
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
-def _save_byte_tokenizer(path: Path) -> int:
-    """A byte-level BPE tokenizer without merges (256 tokens) saved at path; its size."""
+def _filler_word(n: int) -> str:
+    """The n-th lowercase word in bijective base 26: a .. z, aa .. zz, aaa, ..."""
+    letters = ""
+    n += 1
+    while n:
+        n, r = divmod(n - 1, 26)
+        letters = chr(ord("a") + r) + letters
+    return letters
+
+
+def _save_byte_tokenizer(path: Path, vocab_size: int = 256,
+                         chat_template: str | None = None) -> int:
+    """A byte-level BPE tokenizer without merges saved at path; its size. Encoding yields only
+    the 256 byte tokens (one per byte); ids 256 .. vocab_size - 1 decode to filler words (a
+    space and `_filler_word`): a random model's output ids span the whole vocabulary, and
+    without them its answers would decode to nothing (no streamed text, no TTFT)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab.update({"\u0120" + _filler_word(i): len(alphabet) + i  # \u0120: byte-level space
+                  for i in range(vocab_size - len(alphabet))})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(path)
-    return len(alphabet)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.chat_template = chat_template
+    fast.save_pretrained(path)
+    return len(vocab)
 
 
 def save_tiny_llama(path: Path, layers: int = 2, kv_heads: int = 2, q_heads: int = 4,
@@ -47,17 +75,29 @@ def save_tiny_llama(path: Path, layers: int = 2, kv_heads: int = 2, q_heads: int
     return path
 
 
+def save_llama_shape(path: Path, shape: dict[str, object] = LLAMA_3_1_8B,
+                     layers: int | None = None) -> LlamaConfig:
+    """config.json (bfloat16) and the byte-level tokenizer (with CHAT_TEMPLATE) of a Llama of
+    `shape` (`layers` overrides its layer count), without weights: what a server's KV budget and
+    a workload's token counts read (`bench.multiturn --dry-run`)."""
+    from transformers import LlamaConfig
+
+    _save_byte_tokenizer(path, int(str(shape["vocab_size"])), CHAT_TEMPLATE)
+    fields = {**shape, **({"num_hidden_layers": layers} if layers else {})}
+    config = LlamaConfig(**fields, architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+    config.save_pretrained(path)
+    return config
+
+
 def save_random_llama(path: Path, shape: dict[str, object] = LLAMA_3_1_8B, layers: int | None = None,
                       device: str = "cuda", seed: int = 0) -> Path:
     """A bfloat16 random-weight Llama of `shape` (`layers` overrides its layer count), built on
     `device` (an 8B model initializes in seconds on a GPU, minutes on a CPU), with the byte-level
-    tokenizer (token ids below 256 of the shape's vocabulary)."""
+    tokenizer (text encodes to ids below 256; the others decode to filler words)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    _save_byte_tokenizer(path)
-    fields = {**shape, **({"num_hidden_layers": layers} if layers else {})}
-    config = LlamaConfig(**fields, architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+    config = save_llama_shape(path, shape, layers)
     torch.manual_seed(seed)
     dtype = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)

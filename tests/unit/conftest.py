@@ -1,5 +1,5 @@
 """Shared fixtures of the unit tests: the kernel tests' device (tests/unit/test_kernels_*.py),
-a seeded generator and a tiny random-weight Llama checkpoint."""
+a seeded generator, a tiny random-weight Llama checkpoint and Llama-3.1-8B's shape (no weights)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sgl_ragged.testing.tiny_model import save_tiny_llama
+from sgl_ragged.testing.tiny_model import save_llama_shape, save_tiny_llama
 from tests.conftest import INTERPRET
 
 
@@ -34,3 +34,12 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight Llama (2 layers, 2 KV heads, head_dim 16, byte-level tokenizer),
     saved once per session; tests read it and never write into it."""
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def llama_8b_shape(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """config.json (bfloat16) and the byte-level tokenizer of Llama-3.1-8B's shape, without
+    weights: what the GPU scripts' checkpoint gives a server's budget and a workload's counts."""
+    path = tmp_path_factory.mktemp("llama-8b-shape")
+    save_llama_shape(path)
+    return path

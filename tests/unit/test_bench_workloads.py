@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from dataclasses import replace
 
 import pytest
 
-from bench.servers import Target, equal_budget, launch_args
+from bench.servers import (
+    GPU_ARGS,
+    GPU_ENV,
+    STOCK_KV_BYTES,
+    Target,
+    equal_budget,
+    launch_args,
+    launch_env,
+)
 from bench.tokens import approx_counter, local_counter
 from bench.workloads import TASKS, WorkloadConfig, build_sessions, normalize, score_answer
 from sgl_ragged.mem_pool.layout import RaggedLayout
@@ -169,5 +178,80 @@ def test_target_parse_router():
                 "router:two:cache_aware:baseline", "router:2:sticky:baseline"):
         with pytest.raises(ValueError, match="router:<N>:<policy>:<target>"):
             Target.parse(bad)
-    with pytest.raises(ValueError, match="'baseline', 'ragged:<profile>'"):
+    with pytest.raises(ValueError, match="'baseline', 'baseline@<kv dtype>', 'ragged:<profile>'"):
         Target.parse("router:2:cache_aware:vllm")
+
+
+def test_target_parse_stock_kv_dtype():
+    fp8 = Target.parse("baseline@fp8_e4m3")
+    assert (fp8.label, fp8.profile, fp8.kv_dtype) == ("baseline@fp8_e4m3", None, "fp8_e4m3")
+    assert Target.parse("baseline").kv_dtype is None
+    routed = Target.parse("router:2:round_robin:baseline@fp8_e5m2")
+    assert (routed.workers, routed.profile, routed.kv_dtype) == (2, None, "fp8_e5m2")
+    assert routed.label == "router:2:round_robin:baseline@fp8_e5m2"
+    for bad in ("baseline@int4", "baseline@nvfp4", "baseline@auto", "baseline@fp8"):
+        with pytest.raises(ValueError, match="use one of bf16, bfloat16, fp8_e4m3, fp8_e5m2"):
+            Target.parse(bad)
+    with pytest.raises(ValueError, match="baseline@<kv dtype>"):
+        Target.parse("baseline@fp8_e4m3:uniform:0.3")
+
+
+def test_stock_kv_dtypes_are_sglang_choices():
+    """Every stock spelling is a value SGLang 0.5.23's --kv-cache-dtype accepts."""
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    choices = next(a.choices for a in parser._actions if "--kv-cache-dtype" in a.option_strings)
+    assert set(STOCK_KV_BYTES) <= set(choices)
+
+
+def test_equal_budget_of_stock_kv_dtypes(llama_8b_shape):
+    """At the bytes of 16384 bfloat16 tokens, stock with 1-byte fp8 entries holds twice the
+    tokens (every token kept: rho 1, half the bytes a page); bf16 entries change nothing."""
+    model = str(llama_8b_shape)
+    assert equal_budget(Target.parse("baseline"), model, 16384, 12) == (16384, 1.0, 1.0)
+    for dtype in ("fp8_e4m3", "fp8_e5m2"):
+        fp8 = equal_budget(Target.parse(f"baseline@{dtype}"), model, 16384, 12)
+        assert fp8 == (32768, 1.0, 0.5)
+    assert equal_budget(Target.parse("baseline@bf16"), model, 16384, 12) == (16384, 1.0, 1.0)
+    odd = equal_budget(Target.parse("baseline@fp8_e4m3"), model, 1000, 12)
+    assert odd.kv_tokens == 1984  # whole pages
+    int4 = equal_budget(Target.parse("ragged@int4:uniform:0.3"), model, 16384, 12)
+    assert int4.kv_tokens > 32768  # ragged int4@0.3 holds more than stock fp8 at these bytes
+
+
+def test_launch_args_on_cuda_and_cpu():
+    stock, fp8 = Target.parse("baseline"), Target.parse("baseline@fp8_e4m3")
+    ragged = Target.parse("ragged@int4:uniform:0.3")
+
+    def args(target, device):
+        return launch_args(target, "m", 4096, max_running=12, chunk=256, device=device,
+                           extra=["--x"])
+
+    cpu = args(stock, "cpu")
+    assert cpu[cpu.index("--attention-backend") + 1] == "torch_native"
+    assert not set(GPU_ARGS) & set(cpu) and "--cuda-graph-max-bs-decode" not in cpu
+    assert "--sleep-on-idle" not in cpu  # ServerProcess adds it for --device cpu
+    assert cpu[-1] == "--x" and launch_env("cpu") == {}
+    for target in (stock, fp8, ragged):
+        gpu = args(target, "cuda")
+        assert gpu[gpu.index("--device") + 1] == "cuda" and "--sleep-on-idle" not in gpu
+        assert gpu[gpu.index("--max-total-tokens") + 1] == "4096"
+        assert gpu[gpu.index("--cuda-graph-max-bs-decode") + 1] == "12"
+        assert " ".join(GPU_ARGS) in " ".join(gpu) and gpu[-1] == "--x"
+    assert args(stock, "cuda")[-3:-1] == ["--attention-backend", "triton"]
+    assert args(fp8, "cuda")[-5:-1] == ["--attention-backend", "triton", "--kv-cache-dtype",
+                                        "fp8_e4m3"]
+    assert "--kv-cache-dtype" not in args(stock, "cuda") + args(ragged, "cuda")
+    assert args(ragged, "cuda")[-7:-1] == ["--attention-backend", "ragged", "--ragged-profile",
+                                           "uniform:0.3", "--ragged-precision", "int4"]
+    assert launch_env("cuda") == GPU_ENV and GPU_ENV["SGLANG_USE_CPU_ENGINE"] == "0"
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        args(stock, "xpu")
+
+
+def test_gpu_serve_shares_the_gpu_settings():
+    from bench import gpu_serve
+
+    assert gpu_serve.GPU_ENV is GPU_ENV and gpu_serve.GPU_ARGS is GPU_ARGS

@@ -25,9 +25,19 @@ def test_random_llama_keeps_the_shape_in_bfloat16(tmp_path: Path) -> None:
     assert weights["model.layers.1.self_attn.k_proj.weight"].shape == (2 * 64, 256)
     assert all(w.dtype == torch.bfloat16 for w in weights.values())
     assert torch.get_default_dtype() == torch.float32  # restored
-    ids = AutoTokenizer.from_pretrained(tmp_path)("hello")["input_ids"]
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    ids = tokenizer("hello")["input_ids"]
     assert ids and max(ids) < 256
     assert torch.isfinite(model(torch.tensor([ids])).logits).all()
+    # every id of the vocabulary decodes to text (a random model's answers stream), text encodes
+    # to byte tokens only, and chat requests render
+    assert len(tokenizer) == 512
+    assert tokenizer.decode([256, 257, 256 + 26, 511]) == " a b aa iv"
+    filler_text = tokenizer(" a b aa iv")["input_ids"]
+    assert len(filler_text) == len(" a b aa iv") and max(filler_text) < 256
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert chat == "<|user|>\nhi\n<|assistant|>\n"
 
 
 def test_shape_is_llama_3_1_8b() -> None:

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Issue 21 step 5b's req/s table on a lent GPU machine, in one call: after scripts/gpu_setup.sh
+# (SGLang from the carried wheels, the sgl_kernel stand-in, the random Llama-3.1-8B-shaped
+# checkpoint; a warm machine after scripts/gpu_serve.sh skips most of it), bench.multiturn
+# launches four servers one after the other at the KV bytes of a 16384-token stock bf16 pool
+# (2 GiB: 32 layers x 8 KV heads x 128 x K,V x 2 B = 128 KiB a token), in this order, so that a
+# timeout still leaves the headline pair: stock `triton` bf16 (16384 tokens), ragged int4@0.3
+# (47296 logical tokens), stock `triton` with --kv-cache-dtype fp8_e4m3 (32768) and ragged
+# drop-only bf16@0.3 (46656). Workload: 12 users, 12 sessions x 4 turns over ~2800-token chat
+# contexts (byte tokenizer: a token a byte), 32 answer tokens (about 150 bytes of history each);
+# the 12 live histories hold about 34K tokens at the first turn, 42K at the last: 4-5 fit the
+# stock pool, 9-10 the fp8 one, all of them the ragged ones (`RAGGED_GPU_DRY_RUN=1` prints the
+# plan and installs nothing; tests/unit/test_gpu_scripts.py checks it).
+# Random weights answer nonsense: accuracy is not measured (the chat task is unscored), only
+# req/s, TTFT, TPOT and the prefix hit rate.
+# Device time, ESTIMATED (no 8B server start has been measured on these machines; if
+# scripts/gpu_serve.sh ran first, its gpu_serve.json has a real startup_s): setup on a warm
+# machine about 20 s (cold: + about 2 min, the wheels and the 16 GB checkpoint); each start
+# about 60 s (SGLang's import, 16 GB of weights from the page cache, Triton compiles, decode
+# CUDA graphs for batch <= 12); each run 10-40 s (stock recomputes about 150K prompt tokens,
+# ragged about 40K, at an assumed 5K prefill tokens/s); each stop up to 20 s: about 7 minutes
+# warm, 9 cold. bench.multiturn writes after each server: a timeout keeps the finished rows.
+# Results go to $OUT (or ./results/gpu_multiturn): multiturn.md/.json (plots where matplotlib
+# imports), multiturn.txt, logs/ (the servers'), device.txt. Extra arguments go to
+# bench.multiturn (a later --sessions, --turns, ... wins; a --launch adds a fifth server).
+#   here:        ./scripts/gpu_wheels.sh 1
+#   device run:  carry [".whl"], timeout_s 540,
+#                PYTHONUNBUFFERED=1 ./scripts/gpu_multiturn.sh [--layers N] [bench.multiturn options]
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${OUT:-results/gpu_multiturn}"
+layers=()
+if [[ "${1:-}" == --layers ]]; then layers=(--layers "$2"); shift 2; fi
+source scripts/gpu_setup.sh
+dry=()
+[[ "${RAGGED_GPU_DRY_RUN:-0}" == 1 ]] && dry=(--dry-run)
+python3 -m bench.multiturn --device cuda --model "$model" \
+  --launch baseline --launch ragged@int4:uniform:0.3 \
+  --launch baseline@fp8_e4m3 --launch ragged:uniform:0.3 \
+  --kv-budget-tokens 16384 --max-running-requests 12 --chunked-prefill-size 4096 \
+  --tasks chat --sessions 12 --turns 4 --context-tokens 2800 --concurrency 12 \
+  --max-tokens 32 --seed 0 --out "$out" "${dry[@]}" "$@" 2>&1 | tee "$out/multiturn.txt"

@@ -1,0 +1,100 @@
+"""The lent-GPU scripts (scripts/gpu_*.sh) checked on the CPU: their bash syntax, and the
+multi-turn table's plan (scripts/gpu_multiturn.sh with RAGGED_GPU_DRY_RUN=1: nothing installed,
+no server); and how bench.multiturn carries on past a server that fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import multiturn, report
+from bench.servers import GPU_ARGS, GPU_ENV
+from sgl_ragged.testing.server import ServerError
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ("gpu_setup.sh", "gpu_serve.sh", "gpu_multiturn.sh", "gpu_check.sh", "gpu_wheels.sh")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_bash_syntax(name: str) -> None:
+    done = subprocess.run(["bash", "-n", str(ROOT / "scripts" / name)], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def _dry_run(script: str, model: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """`script` with RAGGED_GPU_DRY_RUN=1, its python3 this test's interpreter."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAGGED_GPU_DRY_RUN": "1",
+           "RAGGED_GPU_MODEL": str(model), "OUT": str(tmp_path / "out"), "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run([str(ROOT / "scripts" / script)], env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_gpu_multiturn_plan(llama_8b_shape: Path, tmp_path: Path) -> None:
+    """The device command's four servers at equal bytes with the GPU settings, and a workload
+    whose concurrent contexts alone outgrow both stock pools and fit the ragged ones."""
+    done = _dry_run("gpu_multiturn.sh", llama_8b_shape, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["device"] == "cuda" and plan["env"] == GPU_ENV
+    targets = {t["label"]: t for t in plan["targets"]}
+    assert list(targets) == ["baseline", "ragged@int4:uniform:0.3", "baseline@fp8_e4m3",
+                             "ragged:uniform:0.3"]
+    tokens = {label: t["budget"]["kv_tokens"] for label, t in targets.items()}
+    assert tokens["baseline"] == 16384 and tokens["baseline@fp8_e4m3"] == 32768
+    assert 2.5 * 16384 < tokens["ragged:uniform:0.3"] < tokens["ragged@int4:uniform:0.3"]
+    for t in plan["targets"]:
+        args = t["launch_args"]
+        assert args[args.index("--max-total-tokens") + 1] == str(t["budget"]["kv_tokens"])
+        assert " ".join(GPU_ARGS) in " ".join(args) and "--sleep-on-idle" not in args
+    assert targets["baseline"]["launch_args"][-2:] == ["--attention-backend", "triton"]
+    assert targets["baseline@fp8_e4m3"]["launch_args"][-2:] == ["--kv-cache-dtype", "fp8_e4m3"]
+    live = plan["concurrent_context_tokens"]  # a lower bound of the live histories
+    assert tokens["baseline@fp8_e4m3"] < live < 0.8 * tokens["ragged@int4:uniform:0.3"]
+    assert (tmp_path / "out" / "multiturn.txt").read_text().strip().endswith("}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU bench.gpu_serve starts servers")
+def test_gpu_serve_dry_run_reaches_the_bench(llama_8b_shape: Path, tmp_path: Path) -> None:
+    done = _dry_run("gpu_serve.sh", llama_8b_shape, tmp_path)
+    assert done.returncode == 0 and "needs a CUDA device" in done.stdout, done.stderr[-3000:]
+
+
+def test_multiturn_records_a_failed_server_and_goes_on(llama_8b_shape: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    class Failing:
+        def __init__(self, target, server_args, env, log) -> None:
+            self.env = env
+
+        def __enter__(self):
+            assert self.env == GPU_ENV
+            raise ServerError("server exited with code 1\nlog tail")
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+    monkeypatch.setattr(multiturn, "_deployment", Failing)
+    args = multiturn.parse_args(["--device", "cuda", "--model", str(llama_8b_shape), "--launch",
+                                 "baseline", "--launch", "baseline@fp8_e4m3", "--out",
+                                 str(tmp_path)])
+    saved: list[int] = []
+    done = multiturn.run_launched(args, str(llama_8b_shape), [], [multiturn.LoadConfig()],
+                                  lambda so_far: saved.append(len(so_far.failed)))
+    assert done.runs == [] and saved == [1, 2]
+    assert [f["label"] for f in done.failed] == ["baseline", "baseline@fp8_e4m3"]
+    assert "--kv-cache-dtype" in done.failed[1]["launch_args"]
+    result = report.build(done.runs, done.failed, workload={}, argv=[])
+    table = report.write(result, tmp_path, plots=False)
+    assert "**baseline@fp8_e4m3 failed**: ServerError: server exited with code 1" in table
+    assert json.loads((tmp_path / "multiturn.json").read_text())["failed"][0]["label"] == "baseline"
