@@ -178,12 +178,18 @@ class _SharedFormat:
 
 def load_baseline(path: Path) -> ModuleType:
     """A shared object of another build of the native kernels, its module named as the file
-    (build it with its own extension name and -Dragged=<other namespace>: two builds with the
-    same C++ symbols in one process may bind to one of them)."""
+    (`python -m bench.native_baseline --rev R` builds one with its own extension name and C++
+    namespace: two builds with the same symbols in one process bind to one of them)."""
     import importlib.machinery
     import importlib.util
 
+    from sgl_ragged.native import NAME
+
     name = path.name.split(".")[0]
+    if name == NAME:
+        raise SystemExit(f"--baseline {path}: a build named {NAME} shares its C++ symbols with "
+                         "the current kernels, so both would run the same code; build the "
+                         "baseline with `python -m bench.native_baseline --rev <rev>`")
     loader = importlib.machinery.ExtensionFileLoader(name, str(path))
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     module = importlib.util.module_from_spec(spec)

@@ -3,7 +3,7 @@
 // attend(...) checks every tensor (dtype, shape, contiguity) with a message naming it, builds
 // the work items, runs them on torch's intra-op pool (at::parallel_for) with the ISA variant
 // chosen once (best the CPU supports, or lower via RAGGED_NATIVE_ISA=amx|avx512|avx2|scalar;
-// amx: avx512 with bfloat16 prefill chunks on AMX tiles), and
+// avx512 runs bfloat16 prefill chunks as AVX512-BF16 products, amx on AMX tiles), and
 // merges each query block's key splits by log-sum-exp into out [N, H_q, D] (q's dtype) and
 // lse [N, H_q] float32. Rows of q no request owns are left as allocated. A forward of fewer
 // than serial_pairs (query row, key) pairs runs on the calling thread, unsplit.
@@ -250,13 +250,13 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
   p.requests = reinterpret_cast<const Request*>(requests.data_ptr<int64_t>());
   p.sealed_off = sealed_off.data_ptr<int64_t>();
   p.sealed_pages = sealed_pages.data_ptr<int64_t>();
-  // The amx variant runs bfloat16 prefill chunks in blocks of up to kAmxRows rows (a page's
+  // avx512 and amx run bfloat16 prefill chunks in blocks of up to kTileRows rows (a page's
   // dequantized, packed keys and values serve every row of a block), the longest chunk cut
   // into equal blocks.
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, p.requests[b].q_len);
-  if (longest > 1 && dtype == at::kBFloat16 && isa().name == "amx") {
-    const int64_t most = std::max<int64_t>(1, kAmxRows / p.group_size);
+  if (longest > 1 && dtype == at::kBFloat16 && (isa().name == "amx" || isa().name == "avx512")) {
+    const int64_t most = std::max<int64_t>(1, kTileRows / p.group_size);
     const int64_t blocks = (longest + most - 1) / most;
     p.q_block = (longest + blocks - 1) / blocks;
   }

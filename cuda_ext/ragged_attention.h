@@ -1,8 +1,9 @@
 // Native CPU ragged attention: one layer, the whole batch, in one call.
 //
 // Torch-free: this header is included by every ISA variant (isa_*.cpp compile the same kernel
-// body, attention_body.inc, for AVX-512, AVX2+FMA and plain x86-64, and for AVX-512 with
-// bfloat16 prefill chunks on AMX tiles: isa_amx.cpp, which alone includes torch's cpublas) and by
+// body, attention_body.inc, for AVX-512 (bfloat16 prefill chunks as AVX512-BF16 products),
+// AVX2+FMA and plain x86-64, and for AVX-512 with bfloat16 prefill chunks on AMX tiles:
+// isa_amx.cpp, which alone includes torch's cpublas) and by
 // bindings.cpp, which checks the tensors, fills `Params` and runs the work items on torch's
 // OpenMP pool.
 //
@@ -38,8 +39,8 @@
 // units for all G = H_q / H query heads of h at once (every key and code read once per block)
 // and writes its partial output normalized, with its log-sum-exp; bindings.cpp merges the
 // splits of a block (out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s).
-// Blocks hold 32 / G query positions, or on the amx variant, when a bfloat16 forward has a
-// prefill chunk, up to kAmxRows / G (the longest chunk in equal blocks: its pages' dequantized,
+// Blocks hold 32 / G query positions, or on the avx512 and amx variants, when a bfloat16 forward has a
+// prefill chunk, up to kTileRows / G (the longest chunk in equal blocks: its pages' dequantized,
 // packed tiles serve more rows).
 #pragma once
 
@@ -97,16 +98,16 @@ struct Item {
   int64_t out;           // index of the item's partial output (rows of o_part / lse_part)
 };
 
-// Rows per item of a forward with bfloat16 prefill chunks on the amx variant (at most 256:
+// Rows per item of a forward with bfloat16 prefill chunks on avx512 or amx (at most 256:
 // run_item's per-row limits).
-constexpr int64_t kAmxRows = 256;
+constexpr int64_t kTileRows = 256;
 
-// Keys per unit of the amx variant's sealed pages (several pages' hi slots, or several pages'
+// Keys per unit of the bfloat16 products' sealed pages (several pages' hi slots, or several pages'
 // dequantized tiers: fewer softmax passes per row), at least a padded page (a tail page).
-constexpr int64_t kAmxKeys = 256;
-inline int64_t amx_keys(const Params& p) {
+constexpr int64_t kTileKeys = 256;
+inline int64_t unit_keys(const Params& p) {
   const int64_t Pp = (p.page_size + 15) / 16 * 16;
-  return Pp > kAmxKeys ? Pp : kAmxKeys;
+  return Pp > kTileKeys ? Pp : kTileKeys;
 }
 
 // Keys are attended in tiles of kKeyTile (one 16-float vector per query row and channel).
@@ -116,12 +117,12 @@ inline int64_t padded_page(const Params& p) {
   return (p.page_size + kKeyTile - 1) / kKeyTile * kKeyTile;
 }
 
-// Floats of the AMX extend path's tiles (isa_amx.cpp; 64-byte aligned starts): logits
-// [R, U] float32 (U = amx_keys), then bfloat16 (2 per float): queries [R, 2D], probabilities
+// Floats of the extend path's bfloat16 operands (RAGGED_TILES; 64-byte aligned starts): logits
+// [R, U] float32 (U = unit_keys), then bfloat16 (2 per float): queries [R, 2D], probabilities
 // [R, U], a unit's keys as rows and packed for the tiles [U, 2D] each (2D: a dequantized key's
 // bfloat16 high and low parts), its values as rows and packed [U, D] each.
-inline int64_t amx_workspace_floats(const Params& p) {
-  const int64_t R = p.q_block * p.group_size, D = p.head_dim, U = amx_keys(p);
+inline int64_t tile_workspace_floats(const Params& p) {
+  const int64_t R = p.q_block * p.group_size, D = p.head_dim, U = unit_keys(p);
   return R * U + (2 * R * D + R * U + 6 * U * D) / 2 + 7 * 16 + 16;
 }
 
@@ -139,7 +140,7 @@ inline int64_t vnni_workspace_floats(const Params& p) {
 inline int64_t workspace_floats(const Params& p) {
   const int64_t R = p.q_block * p.group_size, D = p.head_dim, Pp = padded_page(p);
   return 2 * R * D + R * Pp + 2 * Pp * D + 2 * (D > Pp ? D : Pp) + 4 * R +
-         R * kKeyTile * kKeyTile + D + vnni_workspace_floats(p) + amx_workspace_floats(p);
+         R * kKeyTile * kKeyTile + D + vnni_workspace_floats(p) + tile_workspace_floats(p);
 }
 
 // Runs items [begin, end): partial outputs o_part [., R, D] (normalized) and lse_part [., R]

@@ -3,8 +3,9 @@ per layer for the whole batch, then the batched torch staging and sealing (`stor
 window statistics in C++: cuda_ext/tails.cpp). Decode forwards (whose sealed pages were all
 staged before) write only their new tokens' staging slots (`tail_batch.stage_fresh`).
 Forwards with prefill chunks stay native where the kernels measured faster (`prefill_on_batched`:
-bfloat16 storages on the amx variant's tiles, the avx512 variant on a CPU without AMX) and go to
-the batched torch path elsewhere (its window statistics still from tails.cpp).
+bfloat16 storages on the amx variant's tiles, the avx512 variant on a CPU without AMX, whose
+bfloat16 chunks run as AVX512-BF16 matrix products) and go to the batched torch path elsewhere
+(its window statistics still from tails.cpp).
 
 The kernels attend on the rows as stored: hi slots at the storage dtype (or, with
 --ragged-precision H+L, quantized), the low tier on its codes (scales folded into the queries
@@ -68,10 +69,16 @@ def native_refuses(storage: RaggedStorage) -> str | None:
     return None
 
 
+TILE_ISAS = ("amx", "avx512")
+"""ISA variants that run bfloat16 prefill chunks as bfloat16 matrix products (S = Q K^T and
+acc += bf16(P) V, attention_body.inc's RAGGED_TILES): on AMX tiles through cpublas's brgemm
+(amx) or on vdpbf16ps (avx512); the avx2 and scalar variants keep the float32 loops."""
+
+
 def extends_on_tiles(storage: RaggedStorage, module: ModuleType) -> bool:
-    """The kernels run this storage's prefill chunks on AMX tiles (bfloat16 rows, the "amx"
-    ISA variant: cpublas's bfloat16 brgemm usable here, RAGGED_NATIVE_ISA not lower)."""
-    return storage.dtype == torch.bfloat16 and module.isa() == "amx"
+    """The kernels run this storage's prefill chunks as bfloat16 matrix products (bfloat16
+    rows on a TILE_ISAS variant)."""
+    return storage.dtype == torch.bfloat16 and module.isa() in TILE_ISAS
 
 
 def prefill_on_batched(storage: RaggedStorage, module: ModuleType) -> bool:
@@ -80,12 +87,16 @@ def prefill_on_batched(storage: RaggedStorage, module: ModuleType) -> bool:
     - amx variant: bfloat16 chunks are tile products and beat batched (x1.1-1.6 at 1K-4K on a
       Sapphire Rapids-class CPU); float32 ones go to batched.
     - avx512 variant on a CPU with AMX (forced lower): torch's SDPA multiplies on the tiles and
-      beats the kernels' float32 loops (native 0.37-0.56x of batched).
-    - avx512 variant on a CPU without AMX: the loops win (x1.2-2.1 on an AMD EPYC, Zen 4, where
-      torch has no tiles either): every forward native. bfloat16 prefill there flipped the
-      default model's answer to a question whose first token is a 0.1-logit tie in float32
-      (below bfloat16's resolution of the logits); answer-token top-1 in bench.accuracy was
-      no worse (full 0.811 vs 0.807 batched, the default profile 0.807 vs 0.800).
+      beat the kernels' float32 loops (native 0.37-0.56x of batched; measured before avx512
+      ran bfloat16 chunks on vdpbf16ps).
+    - avx512 variant on a CPU without AMX: every forward native. On an AMD EPYC (Zen 4, torch
+      has no tiles either) the float32 loops won x1.2-2.1 at 1K-4K and lost 8-18% at 16K on
+      bfloat16 rows; the vdpbf16ps products (session 14) win at every length (see
+      docs/results.md, "bfloat16 prefill chunks on AVX512-BF16"). bfloat16 prefill there
+      flipped the default model's answer to a question whose first token is a 0.1-logit tie
+      in float32 (below bfloat16's resolution of the logits); answer-token top-1 in
+      bench.accuracy was no worse (full 0.811 vs 0.807 batched, the default profile 0.807 vs
+      0.800, with the float32 loops).
     - avx2 and scalar variants: batched (the avx2 loops lost at 4K: x0.68).
     RAGGED_NATIVE_PREFILL=native|batched overrides the rule (measurements, other CPUs)."""
     forced = os.environ.get("RAGGED_NATIVE_PREFILL", "")

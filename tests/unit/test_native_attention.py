@@ -30,7 +30,7 @@ import torch
 from sgl_ragged import native
 from sgl_ragged.attention_backend import native_impl
 from sgl_ragged.attention_backend import tail_batch as tail_batch_module
-from sgl_ragged.attention_backend.native_impl import NativeAttention
+from sgl_ragged.attention_backend.native_impl import TILE_ISAS, NativeAttention
 from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
 from sgl_ragged.attention_backend.tail_batch import tail_batch, tail_pages, window_stats
 from sgl_ragged.attention_backend.torch_ref import TorchAttention
@@ -116,13 +116,13 @@ def value_bound(st: RaggedStorage, layer: int, plans: Sequence[RequestPlan],
 
 def bf16_tol(bound: float, decode: bool) -> dict[str, float]:
     """Tolerance of a bfloat16 storage's outputs against the float32 twin: TOL's, and for
-    prefill chunks on the AMX path (module.isa() "amx") 2^-7 of the largest |value| more:
-    there the probabilities and dequantized values are rounded to bfloat16 before P V (each
+    prefill chunks on bfloat16 products (module.isa() in TILE_ISAS: AMX tiles or vdpbf16ps) 2^-7
+    of the largest |value| more: there the probabilities and dequantized values are rounded to bfloat16 before P V (each
     at most 2^-8 relative, so the output moves by at most ~2^-7 sum_t p_t |v_t| / sum_t p_t
     <= 2^-7 max |v|: the rounding error of a bfloat16 output at the values' scale; logits
     stay float32-exact, quantized keys split into two bfloat16 parts, attention_body.inc)."""
     tol = dict(TOL[torch.bfloat16])
-    if not decode and native.load().isa() == "amx":
+    if not decode and native.load().isa() in TILE_ISAS:
         tol["atol"] += 2**-7 * bound
     return tol
 
@@ -344,9 +344,10 @@ def test_prefill_chunks_on_serving_pages(precision, head_dim):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("gqa", [1, 3, 8])
 def test_prefill_chunks_on_amx_tiles(precision, head_dim, gqa):
-    """bfloat16 prefill chunks on the server's 64-token pages: on an AMX CPU the "amx" variant
-    runs them as bfloat16 matrix products (attention_body.inc, RAGGED_AMX); outputs within
-    bf16_tol of the float32 twin's reference (a decode request rides along on the loops)."""
+    """bfloat16 prefill chunks on the server's 64-token pages: the avx512 and amx variants run
+    them as bfloat16 matrix products (attention_body.inc, RAGGED_TILES: vdpbf16ps, or AMX tiles
+    on an AMX CPU); outputs within bf16_tol of the float32 twin's reference (a decode request
+    rides along on the loops)."""
     module = native.load()
     if native.cpu_has_amx():
         assert module.isa() == "amx", "an AMX CPU must run prefill chunks on the tiles"
@@ -388,10 +389,9 @@ def test_poisoned_padding_stays_off_the_tiles(precision):
 @pytest.mark.parametrize("precision", ["bf16", "int4", "int8+int4"])
 def test_log_sum_exp_on_amx_tiles(precision):
     """The log-sum-exp sealing reads, of bfloat16 prefill chunks on 64-token pages. On the AMX
-    path (where the CPU has it) logits stay float32 (bfloat16 q and keys multiply exactly,
-    quantized keys split in two parts), so within 1e-4 of the reference's on a float32 twin;
-    on the AVX-512 loops integer tiers are dotted on VNNI, within the tolerance
-    test_integer_tiers_of_bfloat16_storages states (1e-3 + 1e-4 |lse|)."""
+    and AVX512-BF16 products (TILE_ISAS) logits stay float32 (bfloat16 q and keys multiply
+    exactly, quantized keys split in two parts), so within 1e-4 of the reference's on a float32
+    twin; elsewhere (the avx2 and scalar loops) within 1e-3 + 1e-4 |lse|."""
     shape = Shape(page_size=64, head_dim=64, kv_heads=2, gqa=3)
     st = random_storage(random.Random(8), "cpu", layers=2, num_stages=64, dtype=torch.bfloat16,
                         shape=shape, precision=precision)
@@ -405,7 +405,7 @@ def test_log_sum_exp_on_amx_tiles(precision):
     _, lse = impl.module.attend(q, k_pages, v_pages, st.rows_k[1], st.rows_v[1], impl.low[1],
                                 impl.high[1], impl.formats[1], impl.head_map[1], batch.requests,
                                 batch.sealed_off, batch.sealed_pages, 0.125, 0)
-    on_tiles = impl.module.isa() == "amx"
+    on_tiles = impl.module.isa() in TILE_ISAS
     tol = dict(atol=1e-4, rtol=1e-5) if on_tiles or precision == "bf16" else dict(atol=1e-3, rtol=1e-4)
     for p in plans:
         rows = slice(p.q_start, p.q_start + p.q_len)
@@ -506,7 +506,7 @@ def run_isa(isa: str | None) -> dict:
 def test_forced_isa_variants_agree():
     """RAGGED_NATIVE_ISA forces a lower variant: each gives the best one's results (float32
     up to FMA contraction, bfloat16 outputs up to one rounding step, or bf16_tol's where the
-    best is amx: its prefill chunks against the avx512 loops, the forced fallback)."""
+    best runs prefill chunks on bfloat16 products and the forced one on float32 loops)."""
     best = run_isa(None)
     lower = {"amx": ["avx512", "avx2", "scalar"], "avx512": ["avx2", "scalar"], "avx2": ["scalar"],
              "scalar": []}[best["isa"]]
@@ -516,7 +516,7 @@ def test_forced_isa_variants_agree():
         assert got["isa"] == isa
         for key, want in best["outs"].items():
             tol = dict(TOL[torch.bfloat16] if "bfloat16" in key else TOL[torch.float32])
-            if "bfloat16" in key and best["isa"] == "amx":  # bf16_tol: P, V rounded on AMX
+            if "bfloat16" in key and best["isa"] in TILE_ISAS:  # bf16_tol: P, V rounded
                 tol["atol"] += 2**-7 * best["bounds"][key]
             torch.testing.assert_close(torch.tensor(got["outs"][key]), torch.tensor(want),
                                        **tol, msg=lambda m, k=key, i=isa: f"{i} {k}: {m}")

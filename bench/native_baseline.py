@@ -1,0 +1,64 @@
+"""Build another revision's native kernels (cuda_ext/) for `bench.cpu_attention --baseline`.
+
+    python -m bench.native_baseline [--rev main] [--out ~/.cache/sgl-ragged/baseline-<rev>]
+
+Two builds of the kernels in one process must differ in their extension name and in their C++
+namespace: with the same symbols, the second one loaded may call into the first (a copied
+sgl_ragged_native.so times the same code twice). This builds `git show <rev>:cuda_ext/...`
+under the extension name `ragged_base` with `-Dragged=ragged_base` and prints the path of its
+shared object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+from pathlib import Path
+
+from sgl_ragged.native import CFLAGS, HEADERS, LDFLAGS, SOURCES
+
+NAME = "ragged_base"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def export_sources(rev: str, into: Path) -> None:
+    """cuda_ext/ as of `rev` into `into` (a revision without one of today's files leaves it out:
+    older builds had fewer sources)."""
+    into.mkdir(parents=True, exist_ok=True)
+    for name in (*SOURCES, *HEADERS):
+        shown = subprocess.run(["git", "show", f"{rev}:cuda_ext/{name}"], cwd=REPO,
+                               capture_output=True)
+        if shown.returncode == 0:
+            (into / name).write_bytes(shown.stdout)
+
+
+def build(rev: str, out: Path) -> Path:
+    """The shared object of `rev`'s kernels named ragged_base (built in out/build)."""
+    from torch.utils import cpp_extension
+
+    src = out / "src"
+    export_sources(rev, src)
+    sources = [str(src / n) for n in SOURCES if (src / n).is_file()]
+    build_dir = out / "build"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    module = cpp_extension.load(name=NAME, sources=sources,
+                                extra_cflags=[*CFLAGS, f"-Dragged={NAME}"],
+                                extra_ldflags=list(LDFLAGS), build_directory=str(build_dir))
+    return Path(module.__file__)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rev", default="main", help="git revision of cuda_ext/ (default main)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="build directory (default ~/.cache/sgl-ragged/baseline-<rev>)")
+    args = parser.parse_args()
+    sha = subprocess.run(["git", "rev-parse", "--short", args.rev], cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    out = args.out or Path.home() / ".cache" / "sgl-ragged" / f"baseline-{sha}"
+    print(f"building cuda_ext/ of {args.rev} ({sha}) as {NAME} in {out} ...", flush=True)
+    print(build(args.rev, out))
+
+
+if __name__ == "__main__":
+    main()
