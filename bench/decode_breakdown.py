@@ -120,10 +120,10 @@ def split_plan_of(split: str, storage, profile, num_ctas: int, block_n: int) -> 
 
     name, _, fold = split.partition(":")
     layout = storage.layout
-    if name == "uniform":
+    if name == SplitStrategy.UNIFORM:
         return split_plan(layout_split_ratios(layout), num_ctas, storage.device,
                           SplitStrategy.UNIFORM)
-    if name == "aot":
+    if name == SplitStrategy.AOT:
         ratios = (layout_split_ratios(layout) if layout.quantized
                   else profile_split_ratios(storage, profile))
     else:
@@ -267,7 +267,7 @@ def split_choice(text: str) -> str:
     """argparse type of one --splits entry: uniform, aot, or cost[:F] with a fold constant
     F >= 0 (written cost:F, aot.FOLD_TILES where F is left out)."""
     name, sep, fold = text.partition(":")
-    if name in ("uniform", "aot") and not sep:
+    if name in (SplitStrategy.UNIFORM, SplitStrategy.AOT) and not sep:
         return text
     if name == "cost" and (not sep or re.fullmatch(r"\d+\.?\d*|\.\d+", fold)):
         return f"cost:{float(fold) if sep else FOLD_TILES:g}"
