@@ -217,7 +217,7 @@ def served(row: dict) -> bool:
 
     kind = launch_kind(row["precision"])
     return (DECODE_LAUNCH[kind] == (row["warps"], row["block_n"])
-            and row["strategy"] == ("aot" if kind == "rows" else "uniform")
+            and row["strategy"] == (SplitStrategy.AOT if kind == "rows" else SplitStrategy.UNIFORM)
             and row["programs_per_sm"] == MAX_PROGRAMS_PER_SM)
 
 

@@ -27,6 +27,7 @@ namespace {
 struct Isa {
   std::string name;
   RunItems run;
+  bool tiles = false;  // bfloat16 prefill chunks as matrix products (RAGGED_TILES)
 };
 
 // The best ISA variant this CPU runs, or the one RAGGED_NATIVE_ISA names (never above the
@@ -37,8 +38,8 @@ Isa pick_isa() {
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
       __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni")) {
-    if (amx::usable()) usable.push_back({"amx", &amx::run_items});  // avx512 + AMX extend
-    usable.push_back({"avx512", &avx512::run_items});
+    if (amx::usable()) usable.push_back({"amx", &amx::run_items, true});  // products on AMX
+    usable.push_back({"avx512", &avx512::run_items, true});  // products on vdpbf16ps
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
     usable.push_back({"avx2", &avx2::run_items});
@@ -255,7 +256,7 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
   // into equal blocks.
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, p.requests[b].q_len);
-  if (longest > 1 && dtype == at::kBFloat16 && (isa().name == "amx" || isa().name == "avx512")) {
+  if (longest > 1 && dtype == at::kBFloat16 && isa().tiles) {
     const int64_t most = std::max<int64_t>(1, kTileRows / p.group_size);
     const int64_t blocks = (longest + most - 1) / most;
     p.q_block = (longest + blocks - 1) / blocks;

@@ -39,9 +39,9 @@
 // units for all G = H_q / H query heads of h at once (every key and code read once per block)
 // and writes its partial output normalized, with its log-sum-exp; bindings.cpp merges the
 // splits of a block (out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s).
-// Blocks hold 32 / G query positions, or on the avx512 and amx variants, when a bfloat16 forward has a
-// prefill chunk, up to kTileRows / G (the longest chunk in equal blocks: its pages' dequantized,
-// packed tiles serve more rows).
+// Blocks hold 32 / G query positions, or on the avx512 and amx variants, when a bfloat16
+// forward has a prefill chunk, up to kTileRows / G (the longest chunk in equal blocks: its
+// pages' dequantized, packed tiles serve more rows).
 #pragma once
 
 #include <cstdint>

@@ -29,9 +29,7 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-results/gpu_multiturn}"
-layers=()
-if [[ "${1:-}" == --layers ]]; then layers=(--layers "$2"); shift 2; fi
-source scripts/gpu_setup.sh
+source scripts/gpu_setup.sh  # takes a leading --layers N off the arguments
 dry=()
 [[ "${RAGGED_GPU_DRY_RUN:-0}" == 1 ]] && dry=(--dry-run)
 python3 -m bench.multiturn --device cuda --model "$model" \

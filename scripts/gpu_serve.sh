@@ -11,7 +11,5 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-results/gpu_serve}"
-layers=()
-if [[ "${1:-}" == --layers ]]; then layers=(--layers "$2"); shift 2; fi
-source scripts/gpu_setup.sh
+source scripts/gpu_setup.sh  # takes a leading --layers N off the arguments
 python3 -m bench.gpu_serve --model "$model" --out "$out" "$@"

@@ -4,10 +4,13 @@
 # package into /tmp/sgl-site (PYTHONPATH), the import hook of sgl_kernel's pure-torch stand-in
 # (sgl_ragged/compat), and builds the random-weight Llama-3.1-8B-shaped checkpoint on the GPU
 # (sgl_ragged.testing.tiny_model). A warm machine keeps what an earlier call installed and built.
-# Expects `out` (the results folder) and `layers` (an array: empty, or --layers N); sets `model`
+# Expects `out` (the results folder); takes a leading `--layers N` off the caller's arguments
+# for the checkpoint (sourced without arguments, it shifts the caller's); sets `model`
 # ($RAGGED_GPU_MODEL, default /tmp/llama-3.1-8b-random). With RAGGED_GPU_DRY_RUN=1 it installs
 # and builds nothing (the scripts' check on a CPU, tests/unit/test_gpu_scripts.py).
 site=/tmp/sgl-site
+layers=()
+if [[ "${1:-}" == --layers ]]; then layers=(--layers "$2"); shift 2; fi
 model="${RAGGED_GPU_MODEL:-/tmp/llama-3.1-8b-random}"
 mkdir -p "$out"
 if [[ "${RAGGED_GPU_DRY_RUN:-0}" != 1 ]]; then
