@@ -293,24 +293,27 @@ def test_matches_reference_bfloat16(precision, decode):
     torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, decode))
 
 
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 @pytest.mark.parametrize("precision", ["int8", "int4", "int2", "int8+int4", "int8+int2"])
 @pytest.mark.parametrize("head_dim,page,heads", [(64, 16, 2), (128, 16, 2), (192, 16, 2),
                                                  (256, 16, 2), (64, 64, 3)])
-def test_integer_tiers_of_bfloat16_storages(precision, head_dim, page, heads):
-    """Decode over integer tiers of a bfloat16 storage: on AVX-512 the codes are dotted as
-    integers (VNNI, attention_body.inc: q' and p' rounded to 16-bit integers per row; head
-    sizes 64, 128 and 256 in every layout of the codes, 192 on the float loops). Outputs within
-    bf16_tol of the float32 twin's reference; the float32 lse within 1e-3 + 1e-4 |lse|: the
-    rounding moves a logit by at most 2^-16 max|q'| sum_c code_c (here up to 3e-5 of |lse|
-    ~ 46, against 1e-5 absolute on the float loops), far below the error of the bfloat16
-    query's own rounding (2^-9 relative). The last shape is the server's (SmolLM2: 64-token
-    pages, the 3 KV heads of a uniform profile in one group; other scratch offsets)."""
+def test_integer_tiers_of_bfloat16_storages(precision, head_dim, page, heads, decode):
+    """Integer tiers of a bfloat16 storage: on AVX-512 the key codes are dotted as integers
+    (VNNI, attention_body.inc: q' rounded to 16-bit integers per row; decode rounds p' too, and
+    prefill chunks on the products take the keys' logits from an integer product of the codes,
+    int_tier_logits; head sizes 64, 128 and 256 in every layout of the codes, 192 on the float
+    loops or the dequantized keys). Outputs within bf16_tol of the float32 twin's reference; the
+    float32 lse within 1e-3 + 1e-4 |lse|: the rounding moves a logit by at most 2^-16 max|q'|
+    sum_c code_c (here up to 3e-5 of |lse| ~ 46, against 1e-5 absolute on the float loops), far
+    below the error of the bfloat16 query's own rounding (2^-9 relative). The last shape is the
+    server's (SmolLM2: 64-token pages, the 3 KV heads of a uniform profile in one group; other
+    scratch offsets)."""
     shape = Shape(page_size=page, head_dim=head_dim, kv_heads=heads, gqa=3)
-    specs = random_specs(random.Random(head_dim), 4, True, page=page, max_sealed=4)
-    mine, twin, plans, outs, bound = twin_forward(specs, True, 41, shape, torch.bfloat16, precision,
-                                                  heads_per_group=heads)
+    specs = random_specs(random.Random(head_dim), 4, decode, page=page, max_sealed=4)
+    mine, twin, plans, outs, bound = twin_forward(specs, decode, 41, shape, torch.bfloat16,
+                                                  precision, heads_per_group=heads)
     rows = rows_of(plans)
-    torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, True))
+    torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, decode))
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(41), "cpu", torch.bfloat16, shape)
     impl = NativeAttention(mine, extend_on_batched=False)
     batch = impl.prepare(BatchPlan(requests=list(plans)))
