@@ -8,9 +8,11 @@ side by side on the same storage and batch (or, with --native, the native kernel
 
 With --native, each case is built once per listed precision (rows of the same profile, so the
 same bytes per page) and batched torch and the native kernels (cuda_ext/; prefill chunks too,
-which the server sends to batched torch: native_impl.EXTEND_ON_BATCHED) run on it alternately,
-one forward each per round (ratio = batched / native); --baseline adds another build of the
-kernels (a copied .so) to the same rounds, for before/after figures of a kernel change.
+which the server may send to batched torch: native_impl.prefill_on_batched) run on every
+precision's storage alternately, one forward each per round, so both ratios (batched / native,
+and native / the first precision's native) compare runs of the same rounds; --baseline adds
+another build of the kernels (`python -m bench.native_baseline --rev R`) to the same rounds,
+for before/after figures of a kernel change, and --no-batched leaves batched torch out.
 
 With --precision, the comparison is instead batched attention over drop-only rows vs rows with
 a low-precision tier (docs/architecture.md, "Row tiers") of the same profile: the same KV bytes per page,
@@ -133,31 +135,44 @@ def forward_step(impl: AttentionImpl, plans: list[RequestPlan], qkv: tuple, scal
 
 
 def measure_native(profile: BudgetProfile, batch: int, context: int, decode: bool,
-                   precision: str, warmup: int, repeats: int,
-                   baseline: ModuleType | None = None) -> dict:
-    """Batched torch vs the native kernels on one storage and batch of this precision
-    (`baseline`: another build of the kernels, timed alongside as "baseline")."""
-    storage, plans, (q, k, v) = build_case(profile, batch, context, decode, precision)
+                   precisions: list[str], warmup: int, repeats: int,
+                   baseline: ModuleType | None = None, batched: bool = True) -> list[dict]:
+    """Batched torch vs the native kernels on one batch, on a storage of each precision,
+    every (precision, implementation) pair timed in the same alternating rounds, so the
+    ratios between precisions (int4 / drop) see the same machine state (`baseline`: another
+    build of the kernels, timed alongside as "baseline"; `batched` False: the native kernels
+    alone, or against the baseline)."""
     scale = profile.model.head_dim**-0.5
-    result = {"phase": "decode" if decode else "prefill", "batch": batch, "context": context,
-              "precision": precision, "bytes_per_page": storage.layout.row_bytes_per_page}
-    steps, outs = {}, {}
-    impls = [("batched", BatchedTorchAttention(storage)),
-             ("native", NativeAttention(storage, extend_on_batched=False))]
-    per_group = baseline is not None and "arg6: torch.Tensor" not in baseline.attend.__doc__
-    if baseline is not None and (per_group or storage.layout.high is None):
-        module = baseline if per_group else _SharedFormat(baseline)
-        impls.append(("baseline", NativeAttention(storage, module=module,
-                                                  extend_on_batched=False)))
-    for name, impl in impls:
-        step = forward_step(impl, plans, (q, k, v), scale, decode, profile.num_layers)
-        outs[name] = step()
-        steps[name] = step
-    for name, seconds in timed_alternating(steps, warmup, repeats).items():
-        result[f"{name}_s"] = seconds
-    result["speedup"] = result["batched_s"] / result["native_s"]
-    result["max_abs_diff"] = float((outs["native"].float() - outs["batched"].float()).abs().max())
-    return result
+    results, steps, outs = [], {}, {}
+    for precision in precisions:
+        storage, plans, (q, k, v) = build_case(profile, batch, context, decode, precision)
+        results.append({"phase": "decode" if decode else "prefill", "batch": batch,
+                        "context": context, "precision": precision,
+                        "bytes_per_page": storage.layout.row_bytes_per_page})
+        impls = [("batched", BatchedTorchAttention(storage))] if batched else []
+        impls.append(("native", NativeAttention(storage, extend_on_batched=False)))
+        per_group = baseline is not None and "arg6: torch.Tensor" not in baseline.attend.__doc__
+        if baseline is not None and (per_group or storage.layout.high is None):
+            module = baseline if per_group else _SharedFormat(baseline)
+            impls.append(("baseline", NativeAttention(storage, module=module,
+                                                      extend_on_batched=False)))
+        for name, impl in impls:
+            step = forward_step(impl, plans, (q, k, v), scale, decode, profile.num_layers)
+            outs[precision, name] = step()
+            steps[precision, name] = step
+    seconds = timed_alternating(steps, warmup, repeats)
+    for result in results:
+        precision = result["precision"]
+        for (p, name), s in seconds.items():
+            if p == precision:
+                result[f"{name}_s"] = s
+        if batched:
+            result["speedup"] = result["batched_s"] / result["native_s"]
+        other = "batched" if batched else "baseline" if "baseline_s" in result else None
+        if other:
+            result["max_abs_diff"] = float((outs[precision, "native"].float()
+                                            - outs[precision, other].float()).abs().max())
+    return results
 
 
 class _SharedFormat:
@@ -211,14 +226,16 @@ def markdown_native(results: list[dict], profile_name: str) -> str:
     for r in results:
         key = (r["phase"], r["batch"], r["context"])
         first.setdefault(key, r["native_s"])
+        batched = (f"{r['batched_s'] * 1e3:.1f}", f"x{r['speedup']:.2f}") if "batched_s" in r \
+            else ("-", "-")
         line = (f"| {r['phase']} | {r['batch']} | {r['context']} | {r['precision']} | "
-                f"{r['bytes_per_page']} | {r['batched_s'] * 1e3:.1f} | {r['native_s'] * 1e3:.1f} | "
-                f"x{r['speedup']:.2f} | x{r['native_s'] / first[key]:.2f} |")
+                f"{r['bytes_per_page']} | {batched[0]} | {r['native_s'] * 1e3:.1f} | "
+                f"{batched[1]} | x{r['native_s'] / first[key]:.2f} |")
         if base and "baseline_s" in r:
             line += f" {r['baseline_s'] * 1e3:.1f} | x{r['baseline_s'] / r['native_s']:.2f} |"
         elif base:
             line += " - | - |"
-        lines.append(line + f" {r['max_abs_diff']:.1e} |")
+        lines.append(line + (f" {r['max_abs_diff']:.1e} |" if "max_abs_diff" in r else " - |"))
     return "\n".join(lines) + "\n"
 
 
@@ -299,8 +316,13 @@ def main() -> None:
                         help="with --native: another build's sgl_ragged_native*.so, timed "
                              "alongside (before/after a kernel change; a build from before "
                              "per-group formats, rows without a quantized high tier)")
+    parser.add_argument("--no-batched", dest="batched", action="store_false",
+                        help="with --native: leave out the batched torch column (its forwards "
+                             "take most of a run; for comparing native builds with --baseline)")
     parser.add_argument("--out", type=Path, default=Path("results/cpu_attention"))
     args = parser.parse_args()
+    if not args.batched and not args.native:
+        parser.error("--no-batched needs --native (it drops the batched column of that table)")
     profile = BudgetProfile.load(args.profile)
     if profile.model is None:
         parser.error(f"{args.profile} names no model; the shapes come from its model")
@@ -313,8 +335,8 @@ def main() -> None:
         print(f"[{i}/{len(cases)}] {'decode' if decode else 'prefill'} batch {batch}, "
               f"context {context} ...", flush=True)
         if args.native:
-            results += [measure_native(profile, batch, context, decode, precision, args.warmup,
-                                       args.repeats, baseline) for precision in args.native]
+            results += measure_native(profile, batch, context, decode, args.native, args.warmup,
+                                      args.repeats, baseline, args.batched)
         elif args.precision:
             results.append(measure_precision(profile, batch, context, decode, args.precision,
                                              args.warmup, args.repeats))

@@ -310,20 +310,26 @@ def test_integer_tiers_of_bfloat16_storages(precision, head_dim, page, heads, de
     scratch offsets)."""
     shape = Shape(page_size=page, head_dim=head_dim, kv_heads=heads, gqa=3)
     specs = random_specs(random.Random(head_dim), 4, decode, page=page, max_sealed=4)
-    mine, twin, plans, outs, bound = twin_forward(specs, decode, 41, shape, torch.bfloat16,
-                                                  precision, heads_per_group=heads)
+    for layer in (1, 0):  # a layer whose random budgets leave a quantized tier
+        mine, twin, plans, outs, bound = twin_forward(specs, decode, 41, shape, torch.bfloat16,
+                                                      precision, layer=layer, heads_per_group=heads)
+        if any(t.lo or (t.hi and mine.layout.high is not None) for t in mine.layout.tiers[layer]):
+            break
+    else:
+        pytest.fail("no layer of the random storage has a quantized tier: pick another seed")
     rows = rows_of(plans)
     torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, decode))
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(41), "cpu", torch.bfloat16, shape)
     impl = NativeAttention(mine, extend_on_batched=False)
     batch = impl.prepare(BatchPlan(requests=list(plans)))
-    k_pages, v_pages = tail_pages(mine, 1, batch.tails, k, v)
-    _, lse = impl.module.attend(q, k_pages, v_pages, mine.rows_k[1], mine.rows_v[1], impl.low[1],
-                                impl.high[1], impl.formats[1], impl.head_map[1], batch.requests,
-                                batch.sealed_off, batch.sealed_pages, head_dim**-0.5, 0)
+    k_pages, v_pages = tail_pages(mine, layer, batch.tails, k, v)
+    _, lse = impl.module.attend(q, k_pages, v_pages, mine.rows_k[layer], mine.rows_v[layer],
+                                impl.low[layer], impl.high[layer], impl.formats[layer],
+                                impl.head_map[layer], batch.requests, batch.sealed_off,
+                                batch.sealed_pages, head_dim**-0.5, 0)
     for p in plans:
         at = slice(p.q_start, p.q_start + p.q_len)
-        want = reference_lse(twin, 1, p, q[at].float(), k[at].float(), head_dim**-0.5)
+        want = reference_lse(twin, layer, p, q[at].float(), k[at].float(), head_dim**-0.5)
         torch.testing.assert_close(lse[at], want, atol=1e-3, rtol=1e-4)
 
 
