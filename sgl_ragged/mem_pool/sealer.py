@@ -103,8 +103,9 @@ class Sealer:
         return kept, num_pages * layout.page_size * layout.num_kv_heads
 
 
-def tier_tokens(selection: Selection, heads: torch.Tensor,
+def tier_tokens(selection: Selection, heads: torch.Tensor | slice,
                 tiers: RowTiers) -> tuple[torch.Tensor, torch.Tensor]:
     """Token offsets one group keeps under TierRows: hi_idx [N, H_p, hi] and lo_idx
-    [N, H_p, lo] int64 per member head (heads: [H_p] its KV heads), each in position order."""
+    [N, H_p, lo] int64 per member head (heads: its H_p KV heads, an index or a slice), each in
+    position order."""
     return select_tiers(selection.scores[:, heads], tiers.hi, tiers.total, selection.sinks)

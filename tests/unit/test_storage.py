@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from sgl_ragged.mem_pool.storage import RaggedStorage, StagingExhaustedError
-from sgl_ragged.profile import uniform_profile
+from sgl_ragged.profile import BudgetProfile, uniform_profile
 from tests.unit.kernel_cases import make_storage
 
 PAGES, STAGING, P = 12, 4, 8
@@ -146,6 +147,40 @@ def test_staging_writes_and_finish_time_sealing():
     assert storage.sealed[page] and storage.page_to_stage[page] < 0 and storage.staging_in_use == 0
     assert storage.counters.pages_sealed == 1
     assert storage.counters.entries_seen == storage.layout.num_layers * P * H
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4"])
+def test_sealing_through_head_slices_writes_what_head_indices_write(precision):
+    """Adjacent KV heads of a group are sliced (a view) when sealing, others indexed: the rows
+    are the same as through each group's index tensor (4 KV heads: groups (2, 3), (0, 1) and,
+    in the second layer, the non-adjacent (0, 2), (3, 1))."""
+    profile = BudgetProfile(model=None, budgets=[[0.5, 0.5, 0.25, 0.75], [0.5, 0.25, 0.5, 0.25]],
+                            groups=[((2, 3), (0, 1)), ((0, 2), (3, 1))],
+                            source={"kind": "uniform"})
+    storage = make_storage(profile, P, 16, PAGES, STAGING, precision=precision)
+    assert storage.head_span[0] == [slice(2, 4), slice(0, 2)]
+    assert all(isinstance(h, torch.Tensor) for h in storage.head_span[1])
+    twin = copy.deepcopy(storage)
+    twin.head_span = twin.head_index
+    gen = torch.Generator().manual_seed(3)
+    pages, starts = torch.tensor([2, 5, 7]), torch.tensor([0, P, 2 * P])
+    for layer in range(2):
+        k, v = (torch.randn(3, P, 4, 16, generator=gen) for _ in range(2))
+        stages = torch.arange(3)
+        stats = storage.stats.page_stats(layer, stages, k, v, storage.scale)
+        stats = dataclasses.replace(stats, attn_sum=torch.rand(stats.attn_sum.shape, generator=gen),
+                                    obs_count=torch.ones(stats.obs_count.shape))
+        for store in (storage, twin):
+            store.write_sealed(layer, pages, k, v, store.sealer.select(stats, starts))
+        mine = [*storage.rows_k[layer], *storage.rows_v[layer]]
+        theirs = [*twin.rows_k[layer], *twin.rows_v[layer]]
+        for tiers, other in zip(storage.low_rows[layer], twin.low_rows[layer], strict=True):
+            if tiers is not None:
+                mine += list(tiers.tensors())
+                theirs += list(other.tensors())
+        assert len(mine) > 2 * len(profile.groups[layer]) or precision == "bf16"
+        for a, b in zip(mine, theirs, strict=True):
+            assert torch.equal(a, b) and a[pages].abs().sum() > 0
 
 
 def test_an_installed_row_writer_takes_every_row_write_and_refuses_copies():
