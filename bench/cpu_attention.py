@@ -144,6 +144,7 @@ def measure_native(profile: BudgetProfile, batch: int, context: int, decode: boo
     alone, or against the baseline)."""
     scale = profile.model.head_dim**-0.5
     results, steps, outs = [], {}, {}
+    per_group = baseline is not None and "arg6: torch.Tensor" not in baseline.attend.__doc__
     for precision in precisions:
         storage, plans, (q, k, v) = build_case(profile, batch, context, decode, precision)
         results.append({"phase": "decode" if decode else "prefill", "batch": batch,
@@ -151,7 +152,6 @@ def measure_native(profile: BudgetProfile, batch: int, context: int, decode: boo
                         "bytes_per_page": storage.layout.row_bytes_per_page})
         impls = [("batched", BatchedTorchAttention(storage))] if batched else []
         impls.append(("native", NativeAttention(storage, extend_on_batched=False)))
-        per_group = baseline is not None and "arg6: torch.Tensor" not in baseline.attend.__doc__
         if baseline is not None and (per_group or storage.layout.high is None):
             module = baseline if per_group else _SharedFormat(baseline)
             impls.append(("baseline", NativeAttention(storage, module=module,

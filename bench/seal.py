@@ -59,25 +59,27 @@ def measure(profile: BudgetProfile, precisions: list[str], num_pages: int, warmu
             repeats: int, index_heads: bool = False) -> list[dict]:
     """Median seconds per step of each precision's seal (and with `index_heads`, of the row
     writer on index tensors too), all in the same alternating rounds."""
-    variants: list[tuple[str, str, RaggedStorage]] = []
+    # (precision, heads, storage, the head_span its row writer indexes with)
+    variants: list[tuple[str, str, RaggedStorage, list]] = []
     batch = -(-num_pages // (CHUNK // PAGE))  # prefill cases stage CHUNK / PAGE pages a request
     for precision in precisions:
         storage, _, _ = build_case(profile, batch, 1024, False, precision)
-        variants.append((precision, "slices", storage))
+        variants.append((precision, "slices", storage, storage.head_span))
         if index_heads:
-            indexed = storage.__class__.__new__(storage.__class__)
-            indexed.__dict__.update(storage.__dict__)
-            indexed.head_span = storage.head_index
-            variants.append((precision, "indices", indexed))
+            variants.append((precision, "indices", storage, storage.head_index))
     samples: dict[int, list[dict[str, float]]] = {i: [] for i in range(len(variants))}
     with ops.intra_op_threads(1):
         for round_ in range(warmup + repeats):
-            for i, (_, _, storage) in enumerate(variants):
+            for i, (_, _, storage, spans) in enumerate(variants):
+                storage.head_span = spans
                 seconds = seal_steps(storage, num_pages)
                 if round_ >= warmup:
                     samples[i].append(seconds)
+    for _, heads, storage, spans in variants:
+        if heads == "slices":
+            storage.head_span = spans
     results = []
-    for i, (precision, heads, storage) in enumerate(variants):
+    for i, (precision, heads, storage, _) in enumerate(variants):
         result = {"precision": precision, "heads": heads, "pages": num_pages,
                   "layers": storage.layout.num_layers}
         for step in STEPS:

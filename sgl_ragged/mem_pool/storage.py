@@ -133,7 +133,8 @@ class RaggedStorage:
         self.head_index = [[torch.tensor(h, dtype=torch.long, device=self.device) for h in gs]
                            for gs in layout.groups]
         # head_span[l][g]: the same heads as a slice where they are adjacent (indexing with it
-        # makes a view, with a tensor a copy: about 18 us an op on a CPU, 6 per group per seal).
+        # makes a view, with a tensor a copy: about 18 us an op on a CPU, 6 per group per seal;
+        # the row writers index with it).
         self.head_span = [[_span(h, index) for h, index in zip(gs, indices, strict=True)]
                           for gs, indices in zip(layout.groups, self.head_index, strict=True)]
         # stage_k[l]: [S + 1, P, H, D], indexed by staging page. Page S is the scratch page:
@@ -371,7 +372,7 @@ class RaggedStorage:
         """Dynamic mode: whole pages k_tok, v_tok [N, P, H, D] into full rows, and which
         tokens each head keeps, keep [N, H, P] bool."""
         self.row_keep[layer][pages] = keep
-        for g, heads in enumerate(self.head_index[layer]):
+        for g, heads in enumerate(self.head_span[layer]):
             self.rows_k[layer][g][pages] = k_tok[:, :, heads].to(self.dtype)
             self.rows_v[layer][g][pages] = v_tok[:, :, heads].to(self.dtype)
 

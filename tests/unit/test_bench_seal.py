@@ -8,6 +8,7 @@ import torch
 
 from bench import seal
 from bench.cpu_attention import DEFAULT_PROFILE, build_case
+from sgl_ragged.mem_pool.sealer import SealBatch
 from sgl_ragged.profile import BudgetProfile
 
 
@@ -30,12 +31,11 @@ def test_a_timed_seal_writes_what_the_storage_seals():
     for a, b in zip(storage.stage_k + storage.stage_v, twin.stage_k + twin.stage_v, strict=True):
         b.copy_(a)
     seal.seal_steps(storage, 2)
-    for layer in range(profile.num_layers):
-        stages = torch.arange(2)
+    stages, pages, starts = torch.arange(2), torch.tensor([1, 2]), torch.tensor([0, 64])
+    for layer in range(profile.num_layers):  # the storage's own seal of the same pages
         stats = twin.stats.page_stats(layer, stages, twin.stage_k[layer][stages],
                                       twin.stage_v[layer][stages], twin.scale)
-        twin.write_sealed(layer, torch.tensor([1, 2]), stats.keys, stats.values,
-                          twin.sealer.select(stats, torch.tensor([0, 64])))
+        twin.seal(layer, SealBatch(stats, pages, starts, count=2))
     for layer in (0, profile.num_layers - 1):
         for a, b in zip(storage.rows_k[layer] + storage.rows_v[layer],
                         twin.rows_k[layer] + twin.rows_v[layer], strict=True):
