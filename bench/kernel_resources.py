@@ -22,6 +22,7 @@ import io
 import json
 import os
 import re
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -49,6 +50,12 @@ class Build:
     stack_bytes: int
     shared_bytes: int
     programs_per_sm: int
+    instructions: int  # SASS instructions of the whole kernel (nvdisasm)
+    int_to_float: int  # I2F: a quarter of the float rate on an H100
+    byte_loads: int  # 1-byte global loads (LDG .U8 / .S8)
+    half_loads: int  # 2-byte global loads (LDG .U16 / .S16)
+    wide_loads: int  # 16-byte global loads (LDG .128, and cp.async LDGSTS .128)
+    inner_loops: list[int]  # SASS instructions of each innermost loop body (distinct, largest first)
 
 
 @dataclass(frozen=True)
@@ -86,10 +93,10 @@ def intercepted(kernels: dict[str, object]) -> Iterator[dict[str, Launch]]:
         launch.compiled_for_gpu, decode.compiled_for_gpu, extend.compiled_for_gpu = gpu_saved
 
 
-def compile_launch(launch: Launch, arch: int) -> tuple[dict[str, int], int]:
-    """Register, spill and stack use per thread (`ptxas -v` as Triton runs it) and shared
-    memory per program of a recorded launch compiled for CUDA sm_<arch>, specialized as the
-    JIT would specialize it on that target."""
+def compile_launch(launch: Launch, arch: int) -> tuple[dict[str, int], int, str]:
+    """Register, spill and stack use per thread (`ptxas -v` as Triton runs it), shared memory
+    per program and the SASS (nvdisasm, which ships with Triton) of a recorded launch compiled
+    for CUDA sm_<arch>, specialized as the JIT would specialize it on that target."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -114,7 +121,48 @@ def compile_launch(launch: Launch, arch: int) -> tuple[dict[str, int], int]:
                                     options=options.__dict__)
         finally:
             knobs.nvidia.dump_ptxas_log, knobs.cache.dir = saved
-    return ptxas_usage(log.getvalue()), kernel.metadata.shared
+    return ptxas_usage(log.getvalue()), kernel.metadata.shared, disassemble(kernel.asm["cubin"])
+
+
+def disassemble(cubin: bytes) -> str:
+    """SASS of a cubin, by the nvdisasm that ships with Triton."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)(.*)$")
+LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+
+
+def sass_counts(sass: str) -> dict[str, object]:
+    """Instruction counts of a kernel's SASS (every instruction once, however often it runs):
+    all, int-to-float conversions, global loads by width, and the size of each innermost loop
+    (a backward branch's body that holds no other; the tile loops, whose size is the work of
+    one tile of tokens per thread)."""
+    ops, labels, branches = [], {}, []
+    for line in sass.splitlines():
+        if found := LABEL.match(line):
+            labels[found.group(1)] = len(ops)
+        elif found := SASS_LINE.match(line):
+            if found.group(2) == "BRA" and (target := re.search(r"\.L_x_\d+", found.group(3))):
+                branches.append((len(ops), target.group(0)))
+            ops.append(found.group(2))
+    loops = [(labels[t], i) for i, t in branches if t in labels and labels[t] < i]
+    inner = {end - start + 1 for start, end in loops
+             if not any(start <= s0 and e0 <= end and (s0, e0) != (start, end) for s0, e0 in loops)}
+    loads = [op for op in ops if op.startswith(("LDG.", "LDGSTS."))]
+    return {"instructions": len(ops),
+            "int_to_float": sum(op.split(".")[0] == "I2F" for op in ops),
+            "byte_loads": sum(op.endswith((".U8", ".S8")) for op in loads),
+            "half_loads": sum(op.endswith((".U16", ".S16")) for op in loads),
+            "wide_loads": sum(op.endswith(".128") for op in loads),
+            "inner_loops": sorted(inner, reverse=True)}
 
 
 def ptxas_usage(text: str) -> dict[str, int]:
@@ -176,11 +224,12 @@ def measure(precision: str, head_dim: int, arch: int) -> list[Build]:
 
     builds = []
     for name, launch in case_launches(precision, head_dim).items():
-        usage, shared = compile_launch(launch, arch)
+        usage, shared, sass = compile_launch(launch, arch)
         warps = launch.kwargs.get("num_warps", 4)
         per_sm = programs_per_sm(KernelResources(usage["registers"], shared, warps), SMLimits())
         builds.append(Build(name, precision, head_dim, warps, usage["registers"],
-                            usage["spill_bytes"], usage["stack_bytes"], shared, per_sm))
+                            usage["spill_bytes"], usage["stack_bytes"], shared, per_sm,
+                            **sass_counts(sass)))
         print(f"{precision} D={head_dim} {name}: {usage['registers']} registers, "
               f"{usage['spill_bytes']} B spilled, {per_sm} programs/SM", file=sys.stderr)
     return builds
@@ -189,13 +238,18 @@ def measure(precision: str, head_dim: int, arch: int) -> list[Build]:
 def markdown(builds: list[Build], arch: int) -> str:
     lines = [f"Triton kernels compiled for sm_{arch} (no GPU needed): per thread registers, "
              "spilled bytes (stores + loads) and stack; shared memory per program; programs one "
-             "SM holds (kernels/occupancy.py, sm_90 limits).", "",
+             "SM holds (kernels/occupancy.py, sm_90 limits); SASS instructions (each counted "
+             "once), int-to-float conversions, global loads 1, 2 and 16 bytes wide, and the "
+             "instructions of each innermost loop (per thread per tile of tokens).", "",
              "| kernel | rows | head_dim | warps | registers | spilled B | stack B | shared B "
-             "| programs/SM |", "|---|---|---|---|---|---|---|---|---|"]
+             "| programs/SM | SASS | I2F | 1-B loads | 2-B loads | 16-B loads | inner loops |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for b in builds:
         lines.append(f"| {b.kernel} | {b.precision} | {b.head_dim} | {b.num_warps} | "
                      f"{b.registers} | {b.spill_bytes} | {b.stack_bytes} | {b.shared_bytes} | "
-                     f"{b.programs_per_sm} |")
+                     f"{b.programs_per_sm} | {b.instructions} | {b.int_to_float} | "
+                     f"{b.byte_loads} | {b.half_loads} | {b.wide_loads} | "
+                     f"{' / '.join(map(str, b.inner_loops)) or '-'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,26 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sgl_ragged.kernels.quant import code_ptr, low_codes, param_ptr
+from sgl_ragged.kernels.quant import (
+    code_offset,
+    code_ptr,
+    interleaved,
+    interleaved_channels,
+    low_codes,
+    param_ptr,
+    planar,
+)
+
+
+@triton.jit
+def mma(a, b, PRECISION: tl.constexpr):
+    """tl.dot(a, b) with a float32 result (block_config's PRECISION). "emulate" (16-bit
+    operands in the CPU interpreter, whose own 16-bit matmul is not numeric): the operands'
+    exact float32 values multiplied in float32, as a tensor core multiplies them."""
+    if PRECISION == "emulate":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -22,15 +41,26 @@ def softmax_step(logits, v, m_i, l_i, acc, PRECISION: tl.constexpr):
     alpha = tl.exp(m_i - m_use)
     p = tl.exp(logits - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = rescaled(acc, alpha, m_new > m_i) + mma(p.to(v.dtype), v, PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def rescaled(acc, alpha, grew):
+    """acc * alpha[:, None], skipped where no row's running max grew (grew [ROWS]): alpha is
+    then exactly 1 on every row (0 on rows with nothing visible yet, whose acc is 0), so the
+    result is the same bits. After a split's first tiles most tiles raise no max, and the
+    multiply is a [ROWS, BLOCK_D] float32 pass per tile (half of a code tile's float work)."""
+    if tl.max(grew.to(tl.int32), 0) > 0:
+        acc = acc * alpha[:, None]
+    return acc
 
 
 @triton.jit
 def attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_row, table_row, hi_g, lo_g, j, p0, p1,
                   scale, H_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr,
-                  LOW_FLOAT: tl.constexpr, NATIVE_FP8: tl.constexpr, HIGH_BITS: tl.constexpr,
+                  LOW_FLOAT: tl.constexpr, NATIVE: tl.constexpr, HIGH_BITS: tl.constexpr,
                   HIGH_FLOAT: tl.constexpr):
     """Member head j's sealed pages table_row[p0:p1] of a group with hi_g high and lo_g
     low-tier slots per page: first every page's high slots (k_base / v_base rows
@@ -39,22 +69,29 @@ def attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_row, table_row, hi_g, lo
     its codes (LOW_BITS 0: the layout has no low tier and that loop is not compiled)."""
     if HIGH_BITS > 0:
         p_hi = tl.where(hi_g > 0, p1, p0)  # no high slots: no high-tier tensors
+        # q and acc in the codes' channel order for the tier's pages (quant.interleaved).
+        q_hi = interleaved(q, HIGH_BITS, HIGH_FLOAT, q.dtype)
+        acc = interleaved(acc, HIGH_BITS, HIGH_FLOAT, q.dtype)
         for pi in range(p0, p_hi):
             page = tl.load(table_row + pi).to(tl.int64)
-            m_i, l_i, acc = _attend_low_page(q, m_i, l_i, acc, low_row + 6, page, hi_g, j, scale,
+            m_i, l_i, acc = _attend_low_page(q_hi, m_i, l_i, acc, low_row + 6, page, hi_g, j, scale,
                                              H_P, D, BLOCK_N, BLOCK_D, PRECISION, HIGH_BITS,
-                                             HIGH_FLOAT, NATIVE_FP8)
+                                             HIGH_FLOAT, NATIVE)
+        acc = planar(acc, HIGH_BITS, HIGH_FLOAT, q.dtype)
     else:
         m_i, l_i, acc = _attend_high(q, m_i, l_i, acc, k_base, v_base, table_row, hi_g, j, p0,
                                      p1, scale, H_P, D, BLOCK_N, BLOCK_D, PRECISION)
     if LOW_BITS > 0:
         # A group without low slots has no low-tier tensors (null addresses): skip its pages.
         p_lo = tl.where(lo_g > 0, p1, p0)
+        q_lo = interleaved(q, LOW_BITS, LOW_FLOAT, q.dtype)
+        acc = interleaved(acc, LOW_BITS, LOW_FLOAT, q.dtype)
         for pi in range(p0, p_lo):
             page = tl.load(table_row + pi).to(tl.int64)
-            m_i, l_i, acc = _attend_low_page(q, m_i, l_i, acc, low_row, page, lo_g, j, scale,
+            m_i, l_i, acc = _attend_low_page(q_lo, m_i, l_i, acc, low_row, page, lo_g, j, scale,
                                              H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS,
-                                             LOW_FLOAT, NATIVE_FP8)
+                                             LOW_FLOAT, NATIVE)
+        acc = planar(acc, LOW_BITS, LOW_FLOAT, q.dtype)
     return m_i, l_i, acc
 
 
@@ -76,7 +113,7 @@ def _attend_high(q, m_i, l_i, acc, k_base, v_base, table_row, hi_g, j, p0, p1, s
         mask = valid[:, None] & mask_d[None, :]
         k = tl.load(k_base + off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(q.dtype)
         v = tl.load(v_base + off[:, None] + offs_d[None, :], mask=mask, other=0.0).to(q.dtype)
-        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        logits = mma(q, tl.trans(k), PRECISION) * scale
         logits = tl.where(valid[None, :], logits, float("-inf"))
         m_i, l_i, acc = softmax_step(logits, v, m_i, l_i, acc, PRECISION)
     return m_i, l_i, acc
@@ -86,59 +123,74 @@ def _attend_high(q, m_i, l_i, acc, k_base, v_base, table_row, hi_g, j, p0, p1, s
 def _attend_low_page(q, m_i, l_i, acc, low_row, page, lo_g, j, scale, H_P: tl.constexpr,
                      D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                      PRECISION: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr,
-                     NATIVE_FP8: tl.constexpr):
+                     NATIVE: tl.constexpr):
     """Logical page `page`'s lo_g slots of a quantized tier (low_row: its six addresses) of
-    member head j, attended on the codes
-    (docs/architecture.md, "Row tiers"): keys k = code * s + z per channel, so q . k = (q * s) . code + q . z
-    with q * s and q . z once per page; values v = code * s_t + z_t per token, so
-    sum_t p_t v_t = sum_t (p_t s_t) code_t + sum_t p_t z_t."""
+    member head j, attended on the codes (docs/architecture.md, "Row tiers"): keys
+    k = code * s + z per channel, so q . k = (q * s) . code + q . z with q * s and q . z once
+    per page; values v = code * s_t + z_t per token, so
+    sum_t p_t v_t = sum_t (p_t s_t) code_t + sum_t p_t z_t.
+
+    q [ROWS, D] and acc [ROWS, D] are in `low_codes`' channel order (quant.interleaved; the
+    caller puts them there once for all of a split's pages, and acc back with quant.planar)."""
     tl.static_assert(BLOCK_D == D, "low tiers need a power-of-two head size of at least 16")
     CB: tl.constexpr = D * LOW_BITS // 8
     offs_n = tl.arange(0, BLOCK_N)
     offs_c = tl.arange(0, CB)
     # 1. The page's key parameters, folded into the query: q_s [ROWS, D], bias [ROWS] float32.
-    chan = (page * H_P + j) * D + tl.arange(0, D)
+    chan = (page * H_P + j) * D + interleaved_channels(D, LOW_BITS, LOW_FLOAT, q.dtype)
     q32 = q.to(tl.float32)
     q_s = (q32 * tl.load(param_ptr(low_row, 1) + chan).to(tl.float32)[None, :]).to(q.dtype)
     if LOW_FLOAT:
         bias = tl.zeros([q.shape[0]], tl.float32)
     else:
         bias = tl.sum(q32 * tl.load(param_ptr(low_row, 2) + chan).to(tl.float32)[None, :], 1)
-    # 2. Its low slots, BLOCK_N at a time: codes read once each, for every query row.
+    # low_codes' values are code + OFFSET: q_s . (code + OFFSET) = q_s . code + OFFSET sum(q_s).
+    OFFSET: tl.constexpr = code_offset(LOW_BITS, LOW_FLOAT, q.dtype)
+    if OFFSET != 0.0:
+        bias -= OFFSET * tl.sum(q_s.to(tl.float32), 1)
+    # 2. Its low slots, BLOCK_N at a time: codes read once each, for every query row. The zero
+    # points' term, the same for every channel, is a [ROWS] sum added to acc at the end.
+    shift = tl.zeros([q.shape[0]], tl.float32)
     for s0 in range(0, lo_g, BLOCK_N):
         slot = s0 + offs_n
         valid = slot < lo_g
         tok = (page * lo_g + slot) * H_P + j  # [BLOCK_N] (page, slot, head) entries
         byte = tok[:, None] * CB + offs_c[None, :]
         k = low_codes(tl.load(code_ptr(low_row, 0) + byte, mask=valid[:, None], other=0),
-                      BLOCK_N, D, LOW_BITS, LOW_FLOAT, NATIVE_FP8, q.dtype)
-        logits = (tl.dot(q_s, tl.trans(k), input_precision=PRECISION) + bias[:, None]) * scale
+                      BLOCK_N, D, LOW_BITS, LOW_FLOAT, NATIVE, q.dtype)
+        logits = (mma(q_s, tl.trans(k), PRECISION) + bias[:, None]) * scale
         logits = tl.where(valid[None, :], logits, float("-inf"))
         v = low_codes(tl.load(code_ptr(low_row, 3) + byte, mask=valid[:, None], other=0),
-                      BLOCK_N, D, LOW_BITS, LOW_FLOAT, NATIVE_FP8, q.dtype)
+                      BLOCK_N, D, LOW_BITS, LOW_FLOAT, NATIVE, q.dtype)
         v_scale = tl.load(param_ptr(low_row, 4) + tok, mask=valid, other=0.0).to(tl.float32)
         if LOW_FLOAT:
             v_zero = tl.zeros([BLOCK_N], tl.float32)
         else:
             v_zero = tl.load(param_ptr(low_row, 5) + tok, mask=valid, other=0.0).to(tl.float32)
-        m_i, l_i, acc = _softmax_step_folded(logits, v, v_scale, v_zero, m_i, l_i, acc,
-                                             PRECISION)
-    return m_i, l_i, acc
+        m_i, l_i, acc, shift = _softmax_step_folded(logits, v, v_scale, v_zero, m_i, l_i, acc,
+                                                    shift, PRECISION, OFFSET)
+    return m_i, l_i, acc + shift[:, None]
 
 
 @triton.jit
-def _softmax_step_folded(logits, codes, v_scale, v_zero, m_i, l_i, acc, PRECISION: tl.constexpr):
-    """softmax_step for values stored as codes [BLOCK_N, BLOCK_D] with per-token scale and
-    zero [BLOCK_N] float32: the probabilities take the scales, the zeros add one term."""
+def _softmax_step_folded(logits, codes, v_scale, v_zero, m_i, l_i, acc, shift,
+                         PRECISION: tl.constexpr, OFFSET: tl.constexpr):
+    """softmax_step for values stored as codes [BLOCK_N, BLOCK_D] (each plus OFFSET,
+    quant.code_offset) with per-token scale and zero [BLOCK_N] float32: the probabilities take
+    the scales; the zeros' term (less OFFSET times the scaled probabilities), the same for
+    every channel, accumulates in shift [ROWS] beside acc (acc + shift[:, None] is the
+    output's numerator)."""
     m_new = tl.maximum(m_i, tl.max(logits, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_use)
     p = tl.exp(logits - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     p_s = (p * v_scale[None, :]).to(codes.dtype)
-    shift = tl.sum(p * v_zero[None, :], 1)  # [ROWS]
-    acc = acc * alpha[:, None] + tl.dot(p_s, codes, input_precision=PRECISION) + shift[:, None]
-    return m_new, l_i, acc
+    shift = shift * alpha + tl.sum(p * v_zero[None, :], 1)
+    if OFFSET != 0.0:
+        shift -= OFFSET * tl.sum(p_s.to(tl.float32), 1)
+    acc = rescaled(acc, alpha, m_new > m_i) + mma(p_s, codes, PRECISION)
+    return m_new, l_i, acc, shift
 
 
 @triton.jit
@@ -166,7 +218,7 @@ def attend_tail(q, m_i, l_i, acc, stage_k, stage_v, stage_row, n_st, P, s_page, 
                      tl.load(k_new + n_off[:, None] + offs_d[None, :], mask=m_new, other=0.0).to(q.dtype))
         v = tl.where(m_st, tl.load(stage_v + s_off[:, None] + offs_d[None, :], mask=m_st, other=0.0).to(q.dtype),
                      tl.load(v_new + n_off[:, None] + offs_d[None, :], mask=m_new, other=0.0).to(q.dtype))
-        logits = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        logits = mma(q, tl.trans(k), PRECISION) * scale
         visible = (t[None, :] <= lim[:, None]) & (t < t_end)[None, :]
         logits = tl.where(visible, logits, float("-inf"))
         m_i, l_i, acc = softmax_step(logits, v, m_i, l_i, acc, PRECISION)

@@ -24,8 +24,9 @@ import triton.language as tl
 from sgl_ragged.kernels.aot import LayerSplits
 from sgl_ragged.kernels.attend import attend_sealed, attend_tail
 from sgl_ragged.kernels.batch import KernelBatch
-from sgl_ragged.kernels.launch import block_config, compiled_for_gpu, rows_contiguous
+from sgl_ragged.kernels.launch import block_config, compiled_for_gpu, native_level, rows_contiguous
 from sgl_ragged.kernels.occupancy import KernelResources
+from sgl_ragged.kernels.quant import table_ptr
 from sgl_ragged.kernels.tables import LayerTables, tl_dtype
 
 DECODE_LAUNCH = {"rows": (2, 16), "codes": (1, 16)}
@@ -48,7 +49,7 @@ def _sealed_splits_kernel(
     H_P: tl.constexpr, GSIZE: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr,
-    NATIVE_FP8: tl.constexpr, HIGH_BITS: tl.constexpr, HIGH_FLOAT: tl.constexpr,
+    NATIVE: tl.constexpr, HIGH_BITS: tl.constexpr, HIGH_FLOAT: tl.constexpr,
 ):
     w = tl.program_id(0)
     b = tl.program_id(1)
@@ -62,8 +63,8 @@ def _sealed_splits_kernel(
     chunk = tl.cdiv(n_pages, tl.load(split_counts + g))
     p0 = s * chunk
     p1 = tl.maximum(tl.minimum(p0 + chunk, n_pages), p0)
-    k_base = tl.load(rows_k_ptr + g).to(tl.pointer_type(DTYPE))
-    v_base = tl.load(rows_v_ptr + g).to(tl.pointer_type(DTYPE))
+    k_base = table_ptr(rows_k_ptr + g, DTYPE)
+    v_base = table_ptr(rows_v_ptr + g, DTYPE)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mask_q = (offs_g < GSIZE)[:, None] & (offs_d < D)[None, :]
@@ -78,7 +79,7 @@ def _sealed_splits_kernel(
         m_i, l_i, acc = attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_ptr + g * 12,
                                       sealed_table + b * s_tb, hi_g, lo_g, j, p0, p1, scale,
                                       H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS, LOW_FLOAT,
-                                      NATIVE_FP8, HIGH_BITS, HIGH_FLOAT)
+                                      NATIVE, HIGH_BITS, HIGH_FLOAT)
         # Empty share (short request): lse = -inf, output 0.
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -210,7 +211,8 @@ def _split_launch(q: torch.Tensor, tables: LayerTables, splits: LayerSplits, bat
     options = {"H_P": tables.heads_per_group, "DTYPE": tl_dtype(tables.rows_dtype), **cfg,
                "LOW_BITS": tables.low_bits, "LOW_FLOAT": tables.low_float,
                "HIGH_BITS": tables.high_bits, "HIGH_FLOAT": tables.high_float,
-               "NATIVE_FP8": compiled_for_gpu(q), "num_warps": warps}
+               "NATIVE": native_level(q, tables, cfg["BLOCK_N"], q.shape[-1], warps),
+               "num_warps": warps}
     return args, options
 
 

@@ -15,8 +15,12 @@ import triton.language as tl
 
 from sgl_ragged.kernels.attend import attend_sealed, attend_tail
 from sgl_ragged.kernels.batch import KernelBatch
-from sgl_ragged.kernels.launch import block_config, compiled_for_gpu, rows_contiguous
+from sgl_ragged.kernels.launch import block_config, compiled_for_gpu, native_level, rows_contiguous
+from sgl_ragged.kernels.quant import table_ptr
 from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
+
+EXTEND_WARPS = 8
+"""Warps of the extend kernel."""
 
 
 @triton.jit
@@ -28,7 +32,7 @@ def _extend_kernel(
     H_P: tl.constexpr, GSIZE: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr,
-    LOW_FLOAT: tl.constexpr, NATIVE_FP8: tl.constexpr, HIGH_BITS: tl.constexpr,
+    LOW_FLOAT: tl.constexpr, NATIVE: tl.constexpr, HIGH_BITS: tl.constexpr,
     HIGH_FLOAT: tl.constexpr,
 ):
     m = tl.program_id(0)
@@ -54,13 +58,13 @@ def _extend_kernel(
     # 1. Sealed rows of h: member j of group g, every sealed page visible to every query.
     g = tl.load(head_group + h)
     hi_g = tl.load(hi_slots + g)
-    k_base = tl.load(rows_k_ptr + g).to(tl.pointer_type(DTYPE))
-    v_base = tl.load(rows_v_ptr + g).to(tl.pointer_type(DTYPE))
+    k_base = table_ptr(rows_k_ptr + g, DTYPE)
+    v_base = table_ptr(rows_v_ptr + g, DTYPE)
     m_i, l_i, acc = attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_ptr + g * 12,
                                   sealed_table + b * s_tb, hi_g, tl.load(slots + g) - hi_g,
                                   tl.load(head_member + h), 0, tl.load(num_sealed + b),
                                   scale, H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS, LOW_FLOAT,
-                                  NATIVE_FP8, HIGH_BITS, HIGH_FLOAT)
+                                  NATIVE, HIGH_BITS, HIGH_FLOAT)
     # 2. The tail, causally: query i sees tail tokens t <= n_st + i.
     n_st = tl.load(num_staged + b)
     t_end = n_st + tl.minimum((m + 1) * BLOCK_M, n_q)
@@ -103,7 +107,8 @@ def extend_attention(
         batch.stage_table, batch.stage_table.stride(0), batch.num_staged, batch.q_start,
         batch.q_len, out, out.stride(0), out.stride(1), lse, lse.stride(0), scale,
         H_P=tables.heads_per_group, DTYPE=tl_dtype(tables.rows_dtype), BLOCK_M=block_m, **cfg,
-        LOW_BITS=tables.low_bits, LOW_FLOAT=tables.low_float, NATIVE_FP8=compiled_for_gpu(q),
-        HIGH_BITS=tables.high_bits, HIGH_FLOAT=tables.high_float, num_warps=8,
+        LOW_BITS=tables.low_bits, LOW_FLOAT=tables.low_float,
+        NATIVE=native_level(q, tables, cfg["BLOCK_N"], d, EXTEND_WARPS),
+        HIGH_BITS=tables.high_bits, HIGH_FLOAT=tables.high_float, num_warps=EXTEND_WARPS,
     )
     return out, lse

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton.language as tl
 
-from sgl_ragged.kernels.tables import next_pow2, tl_dtype
+from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
 
 
 def compiled_for_gpu(x: torch.Tensor) -> bool:
@@ -15,17 +17,35 @@ def compiled_for_gpu(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def native_level(q: torch.Tensor, tables: LayerTables, block_n: int, d: int, warps: int) -> int:
+    """The kernels' NATIVE for a launch: 0 in the interpreter (fp8 decoded with integer
+    arithmetic, codes unpacked with Triton's integer ops); 1 on a GPU (native fp8 conversion);
+    2 on a GPU where integer code planes also unpack in PTX (quant._int_planes). The PTX packs
+    4 codes a register, so it needs every thread of the program to hold a multiple of 4 of a
+    tile's [block_n, D * bits / 8] code bytes: with power-of-two sizes, at least 4 each.
+    RAGGED_TRITON_PTX=0 keeps a GPU build at 1 (to tell a fault of the PTX from others)."""
+    if not compiled_for_gpu(q):
+        return 0
+    if os.environ.get("RAGGED_TRITON_PTX", "1") == "0":
+        return 1
+    bits = [t.bits for t in (tables.low, tables.high) if t is not None and not t.is_float and t.bits < 8]
+    return 2 if all(block_n * d * b // 8 >= 4 * 32 * warps for b in bits) else 1
+
+
 def block_config(q: torch.Tensor, gsize: int, d: int) -> dict[str, object]:
     """Block sizes: tensor-core friendly on a GPU, tiny under the CPU interpreter (BLOCK_N 32:
-    with 64 the sm_90 build of the split kernel spills registers at D = 128). Dot products
-    run in q's dtype on a GPU and in float32 on the CPU (the interpreter's bfloat16 matmul is
-    not numeric); float32 dots are exact (no TF32)."""
+    with 64 the sm_90 build of the split kernel spills registers at D = 128). Dot operands are
+    in q's dtype everywhere, so the interpreter rounds what a GPU build rounds (queries with
+    their scales folded in, probabilities); float32 dots are exact (no TF32). The
+    interpreter's own 16-bit matmul is not numeric: PRECISION "emulate" has attend.mma
+    multiply 16-bit operands as their float32 values there, as a tensor core does (exact
+    products, float32 sums)."""
     gpu = compiled_for_gpu(q)
-    dot = tl_dtype(q.dtype) if gpu else tl.float32
+    dot = tl_dtype(q.dtype)
     return {
         "GSIZE": gsize, "D": d, "BLOCK_G": max(16, next_pow2(gsize)),
         "BLOCK_N": 32 if gpu else 16, "BLOCK_D": max(16, next_pow2(d)),
-        "DOT": dot, "PRECISION": "ieee" if dot == tl.float32 else "tf32",
+        "DOT": dot, "PRECISION": "ieee" if dot == tl.float32 else "tf32" if gpu else "emulate",
     }
 
 

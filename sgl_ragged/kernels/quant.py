@@ -25,15 +25,26 @@ FP8_MAX = tl.constexpr(448.0)  # quant.FP8_MAX
 
 
 @triton.jit
+def table_ptr(addr, DTYPE: tl.constexpr):
+    """The DTYPE pointer whose address is stored at `addr` (an int64 of LayerTables), 16-byte
+    aligned (tables.ADDRESS_ALIGN, checked where the tables are built). Triton knows nothing of
+    an address cast from an integer, so without the hint every load through it is one element
+    wide: LDG.E.U16 for bfloat16 rows, LDG.E.U8 for codes, where 16-byte loads (LDG.E.128) are
+    possible (bench.kernel_resources counts them). The hint must be on the pointer: on the
+    int64 it is lost in the cast."""
+    return tl.multiple_of(tl.load(addr).to(tl.pointer_type(DTYPE)), 16)
+
+
+@triton.jit
 def code_ptr(low_row, i):
     """uint8 pointer to the codes tensor in column i of a low_ptr row."""
-    return tl.load(low_row + i).to(tl.pointer_type(tl.uint8))
+    return table_ptr(low_row + i, tl.uint8)
 
 
 @triton.jit
 def param_ptr(low_row, i):
     """float16 pointer to the parameter tensor in column i of a low_ptr row."""
-    return tl.load(low_row + i).to(tl.pointer_type(tl.float16))
+    return table_ptr(low_row + i, tl.float16)
 
 
 @triton.jit
@@ -70,11 +81,145 @@ def _fp8_encode(y):
     return tl.where(y < 0, code | 128, code)
 
 
+def _unpack_asm(bits: int, magic: int) -> str:
+    """PTX for tl.inline_asm_elementwise(pack=4): one 32-bit register of 4 code bytes in, each
+    of its 8 // bits bit planes out as 4 16-bit numbers (2 registers a plane, plane p's
+    outputs 2p and 2p + 1) whose bits are code | magic. Per 4 bytes: 2 byte permutes, then per
+    plane a shift (none for plane 0) and one logical op per output register: about one
+    instruction per code, against 3-4 (byte extract, mask, or, 16-bit pack) for the same
+    operations written on Triton's 16-bit integers."""
+    planes, mask = 8 // bits, (1 << bits) - 1
+    n_out = 2 * planes
+    lines = ["{", ".reg .b32 lo, hi, t;",
+             f"prmt.b32 lo, ${n_out}, 0, 0x4140;",  # bytes 0, 1 -> 16-bit lanes
+             f"prmt.b32 hi, ${n_out}, 0, 0x4342;"]  # bytes 2, 3
+    lut = 0xEA  # (a & b) | c
+    for p in range(planes):
+        for half, src in ((0, "lo"), (1, "hi")):
+            if p:
+                lines.append(f"shr.u32 t, {src}, {p * bits};")
+                src = "t"
+            lines.append(f"lop3.b32 ${2 * p + half}, {src}, {mask * 0x10001}, {magic * 0x10001}, "
+                         f"{lut};")
+    return "\n".join(lines + ["}"])
+
+
+_ASM = {(bits, magic): tl.constexpr(_unpack_asm(bits, magic))
+        for bits in (2, 4) for magic in (0x4300, 0x6400)}
+_ASM_INT4_BF16, _ASM_INT4_FP16 = _ASM[4, 0x4300], _ASM[4, 0x6400]
+_ASM_INT2_BF16, _ASM_INT2_FP16 = _ASM[2, 0x4300], _ASM[2, 0x6400]
+
+
+@triton.jit
+def _plane(packed, p: tl.constexpr, LOW_BITS: tl.constexpr, MAGIC: tl.constexpr,
+           DOT: tl.constexpr):
+    """Bit plane p of packed code bytes [M, CB] int16 as DOT numbers code | MAGIC (Triton ops:
+    the interpreter's path and the reference of the PTX one)."""
+    return ((packed >> (p * LOW_BITS)) & ((1 << LOW_BITS) - 1) | MAGIC).to(DOT, bitcast=True)
+
+
+@triton.jit
+def _ptx_planes(packed, LOW_BITS: tl.constexpr, DOT: tl.constexpr):
+    """The bit planes of packed code bytes [M, CB] uint8 as DOT numbers code | MAGIC (MAGIC the
+    bits of code_offset), unpacked by `_unpack_asm`: a tuple of 8 // LOW_BITS [M, CB] tensors.
+    (Its dtypes must be written out: a dtype passed in as a constexpr does not build.)"""
+    if LOW_BITS == 4:
+        if DOT == tl.bfloat16:
+            planes = tl.inline_asm_elementwise(_ASM_INT4_BF16, "=r,=r,=r,=r,r", [packed],
+                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                               pack=4)
+        else:
+            planes = tl.inline_asm_elementwise(_ASM_INT4_FP16, "=r,=r,=r,=r,r", [packed],
+                                               dtype=(tl.float16, tl.float16), is_pure=True,
+                                               pack=4)
+    else:
+        if DOT == tl.bfloat16:
+            planes = tl.inline_asm_elementwise(
+                _ASM_INT2_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
+                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            planes = tl.inline_asm_elementwise(
+                _ASM_INT2_FP16, "=r,=r,=r,=r,=r,=r,=r,=r,r", [packed],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+    return planes
+
+
+@triton.jit
+def _int_planes(packed, M: tl.constexpr, D: tl.constexpr, LOW_BITS: tl.constexpr,
+                MAGIC: tl.constexpr, DOT: tl.constexpr, PTX: tl.constexpr):
+    """Codes | MAGIC as DOT numbers [M, D] in interleaved channel order (`interleaved`) from
+    the packed bytes [M, CB] uint8 that hold them (quant.pack's planar order: plane p =
+    channels [p * CB, (p + 1) * CB) at bit offset p * bits). The planes are joined where they
+    lie, with no permute: one byte's codes are neighbours. PTX: unpacked by `_ptx_planes`."""
+    if LOW_BITS == 4:
+        if PTX:
+            p0, p1 = _ptx_planes(packed, 4, DOT)
+        else:
+            x = packed.to(tl.int16)
+            p0, p1 = _plane(x, 0, 4, MAGIC, DOT), _plane(x, 1, 4, MAGIC, DOT)
+        codes = tl.reshape(tl.join(p0, p1), [M, D])
+    else:
+        tl.static_assert(LOW_BITS == 2, "packed integer planes have 4 or 2 bits")
+        if PTX:
+            p0, p1, p2, p3 = _ptx_planes(packed, 2, DOT)
+        else:
+            x = packed.to(tl.int16)
+            p0, p1 = _plane(x, 0, 2, MAGIC, DOT), _plane(x, 1, 2, MAGIC, DOT)
+            p2, p3 = _plane(x, 2, 2, MAGIC, DOT), _plane(x, 3, 2, MAGIC, DOT)
+        # [M, CB, 2, 2]: [.., c, i, k] = plane 2k + i
+        codes = tl.reshape(tl.join(tl.join(p0, p1), tl.join(p2, p3)), [M, D])
+    return codes
+
+
+@triton.jit
+def interleaved(x, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr, DOT: tl.constexpr):
+    """x [R, D] (channels in order) in the channel order of `low_codes`' values for this tier:
+    channel p * CB + c at position c * P + r(p) (P = 8 // bits planes; r(p) = p for 4 bits,
+    2 (p % 2) + p // 2 for 2) where the codes are joined unpermuted, else unchanged. Applied
+    to a query its dot with the codes is unchanged; `planar` undoes it."""
+    if code_offset(LOW_BITS, LOW_FLOAT, DOT) == 0.0 or LOW_BITS == 8:
+        return x
+    elif LOW_BITS == 4:
+        return tl.reshape(tl.permute(tl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1)),
+                          [x.shape[0], x.shape[1]])
+    else:
+        return tl.reshape(tl.permute(tl.reshape(x, [x.shape[0], 2, 2, x.shape[1] // 4]),
+                                     (0, 3, 2, 1)), [x.shape[0], x.shape[1]])
+
+
+@triton.jit
+def interleaved_channels(D: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr,
+                         DOT: tl.constexpr):
+    """[D] int32: the channel at each position of `interleaved`'s order (arange where that is
+    the identity), for loading per-channel parameters straight into it."""
+    pos = tl.arange(0, D)
+    if code_offset(LOW_BITS, LOW_FLOAT, DOT) == 0.0 or LOW_BITS == 8:
+        chan = pos
+    elif LOW_BITS == 4:
+        chan = (pos % 2) * (D // 2) + pos // 2
+    else:
+        chan = (2 * (pos % 2) + (pos // 2) % 2) * (D // 4) + pos // 4
+    return chan
+
+
+@triton.jit
+def planar(x, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr, DOT: tl.constexpr):
+    """The inverse of `interleaved`: x [R, D] in `low_codes`' channel order back in order."""
+    if code_offset(LOW_BITS, LOW_FLOAT, DOT) == 0.0 or LOW_BITS == 8:
+        return x
+    elif LOW_BITS == 4:
+        return tl.reshape(tl.permute(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]), (0, 2, 1)),
+                          [x.shape[0], x.shape[1]])
+    else:
+        return tl.reshape(tl.permute(tl.reshape(x, [x.shape[0], x.shape[1] // 4, 2, 2]),
+                                     (0, 3, 2, 1)), [x.shape[0], x.shape[1]])
+
+
 @triton.jit
 def _planes(packed, M: tl.constexpr, LOW_BITS: tl.constexpr, D: tl.constexpr):
     """Codes int32 [M, D] in channel order from the packed bytes [M, CB] int32 that hold them
-    (quant.pack's planar order: plane p = channels [p * CB, (p + 1) * CB) at bit offset
-    p * bits). Each byte is loaded once; the planes are joined in registers."""
+    (quant.pack's planar order). Each byte is loaded once; the planes are joined in
+    registers."""
     MASK: tl.constexpr = (1 << LOW_BITS) - 1
     if LOW_BITS == 8:
         codes = packed
@@ -91,18 +236,41 @@ def _planes(packed, M: tl.constexpr, LOW_BITS: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def low_codes(packed, M: tl.constexpr, D: tl.constexpr, LOW_BITS: tl.constexpr,
-              LOW_FLOAT: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT: tl.constexpr):
-    """The code values [M, D] in DOT (exact there: integers below 256, e4m3 numbers) of packed
-    code bytes [M, CB] uint8: a stored low-tier entry before its scale and zero. fp8 converts
-    natively on a GPU (NATIVE_FP8), with integer arithmetic under the interpreter."""
+def code_offset(LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr, DOT: tl.constexpr):
+    """What `low_codes` adds to every code value in DOT: 2^m (m: DOT's stored mantissa bits)
+    where a code fits below it, so a code is made a DOT number by setting its bits under that
+    power's exponent (logical ops, no int-to-float conversion: those run at a quarter of the
+    float rate on an H100, one per code); 0 where the codes are converted."""
     if LOW_FLOAT:
-        if NATIVE_FP8:
+        return 0.0
+    elif DOT == tl.bfloat16 and LOW_BITS < 8:
+        return 128.0
+    elif DOT == tl.float16 and LOW_BITS < 8:
+        return 1024.0
+    else:
+        return 0.0
+
+
+@triton.jit
+def low_codes(packed, M: tl.constexpr, D: tl.constexpr, LOW_BITS: tl.constexpr,
+              LOW_FLOAT: tl.constexpr, NATIVE: tl.constexpr, DOT: tl.constexpr):
+    """The code values [M, D] in DOT of packed code bytes [M, CB] uint8, each plus
+    code_offset(...) (exact: integers below 256 and 2- and 4-bit codes plus 128 in bf16, plus
+    1024 in fp16; e4m3 numbers), in `interleaved` channel order: a stored low-tier entry before its scale and zero. NATIVE
+    (launch.native_level): 0 in the interpreter, which decodes fp8 with integer arithmetic; 1
+    on a GPU, fp8 converted natively; 2 also integer planes unpacked in PTX."""
+    if LOW_FLOAT:
+        if NATIVE:
             values = packed.to(tl.float8e4nv, bitcast=True).to(DOT)
         else:
             values = _fp8_decode(packed.to(tl.int32)).to(DOT)
+    elif code_offset(LOW_BITS, LOW_FLOAT, DOT) == 128.0:
+        values = _int_planes(packed, M, D, LOW_BITS, 0x4300, DOT, NATIVE == 2)
+    elif code_offset(LOW_BITS, LOW_FLOAT, DOT) == 1024.0:
+        values = _int_planes(packed, M, D, LOW_BITS, 0x6400, DOT, NATIVE == 2)
     else:
-        values = _planes(packed.to(tl.int32), M, LOW_BITS, D).to(DOT)
+        # Through float32: the interpreter's int-to-bfloat16 cast is a bit cast.
+        values = _planes(packed.to(tl.int32), M, LOW_BITS, D).to(tl.float32).to(DOT)
     return values
 
 

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from sgl_ragged.kernels.launch import rows_contiguous
-from sgl_ragged.kernels.quant import store_low
+from sgl_ragged.kernels.quant import store_low, table_ptr
 from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
 
 
@@ -70,8 +70,8 @@ def _seal_kernel(
             store_low(x_k.to(tl.float32), x_v.to(tl.float32), hi, slot, page, j, hi_g,
                       low_ptr + g * 12 + 6, H_P, D, BLOCK_P, HIGH_BITS, HIGH_FLOAT)
     else:
-        k_base = tl.load(rows_k_ptr + g).to(tl.pointer_type(DTYPE))
-        v_base = tl.load(rows_v_ptr + g).to(tl.pointer_type(DTYPE))
+        k_base = table_ptr(rows_k_ptr + g, DTYPE)
+        v_base = table_ptr(rows_v_ptr + g, DTYPE)
         tl.store(k_base + dst_off, x_k, mask=store_mask)
         tl.store(v_base + dst_off, x_v, mask=store_mask)
     # 5. Quantize the low tier into its slots (groups without one have k_g == hi_g).

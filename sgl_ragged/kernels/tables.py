@@ -42,6 +42,11 @@ TIER_COLUMNS = 2 * len(LOW_TENSORS)
 """Width of a low_ptr row: the low tier's tensors, then the high tier's (the kernels' `g * 12`)."""
 
 
+ADDRESS_ALIGN = 16
+"""Every address in a LayerTables is a multiple of this (checked when built): the kernels tell
+Triton so (quant.table_ptr), which lets it load rows and codes 16 bytes at a time."""
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -111,6 +116,13 @@ def layer_tables(storage: RaggedStorage, layer: int) -> LayerTables:
 
     low = [tier_ptrs(lo) + tier_ptrs(hi)
            for lo, hi in zip(storage.low_rows[layer], storage.high_rows[layer], strict=True)]
+    rows = [*storage.rows_k[layer], *storage.rows_v[layer]]
+    misaligned = [a for a in [*(t.data_ptr() for t in rows), *(a for r in low for a in r)]
+                  if a % ADDRESS_ALIGN]
+    if misaligned:
+        raise ValueError(f"layer {layer}'s row tensors start at {misaligned[0]:#x}, not a "
+                         f"multiple of {ADDRESS_ALIGN} bytes: the kernels load them 16 bytes at "
+                         "a time (quant.table_ptr); allocate each row tensor on its own")
     if layout.quantized and layout.head_dim != next_pow2(layout.head_dim):
         raise ValueError(f"the Triton kernels pack low-tier codes for power-of-two head sizes "
                          f"only, not {layout.head_dim} (attention_backend/registry.triton_refuses)")

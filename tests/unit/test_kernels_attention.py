@@ -89,6 +89,46 @@ def _check_decode(kernel_device, strategy, seed, precision):
     _oracle(storage, layer, plans, q, k, v, out, lse)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("precision", ["bf16", *LOW])
+def test_decode_16_bit_rows(kernel_device, dtype, precision):
+    """Rows, staging and activations in a 16-bit model dtype, as served: the dots multiply
+    16-bit operands as a GPU build does (launch.block_config; emulated in the interpreter), so
+    the queries with their key scales folded in and the scaled probabilities are rounded to
+    the model dtype, and integer codes enter the dots as DOT numbers code + 2^m
+    (quant.code_offset) whose offsets the kernel takes back out of the logits and outputs.
+    Tolerance 2e-2 as for the GPU shapes: outputs of about unit size rounded to 16 bits a few
+    times over (q * s, p * s_v, the output: 2^-8 relative each in bfloat16). Offsets taken
+    back with the unrounded q * s or p * s_v instead fail here (int4 or int2 cases)."""
+    rng = random.Random(31)
+    storage = random_storage(rng, kernel_device, dtype=dtype, precision=precision)
+    plans = random_plans(storage, DECODE, rng, gap=1)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(31), kernel_device, dtype)
+    splits = split_plan([[0.5, 0.5]], device_parallelism(kernel_device), kernel_device)
+    out, lse = _poisoned(q)
+    decode_attention(q, k, v, storage.stage_k[0], storage.stage_v[0], layer_tables(storage, 0),
+                     splits.layer(0), kernel_batch(plans, kernel_device), SCALE, out, lse)
+    _check_untouched(plans, out, lse)
+    for p in plans:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        want = request_forward(storage, 0, p, q[rows], k[rows], v[rows], SCALE).float()
+        torch.testing.assert_close(out[rows].float(), want, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse[rows].cpu(), reference_lse(storage, 0, p, q[rows],
+                                                                  k[rows], SCALE),
+                                   atol=2e-2, rtol=2e-2)
+
+
+def test_tables_refuse_misaligned_rows(kernel_device):
+    """The kernels load rows 16 bytes at a time (quant.table_ptr): a row tensor that starts
+    off a 16-byte boundary is refused when the tables are built, not read wrongly."""
+    storage = random_storage(random.Random(0), kernel_device)
+    rows = storage.rows_k[0][0]
+    shifted = torch.zeros(rows.numel() + 1, dtype=rows.dtype, device=rows.device)[1:]
+    storage.rows_k[0][0] = shifted.view(rows.shape)
+    with pytest.raises(ValueError, match="multiple of 16 bytes"):
+        layer_tables(storage, 0)
+
+
 @pytest.mark.parametrize("heads_per_group", [1, 4])
 def test_decode_more_splits_than_tokens(kernel_device, heads_per_group):
     """Most splits of a short request are empty (lse = -inf partials must merge away)."""

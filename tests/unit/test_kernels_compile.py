@@ -1,4 +1,6 @@
-"""Every Triton kernel compiles for an H100 (sm_90) on this machine, for every row precision.
+"""Every Triton kernel compiles for an H100 (sm_90) on this machine, for every row precision,
+and the attention kernels' SASS loads rows and codes 16 bytes wide and converts no codes with
+int-to-float instructions.
 
 Triton's interpreter runs code the GPU compiler refuses (DEVELOPERS.md: a pointer type bound
 to a local variable passed the CPU tests and failed on the H100), so the interpreter tests
@@ -36,3 +38,60 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     for b in builds:
         assert 0 < b["registers"] <= 255, b
         assert b["programs_per_sm"] >= 1, b
+    # What the attention kernels spend per token (bench.kernel_resources's SASS counts):
+    by = {(b["kernel"], b["precision"]): b for b in builds}
+    for kernel in ("decode split", "extend"):
+        for precision in PRECISIONS:
+            b = by[kernel, precision]
+            # Code bytes arrive 16 at a time (quant.table_ptr's alignment), never one by one.
+            assert b["byte_loads"] == 0, b
+            # Without an int8 tier, codes become bfloat16 numbers by their bits
+            # (quant.code_offset): int-to-float conversions only for scalars, as drop-only.
+            if "int8" not in precision:
+                assert b["int_to_float"] <= by[kernel, "bf16"]["int_to_float"], b
+    # Drop-only rows too arrive 16 bytes at a time, not 2.
+    assert by["decode split", "bf16"]["half_loads"] == 0
+    assert by["decode split", "bf16"]["wide_loads"] > 0
+
+
+def test_sass_counts_read_loads_conversions_and_inner_loops():
+    from bench.kernel_resources import sass_counts
+
+    sass = """
+        /*0000*/                   LDG.E.U8 R1, desc[UR4][R2.64] ;
+.L_x_0:
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64] ;
+.L_x_1:
+        /*0020*/                   I2F R5, R1 ;
+        /*0030*/              @P0  BRA `(.L_x_1) ;
+        /*0040*/                   LDG.E.U16 R6, desc[UR4][R2.64] ;
+        /*0050*/              @!P1 BRA `(.L_x_0) ;
+        /*0060*/                   BRA `(.L_x_2) ;
+.L_x_2:
+        /*0070*/                   EXIT ;
+"""
+    assert sass_counts(sass) == {"instructions": 8, "int_to_float": 1, "byte_loads": 1,
+                                 "half_loads": 1, "wide_loads": 1, "inner_loops": [2]}
+
+
+def test_native_level_unpacks_in_ptx_where_every_thread_holds_4_codes(monkeypatch):
+    """0 in the interpreter; on a GPU build 2 where a tile of code bytes gives each thread of
+    the program at least 4 (the PTX packs 4 a register), else 1; RAGGED_TRITON_PTX=0 gives 1."""
+    import random
+
+    import torch
+
+    from sgl_ragged.kernels import launch
+    from sgl_ragged.kernels.tables import layer_tables
+    from tests.unit.kernel_cases import random_storage
+
+    q = torch.zeros(1, 4, 32)
+    int2 = layer_tables(random_storage(random.Random(0), "cpu", precision="int2"), 0)
+    drop = layer_tables(random_storage(random.Random(0), "cpu"), 0)
+    assert launch.native_level(q, int2, 16, 64, 1) == 0
+    monkeypatch.setattr(launch, "compiled_for_gpu", lambda x: True)
+    assert launch.native_level(q, int2, 16, 64, 1) == 2  # 16 x 16 bytes over 32 threads: 8
+    assert launch.native_level(q, int2, 32, 64, 8) == 1  # 32 x 16 bytes over 256 threads: 2
+    assert launch.native_level(q, drop, 32, 64, 8) == 2  # no integer planes to unpack
+    monkeypatch.setenv("RAGGED_TRITON_PTX", "0")
+    assert launch.native_level(q, int2, 16, 64, 1) == 1
