@@ -141,9 +141,10 @@ def bytes_read(storage, batch: int, context: int) -> int:
 
 
 def measure(profile, batch: int, context: int, warmup: int, repeats: int,
-            precision: str = "bf16") -> dict:
+            precision: str = "bf16", baseline: dict | None = None) -> dict:
     """Latency of one decode step's attention (all layers) for the three strategies (FlashInfer
-    reads drop-only rows only)."""
+    reads drop-only rows only); with `baseline` (bench.triton_baseline.load) also another
+    revision's kernels on the same rows, split maps and N_CTA (`baseline_<strategy>_s`)."""
     from bench.flashinfer_decode import FlashInferPlannedDecode
     from sgl_ragged.attention_backend.registry import profile_split_ratios
     from sgl_ragged.kernels.aot import SplitStrategy, device_parallelism, split_plan
@@ -169,6 +170,22 @@ def measure(profile, batch: int, context: int, warmup: int, repeats: int,
 
         outs[strategy.value] = step()[0]
         result[f"{strategy.value}_s"] = timed(step, warmup, repeats)
+    if baseline is not None:
+        base_tables = baseline["tables"].all_layer_tables(storage)
+        base_batch = baseline["batch"].kernel_batch(plans, "cuda")
+        for strategy in SplitStrategy:
+            base_splits = baseline["aot"].split_plan(
+                ratios, ctas, "cuda", baseline["aot"].SplitStrategy(strategy.value))
+
+            def base_step(splits=base_splits):
+                for layer in range(LAYERS):
+                    out = baseline["decode"].decode_attention(
+                        q, k, v, storage.stage_k[layer], storage.stage_v[layer],
+                        base_tables[layer], splits.layer(layer), base_batch, scale)
+                return out
+
+            outs[f"baseline_{strategy.value}"] = base_step()[0]
+            result[f"baseline_{strategy.value}_s"] = timed(base_step, warmup, repeats)
     if flashinfer_available() and not storage.layout.quantized:
         fi = FlashInferPlannedDecode(storage, tables, GQA)
         fi.set_batch(batch_t, [p.sealed_pages for p in plans])
@@ -217,6 +234,10 @@ def markdown(results: list[dict], copy_gbps: float, profile_name: str) -> str:
              "| batch | context | rows | KiB/page | AOT ms | uniform ms | FlashInfer ms "
              "| FI planning share | AOT GB/s | uniform GB/s | FI GB/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    based = [r for r in results if "baseline_aot_s" in r]
+    if based:
+        lines[0] += (" Baseline: another revision's kernels (bench.triton_baseline) on the same "
+                     "rows, split maps and N_CTA; its table follows.")
     for r in results:
         rows = r.get("precision", "bf16")
         rows = "drop only" if rows == "bf16" else rows
@@ -233,6 +254,15 @@ def markdown(results: list[dict], copy_gbps: float, profile_name: str) -> str:
             f"| {r['aot_s'] * 1e3:.3f} | {r['uniform_s'] * 1e3:.3f} "
             + fi + f"| {r['aot_gbps']:.0f} | {r['uniform_gbps']:.0f} "
             + (f"| {r['flashinfer_gbps']:.0f} |" if "flashinfer_gbps" in r else "| - |"))
+    if based:
+        lines += ["", "| batch | context | rows | AOT ms | baseline AOT ms | AOT / baseline "
+                  "| uniform ms | baseline uniform ms | uniform / baseline |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in based:
+            rows = "drop only" if r.get("precision", "bf16") == "bf16" else r["precision"]
+            cells = [f"{r[f'{s}_s'] * 1e3:.3f} | {r[f'baseline_{s}_s'] * 1e3:.3f} | "
+                     f"x{r[f'{s}_s'] / r[f'baseline_{s}_s']:.2f}" for s in ("aot", "uniform")]
+            lines.append(f"| {r['batch']} | {r['context']} | {rows} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -240,12 +270,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_case_args(parser, batch=[4, 16, 64], context=[8192, 32768, 65536])
     parser.add_argument("--out", type=Path, default=Path("results/decode_attention"))
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a directory from bench.triton_baseline: also time that "
+                        "revision's kernels on the same rows")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/decode_attention.py needs a CUDA device (Triton kernels, FlashInfer); "
               "nothing measured.")
         sys.exit(0)
     profile, name = bench_profile(args.profile, args.heads_per_group)
+    baseline = None
+    if args.baseline is not None:
+        from bench.triton_baseline import load
+
+        baseline = load(args.baseline)
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth() / 1e9
     cap = torch.cuda.mem_get_info()[0] * args.mem_fraction
@@ -260,11 +298,12 @@ def main() -> None:
                     continue
                 print(f"batch {batch}, context {context}, {precision} ...", flush=True)
                 results.append(measure(profile, batch, context, args.warmup, args.repeats,
-                                       precision))
+                                       precision, baseline))
                 torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {"profile": name, "mean_budget": profile.mean_budget, "copy_gbps": copy_gbps,
-               "device": torch.cuda.get_device_name(), "results": results}
+               "device": torch.cuda.get_device_name(), "baseline": str(args.baseline or ""),
+               "results": results}
     (args.out / "decode_attention.json").write_text(json.dumps(summary, indent=2))
     table = markdown(results, copy_gbps, name)
     (args.out / "decode_attention.md").write_text(table)

@@ -6,7 +6,8 @@
 # per-kernel breakdown (bench.decode_breakdown).
 # Results go to $OUT (or ./results/gpu_check). Arguments (--precision, --batch, --context, ...)
 # go to both benchmarks; those after a `--` to bench.decode_breakdown alone (--programs-per-sm,
-# --sweep, --splits).
+# --sweep, --splits). BASELINE=<dir from bench.triton_baseline, carried> also times that
+# revision's kernels in bench.decode_attention, on the same rows.
 #   device run:  PYTHONUNBUFFERED=1 ./scripts/gpu_check.sh
 #   issue 21's next run (docs/results.md, "Decode attention on an H200"):
 #     PYTHONUNBUFFERED=1 ./scripts/gpu_check.sh --precision int4 --batch 4 16 64 \
@@ -30,7 +31,10 @@ python3 -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" tests/unit/test_kerne
   tests/unit/test_kernels_attention.py tests/unit/test_kernels_seal.py \
   tests/unit/test_kernels_backend.py tests/unit/test_tail_batch.py \
   tests/unit/test_batched_torch.py tests/unit/test_cuda_graph.py 2>&1 | tee "$out/tests.txt" || rc=1
-python3 -m bench.decode_attention --out "$out" "${shared[@]}" 2>&1 | tee "$out/bench.txt" || rc=1
+baseline=()
+[[ -n ${BASELINE:-} ]] && baseline=(--baseline "$BASELINE")
+python3 -m bench.decode_attention --out "$out" "${shared[@]}" "${baseline[@]}" 2>&1 \
+  | tee "$out/bench.txt" || rc=1
 python3 -m bench.decode_breakdown --out "$out" "${shared[@]}" "$@" 2>&1 \
   | tee "$out/breakdown.txt" || rc=1
 exit "$rc"
