@@ -1,10 +1,10 @@
 """Where decode attention's time goes: the split, tail and merge kernels of one decode step,
 eager and under a CUDA graph, for several split maps (`--splits`), caps on the split kernel's
 programs per SM (`--programs-per-sm`) and launch configurations of the split kernel
-(`--sweep WARPS:BLOCK_N ...`).
+(`--sweep WARPS:BLOCK_N[:STAGES] ...`).
 
     python -m bench.decode_breakdown [--precision int4] [--batch 4 16] [--context 8192 65536] \
-        [--programs-per-sm 2 4 8] [--sweep shipped 2:16] [--splits uniform aot cost] \
+        [--programs-per-sm 2 4 8] [--sweep shipped 2:16 2:16:3] [--splits uniform aot cost] \
         --out results/decode_breakdown
 
 Same shapes and synthetic profile as bench.decode_attention; with `--precision`, every case also
@@ -18,9 +18,10 @@ replayed from a CUDA graph (no launch overhead), and each kernel's device time p
   `--programs-per-sm` value in place of the cap aot.MAX_PROGRAMS_PER_SM (serving's 2 by default).
 - Split maps (split_plan_of): `uniform`, `aot` (byte-weighted) and `cost[:F]`
   (aot.cost_split_ratios at the launch's BLOCK_N, fold constant F).
-- The sweep rebuilds the kernels with another num_warps for the split kernel and another
-  BLOCK_N (split and tail kernels) at the same N_CTA; `shipped` is decode.DECODE_LAUNCH's
-  launch for the case's rows.
+- The sweep rebuilds the kernels with another num_warps and num_stages (software pipelining)
+  for the split kernel and another BLOCK_N (split and tail kernels) at the same N_CTA;
+  `shipped` is decode.DECODE_LAUNCH's launch for the case's rows, and WARPS:BLOCK_N without
+  STAGES takes its stages.
 
 The table marks the rows serving runs (its launch, split map and cap). Writes
 decode_breakdown.json and decode_breakdown.md after every case (a run cut short keeps what it
@@ -65,6 +66,7 @@ from sgl_ragged.precision import FULL_PRECISION
 
 CASES = ((4, 8192), (4, 65536), (16, 8192), (16, 65536), (64, 8192))
 SWEEP = ((2, 16), (1, 16), (4, 16), (2, 32), (4, 32))  # (split-kernel warps, BLOCK_N)
+Launch = tuple[int, int, int]  # (split-kernel warps, BLOCK_N, split-kernel stages)
 SHIPPED = "shipped"  # a --sweep entry: decode.DECODE_LAUNCH's launch for the case's rows
 SPLITS = ("aot", "uniform")  # default --splits
 
@@ -72,19 +74,21 @@ SPLITS = ("aot", "uniform")  # default --splits
 @dataclass(frozen=True)
 class Variants:
     """What every case is measured under: caps on the split kernel's programs per SM (N_CTA),
-    its launches ((warps, BLOCK_N) or SHIPPED) and split maps (split_choice's names)."""
+    its launches ((warps, BLOCK_N[, stages]) or SHIPPED) and split maps (split_choice's
+    names)."""
 
     programs_per_sm: tuple[int, ...] = (MAX_PROGRAMS_PER_SM,)
-    sweep: tuple[tuple[int, int] | str, ...] = SWEEP
+    sweep: tuple[tuple[int, ...] | str, ...] = SWEEP
     splits: tuple[str, ...] = SPLITS
 
-    def launches(self, precision: str) -> list[tuple[int, int]]:
-        """The sweep's (warps, BLOCK_N) for rows of `precision`, SHIPPED read from
-        decode.DECODE_LAUNCH; each once, in order."""
+    def launches(self, precision: str) -> list[Launch]:
+        """The sweep's (warps, BLOCK_N, stages) for rows of `precision`, SHIPPED and missing
+        stages read from decode.DECODE_LAUNCH; each once, in order."""
         from sgl_ragged.kernels.decode import DECODE_LAUNCH
 
         shipped = DECODE_LAUNCH[launch_kind(precision)]
-        return list(dict.fromkeys(shipped if c == SHIPPED else c for c in self.sweep))
+        return list(dict.fromkeys(shipped if c == SHIPPED else (*c, *shipped[len(c):])
+                                  for c in self.sweep))
 
 
 def launch_kind(precision: str) -> str:
@@ -93,13 +97,14 @@ def launch_kind(precision: str) -> str:
 
 
 @contextmanager
-def split_config(warps: int, block_n: int) -> Iterator[None]:
-    """Build the decode kernels with `warps` for the split kernel and `block_n` for the split
-    and tail kernels, whatever the rows (decode.DECODE_LAUNCH)."""
+def split_config(launch: Launch) -> Iterator[None]:
+    """Build the decode kernels with this (warps, BLOCK_N, stages): warps and stages for the
+    split kernel, BLOCK_N for the split and tail kernels, whatever the rows
+    (decode.DECODE_LAUNCH)."""
     from sgl_ragged.kernels import decode
 
     saved = decode.DECODE_LAUNCH
-    decode.DECODE_LAUNCH = dict.fromkeys(saved, (warps, block_n))
+    decode.DECODE_LAUNCH = dict.fromkeys(saved, launch)
     try:
         yield
     finally:
@@ -162,10 +167,9 @@ def kernel_seconds(step: Callable[[], object], steps: int = 3) -> dict[str, floa
     return result
 
 
-def timings(step: Callable[[], object], warps: int, block_n: int, warmup: int,
-            repeats: int) -> dict:
+def timings(step: Callable[[], object], launch: Launch, warmup: int, repeats: int) -> dict:
     """eager_s, graph_s and kernels_s of `step` with the split kernel built for this launch."""
-    with split_config(warps, block_n):
+    with split_config(launch):
         return {"eager_s": timed(step, warmup, repeats), "graph_s": graph_seconds(step, repeats),
                 "kernels_s": kernel_seconds(step)}
 
@@ -186,7 +190,7 @@ def measure(profile, batch: int, context: int, warmup: int, repeats: int,
     rows, nbytes = [], bytes_read(storage, batch, context)
     for per_sm in variants.programs_per_sm:
         ctas = decode_parallelism(storage, tables[0], ratios, HEADS * GQA, per_sm)
-        for warps, block_n in variants.launches(precision):
+        for warps, block_n, stages in variants.launches(precision):
             for split in variants.splits:
                 splits = split_plan_of(split, storage, profile, ctas, block_n)
 
@@ -198,9 +202,9 @@ def measure(profile, batch: int, context: int, warmup: int, repeats: int,
 
                 row = {"batch": batch, "context": context, "precision": precision,
                        "programs_per_sm": per_sm, "num_ctas": ctas, "warps": warps,
-                       "block_n": block_n, "strategy": split,
+                       "block_n": block_n, "stages": stages, "strategy": split,
                        "max_splits": max(s.max_splits for s in splits.layers),
-                       **timings(step, warps, block_n, warmup, repeats)}
+                       **timings(step, (warps, block_n, stages), warmup, repeats)}
                 rows.append({**row, "graph_gbps": nbytes / row["graph_s"] / 1e9})
     return rows
 
@@ -216,7 +220,7 @@ def served(row: dict) -> bool:
     from sgl_ragged.kernels.decode import DECODE_LAUNCH
 
     kind = launch_kind(row["precision"])
-    return (DECODE_LAUNCH[kind] == (row["warps"], row["block_n"])
+    return (DECODE_LAUNCH[kind] == (row["warps"], row["block_n"], row["stages"])
             and row["strategy"] == (SplitStrategy.AOT if kind == "rows" else SplitStrategy.UNIFORM)
             and row["programs_per_sm"] == MAX_PROGRAMS_PER_SM)
 
@@ -225,13 +229,14 @@ def markdown(rows: list[dict], device: str) -> str:
     lines = [f"Decode attention per step (32 layers) on {device}: split, tail and merge kernels "
              "(device ms per step), eager and CUDA-graph step; cap/SM: the most programs per "
              "SM N_CTA counts; served: serving's launch, split map and cap.", "",
-             "| batch | context | rows | cap/SM | N_CTA | warps | BLOCK_N | strategy | max S "
-             "| split ms | tail ms | merge ms | eager ms | graph ms | graph GB/s | served |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| batch | context | rows | cap/SM | N_CTA | warps | BLOCK_N | stages | strategy "
+             "| max S | split ms | tail ms | merge ms | eager ms | graph ms | graph GB/s | served |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['batch']} | {r['context']} | {r['precision']} | {r['programs_per_sm']} "
-            f"| {r['num_ctas']} | {r['warps']} | {r['block_n']} | {r['strategy']} "
+            f"| {r['num_ctas']} | {r['warps']} | {r['block_n']} | {r['stages']} "
+            f"| {r['strategy']} "
             f"| {r['max_splits']} | {kernel_ms(r, '_sealed_splits_kernel')} "
             f"| {kernel_ms(r, '_tail_kernel')} | {kernel_ms(r, '_merge_kernel')} "
             f"| {r['eager_s'] * 1e3:.2f} | {r['graph_s'] * 1e3:.2f} | {r['graph_gbps']:.0f} "
@@ -248,19 +253,23 @@ def cases(batches: list[int] | None, contexts: list[int] | None) -> list[tuple[i
             if (not batches or b in batches) and (not contexts or c in contexts)]
 
 
-def sweep_config(text: str) -> tuple[int, int] | str:
-    """argparse type of one --sweep entry: WARPS:BLOCK_N, or SHIPPED."""
+def sweep_config(text: str) -> tuple[int, ...] | str:
+    """argparse type of one --sweep entry: WARPS:BLOCK_N[:STAGES], or SHIPPED."""
     if text == SHIPPED:
         return text
     try:
-        warps, block_n = (int(x) for x in text.split(":"))
+        parts = tuple(int(x) for x in text.split(":"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: write a configuration as WARPS:BLOCK_N, "
-                                         f"for example 2:16, or {SHIPPED}") from None
-    if warps not in (1, 2, 4, 8) or block_n not in (16, 32, 64, 128):
-        raise argparse.ArgumentTypeError(f"{text!r}: warps must be 1, 2, 4 or 8 and BLOCK_N "
-                                         "16, 32, 64 or 128")
-    return warps, block_n
+        parts = ()
+    if len(parts) not in (2, 3):
+        raise argparse.ArgumentTypeError(f"{text!r}: write a configuration as "
+                                         "WARPS:BLOCK_N[:STAGES], for example 2:16 or 2:16:3, "
+                                         f"or {SHIPPED}")
+    if parts[0] not in (1, 2, 4, 8) or parts[1] not in (16, 32, 64, 128) or (
+            len(parts) == 3 and parts[2] not in (1, 2, 3, 4)):
+        raise argparse.ArgumentTypeError(f"{text!r}: warps must be 1, 2, 4 or 8, BLOCK_N 16, "
+                                         "32, 64 or 128 and stages 1 to 4")
+    return parts
 
 
 def split_choice(text: str) -> str:
@@ -290,8 +299,9 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="caps on the split kernel's resident programs per SM that N_CTA "
                         f"counts, each measured (default: serving's {MAX_PROGRAMS_PER_SM})")
     parser.add_argument("--sweep", type=sweep_config, nargs="+", default=list(SWEEP),
-                        help="split-kernel configurations WARPS:BLOCK_N to time, or "
-                        f"{SHIPPED} for decode.DECODE_LAUNCH's (default: "
+                        help="split-kernel configurations WARPS:BLOCK_N[:STAGES] to time (stages "
+                        f"left out: the shipped ones), or {SHIPPED} for decode.DECODE_LAUNCH's "
+                        "(default: "
                         + " ".join(f"{w}:{n}" for w, n in SWEEP) + ")")
     parser.add_argument("--splits", type=split_choice, nargs="+", default=list(SPLITS),
                         help="split maps to time: uniform, aot (byte-weighted), cost[:F] "

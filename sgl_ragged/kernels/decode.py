@@ -29,13 +29,19 @@ from sgl_ragged.kernels.occupancy import KernelResources
 from sgl_ragged.kernels.quant import table_ptr
 from sgl_ragged.kernels.tables import LayerTables, tl_dtype
 
-DECODE_LAUNCH = {"rows": (2, 16), "codes": (1, 16)}
-"""(warps of the split kernel, BLOCK_N of the split and tail kernels) on a GPU: "rows" for
-layouts whose sealed rows are all in the model dtype (drop-only), "codes" for layouts with a
-quantized tier. The fastest of bench.decode_breakdown's sweep on an H200 at every measured
-shape, int4 for "codes" (docs/results.md, "Decode attention on an H200"; 4 warps, BLOCK_N 32
-before: 1.8-2.5x slower for rows, 1.2-1.7x for codes with the same split map). Other quantized
-formats take int4's launch unmeasured. Under the interpreter BLOCK_N stays block_config's."""
+DECODE_LAUNCH = {"rows": (2, 16, 2), "codes": (1, 16, 1)}
+"""(warps of the split kernel, BLOCK_N of the split and tail kernels, software-pipelining
+stages of the split kernel) on a GPU: "rows" for layouts whose sealed rows are all in the model
+dtype (drop-only), "codes" for layouts with a quantized tier. Warps and BLOCK_N: the fastest of
+bench.decode_breakdown's sweep on an H200 at every measured shape, int4 for "codes"
+(docs/results.md, "Decode attention on an H200"; 4 warps, BLOCK_N 32 before: 1.8-2.5x slower
+for rows, 1.2-1.7x for codes with the same split map). Other quantized formats take int4's
+launch unmeasured. Stages: chosen from the sm_90 builds alone, unmeasured (session 17: since
+rows and codes load 16 bytes wide, Triton pipelines the tile loops; Triton 3.6 spills the int4
+and int2 split kernels at its default of 3 stages at D = 128 and at 2 still spills int2; 1
+stage spills nothing and still loads 16 bytes wide; the drop-only kernel at 2 keeps 128
+registers at D = 128, 80 at D = 64; docs/results.md, "What the compiled kernels spend per
+token"). Under the interpreter BLOCK_N stays block_config's."""
 
 MERGE_BLOCK_S = 32
 """Partials the merge kernel reads per tile."""
@@ -176,12 +182,13 @@ def decode_attention(
     B = batch.batch_size
     if B == 0:
         return out, lse
-    cfg, warps = decode_launch(q, tables, h_q // k_new.shape[1], d)
+    cfg, warps, stages = decode_launch(q, tables, h_q // k_new.shape[1], d)
     # mid_o: [B, H_q, S_max + 1, D], mid_l: [B, H_q, S_max + 1] float32 partials: slots
     # [0, S[l,g]) the group's splits, slot S_max the tail's (tail_merge).
     mid_o = torch.empty(B, h_q, splits.max_splits + 1, d, dtype=torch.float32, device=q.device)
     mid_l = torch.empty(B, h_q, splits.max_splits + 1, dtype=torch.float32, device=q.device)
-    args, options = _split_launch(q, tables, splits, batch, mid_o, mid_l, scale, cfg, warps)
+    args, options = _split_launch(q, tables, splits, batch, mid_o, mid_l, scale, cfg, warps,
+                                  stages)
     _sealed_splits_kernel[(splits.num_work, B)](*args, **options)
     tail_merge(q, k_new, v_new, stage_k, stage_v, tables, splits.split_counts, batch, mid_o,
                mid_l, scale, out, lse)
@@ -189,19 +196,21 @@ def decode_attention(
 
 
 def decode_launch(q: torch.Tensor, tables: LayerTables, gsize: int,
-                  d: int) -> tuple[dict[str, object], int]:
-    """Block sizes of the decode kernels for these rows, and the split kernel's warps
-    (DECODE_LAUNCH)."""
+                  d: int) -> tuple[dict[str, object], int, int]:
+    """Block sizes of the decode kernels for these rows, and the split kernel's warps and
+    pipelining stages (DECODE_LAUNCH)."""
     cfg = block_config(q, gsize, d)
-    warps, block_n = DECODE_LAUNCH["codes" if tables.low_bits or tables.high_bits else "rows"]
+    warps, block_n, stages = DECODE_LAUNCH["codes" if tables.low_bits or tables.high_bits
+                                           else "rows"]
     if compiled_for_gpu(q):
         cfg["BLOCK_N"] = block_n
-    return cfg, warps
+    return cfg, warps, stages
 
 
 def _split_launch(q: torch.Tensor, tables: LayerTables, splits: LayerSplits, batch: KernelBatch,
                   mid_o: torch.Tensor, mid_l: torch.Tensor, scale: float,
-                  cfg: dict[str, object], warps: int) -> tuple[tuple, dict[str, object]]:
+                  cfg: dict[str, object], warps: int,
+                  stages: int) -> tuple[tuple, dict[str, object]]:
     """Arguments and compile-time options of `_sealed_splits_kernel` (launch and warm-up)."""
     args = (q, q.stride(0), q.stride(1), tables.rows_k_ptr, tables.rows_v_ptr, tables.slots,
             tables.hi_slots, tables.low_ptr, tables.group_heads, splits.split_counts,
@@ -212,7 +221,7 @@ def _split_launch(q: torch.Tensor, tables: LayerTables, splits: LayerSplits, bat
                "LOW_BITS": tables.low_bits, "LOW_FLOAT": tables.low_float,
                "HIGH_BITS": tables.high_bits, "HIGH_FLOAT": tables.high_float,
                "NATIVE": native_level(q, tables, cfg["BLOCK_N"], q.shape[-1], warps),
-               "num_warps": warps}
+               "num_warps": warps, "num_stages": stages}
     return args, options
 
 
@@ -227,8 +236,10 @@ def split_kernel_resources(tables: LayerTables, splits: LayerSplits, num_q_heads
                         num_staged=one, stage_table=one[None], max_q_len=1, max_sealed=0)
     mid_o = torch.empty(1, num_q_heads, splits.max_splits, head_dim, device=dev)
     mid_l = torch.empty(1, num_q_heads, splits.max_splits, device=dev)
-    cfg, warps = decode_launch(q, tables, num_q_heads // tables.group_heads.numel(), head_dim)
-    args, options = _split_launch(q, tables, splits, batch, mid_o, mid_l, 1.0, cfg, warps)
+    cfg, warps, stages = decode_launch(q, tables, num_q_heads // tables.group_heads.numel(),
+                                       head_dim)
+    args, options = _split_launch(q, tables, splits, batch, mid_o, mid_l, 1.0, cfg, warps,
+                                  stages)
     kernel = _sealed_splits_kernel.warmup(*args, grid=(1, 1), **options)
     kernel._init_handles()  # loads the binary: fills n_regs
     return KernelResources(registers_per_thread=kernel.n_regs,
@@ -247,7 +258,7 @@ def tail_merge(
     kernel (the FlashInfer baseline passes S = 1)."""
     h_q, d = q.shape[1:]
     h_kv = k_new.shape[1]
-    cfg, _ = decode_launch(q, tables, h_q // h_kv, d)
+    cfg, _, _ = decode_launch(q, tables, h_q // h_kv, d)
     tail_slot = mid_o.shape[2] - 1
     k_new, v_new = rows_contiguous(k_new), rows_contiguous(v_new)
     mid = (mid_o, mid_l, *mid_o.stride()[:3], *mid_l.stride()[:2])

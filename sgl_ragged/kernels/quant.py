@@ -235,20 +235,16 @@ def _planes(packed, M: tl.constexpr, LOW_BITS: tl.constexpr, D: tl.constexpr):
     return codes
 
 
-@triton.jit
-def code_offset(LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr, DOT: tl.constexpr):
+@triton.constexpr_function
+def code_offset(bits: int, is_float: bool, dot: tl.dtype) -> float:
     """What `low_codes` adds to every code value in DOT: 2^m (m: DOT's stored mantissa bits)
     where a code fits below it, so a code is made a DOT number by setting its bits under that
     power's exponent (logical ops, no int-to-float conversion: those run at a quarter of the
-    float rate on an H100, one per code); 0 where the codes are converted."""
-    if LOW_FLOAT:
+    float rate on an H100, one per code); 0 where the codes are converted. A constexpr in the
+    kernels (a @triton.jit function's result is a tensor in Triton 3.6, the devices' version)."""
+    if is_float or bits >= 8:
         return 0.0
-    elif DOT == tl.bfloat16 and LOW_BITS < 8:
-        return 128.0
-    elif DOT == tl.float16 and LOW_BITS < 8:
-        return 1024.0
-    else:
-        return 0.0
+    return {tl.bfloat16: 128.0, tl.float16: 1024.0}.get(dot, 0.0)
 
 
 @triton.jit

@@ -34,9 +34,9 @@ def parse(argv: list[str]) -> bd.Variants:
 def test_options_give_the_variants() -> None:
     assert parse(GPU_OPTIONS) == bd.Variants((2, 4, 8), (bd.SHIPPED,),
                                              ("uniform", "aot", "cost:1"))
-    assert parse(["--programs-per-sm", "4", "4", "--sweep", "2:16", "shipped", "--splits",
-                  "cost:0.5", "cost:0"]) == bd.Variants((4,), ((2, 16), bd.SHIPPED),
-                                                        ("cost:0.5", "cost:0"))
+    assert parse(["--programs-per-sm", "4", "4", "--sweep", "2:16", "shipped", "2:16:3",
+                  "--splits", "cost:0.5", "cost:0"]) == bd.Variants(
+        (4,), ((2, 16), bd.SHIPPED, (2, 16, 3)), ("cost:0.5", "cost:0"))
 
 
 def test_defaults_are_servings_cap_the_sweep_and_aot_against_uniform() -> None:
@@ -45,6 +45,7 @@ def test_defaults_are_servings_cap_the_sweep_and_aot_against_uniform() -> None:
 
 @pytest.mark.parametrize("argv", [["--programs-per-sm", "0"], ["--programs-per-sm", "x"],
                                   ["--sweep", "3:16"], ["--sweep", "ship"],
+                                  ["--sweep", "2:16:5"], ["--sweep", "2:16:1:1"],
                                   ["--splits", "bytes"], ["--splits", "aot:1"],
                                   ["--splits", "cost:"], ["--splits", "cost:-1"],
                                   ["--splits", "cost:x"]])
@@ -54,11 +55,14 @@ def test_bad_options_are_refused(argv: list[str]) -> None:
 
 
 def test_shipped_is_the_launch_of_the_rows() -> None:
-    variants = bd.Variants(sweep=(bd.SHIPPED, (2, 16), (1, 16), (4, 32)))
+    """SHIPPED is decode.DECODE_LAUNCH's launch; WARPS:BLOCK_N takes its stages."""
+    variants = bd.Variants(sweep=(bd.SHIPPED, (2, 16), (1, 16), (4, 32), (2, 16, 4)))
     for precision, kind in (("bf16", "rows"), ("int4", "codes")):
         launches = variants.launches(precision)
+        stages = DECODE_LAUNCH[kind][2]
         assert launches[0] == DECODE_LAUNCH[kind]
-        assert sorted(launches) == sorted({DECODE_LAUNCH[kind], (2, 16), (1, 16), (4, 32)})
+        assert sorted(launches) == sorted({DECODE_LAUNCH[kind], (2, 16, stages),
+                                           (1, 16, stages), (4, 32, stages), (2, 16, 4)})
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int4"])
@@ -82,9 +86,10 @@ def test_split_maps_are_the_named_ratios(precision: str) -> None:
 
 
 def test_the_table_marks_what_serving_runs() -> None:
-    def row(precision: str, strategy: str, per_sm: int, launch: tuple[int, int]) -> dict:
+    def row(precision: str, strategy: str, per_sm: int, launch: tuple[int, int, int]) -> dict:
         return {"batch": 4, "context": 8192, "precision": precision, "programs_per_sm": per_sm,
                 "num_ctas": 132 * per_sm, "warps": launch[0], "block_n": launch[1],
+                "stages": launch[2],
                 "strategy": strategy, "max_splits": 66, "eager_s": 2e-3, "graph_s": 1e-3,
                 "graph_gbps": 900.0, "kernels_s": {"_sealed_splits_kernel_0d1d": 5e-4}}
 

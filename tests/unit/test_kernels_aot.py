@@ -236,6 +236,6 @@ def test_decode_launch_follows_the_rows(precision, rows):
     q = torch.zeros(1, 8, d, dtype=torch.bfloat16)
     assert storage.layout.quantized == (rows == "codes")
     for layer in range(3):
-        cfg, warps = decode_launch(q, layer_tables(storage, layer), 2, d)
-        assert warps == DECODE_LAUNCH[rows][0]
+        cfg, warps, stages = decode_launch(q, layer_tables(storage, layer), 2, d)
+        assert (warps, stages) == (DECODE_LAUNCH[rows][0], DECODE_LAUNCH[rows][2])
         assert cfg == block_config(q, 2, d)

@@ -46,9 +46,10 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
             # Code bytes arrive 16 at a time (quant.table_ptr's alignment), never one by one.
             assert b["byte_loads"] == 0, b
             # Without an int8 tier, codes become bfloat16 numbers by their bits
-            # (quant.code_offset): int-to-float conversions only for scalars, as drop-only.
+            # (quant.code_offset): a few int-to-float conversions for scalars, as drop-only,
+            # none per code (a tile gives each thread at least 32 codes to convert).
             if "int8" not in precision:
-                assert b["int_to_float"] <= by[kernel, "bf16"]["int_to_float"], b
+                assert b["int_to_float"] < 16, b
     # Drop-only rows too arrive 16 bytes at a time, not 2.
     assert by["decode split", "bf16"]["half_loads"] == 0
     assert by["decode split", "bf16"]["wide_loads"] > 0
