@@ -47,14 +47,21 @@ def build(rev: str, out: Path) -> Path:
     return Path(module.__file__)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rev", default="main", help="git revision of cuda_ext/ (default main)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="build directory (default ~/.cache/sgl-ragged/baseline-<rev>)")
+def revision_args(description: str, sources: str, out: str) -> tuple[argparse.Namespace, str]:
+    """Parsed --rev (a git revision of `sources`, default main) and --out (default `out`) of a
+    baseline tool, and the revision's short sha."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rev", default="main", help=f"git revision of {sources} (default main)")
+    parser.add_argument("--out", type=Path, default=None, help=f"directory (default {out})")
     args = parser.parse_args()
     sha = subprocess.run(["git", "rev-parse", "--short", args.rev], cwd=REPO, check=True,
                          capture_output=True, text=True).stdout.strip()
+    return args, sha
+
+
+def main() -> None:
+    args, sha = revision_args(__doc__.split("\n\n")[0], "cuda_ext/",
+                              "~/.cache/sgl-ragged/baseline-<sha>")
     out = args.out or Path.home() / ".cache" / "sgl-ragged" / f"baseline-{sha}"
     print(f"building cuda_ext/ of {args.rev} ({sha}) as {NAME} in {out} ...", flush=True)
     print(build(args.rev, out))

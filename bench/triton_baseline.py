@@ -12,7 +12,6 @@ ignored by git; the device tool's `carry`).
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import subprocess
 import sys
@@ -50,13 +49,10 @@ def load(out: Path) -> dict[str, ModuleType]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rev", default="main", help="git revision of sgl_ragged/kernels/")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="directory (default results/triton-baseline-<sha>)")
-    args = parser.parse_args()
-    sha = subprocess.run(["git", "rev-parse", "--short", args.rev], cwd=REPO, check=True,
-                         capture_output=True, text=True).stdout.strip()
+    from bench.native_baseline import revision_args
+
+    args, sha = revision_args(__doc__.split("\n\n")[0], KERNELS,
+                              "results/triton-baseline-<sha>")
     print(export(args.rev, args.out or REPO / "results" / f"triton-baseline-{sha}"))
 
 
