@@ -62,9 +62,9 @@ FLAGS = (
          f"precision ({', '.join(PRECISION_CHOICES[1:])}) that keeps more tokens per byte: the "
          "page's best tokens at the model dtype, the next ones quantized, the rest dropped; or "
          f"a pair H{TIER_SEP}L (H one of {', '.join(HIGH_CHOICES[1:])}, e.g. int8{TIER_SEP}int4) that "
-         "quantizes the best tokens too, in H (not read by the batched or native CPU paths: auto serves it "
-         "with the reference on a CPU); or mixed: each head group's format and composition from the "
-         "profile (`sgl-ragged profile tiers --precision mixed`; served by the batched path)."),
+         "quantizes the best tokens too, in H; or mixed: each head group's format and composition "
+         "from the profile (`sgl-ragged profile tiers --precision mixed`). Every attention path "
+         "reads all of them."),
     Flag("check-integrity", "RAGGED_CHECK_INTEGRITY", "0",
          "1 = run the pool's integrity check after every forward pass (debugging, tests)."),
 )

@@ -25,9 +25,6 @@ def triton_refuses(head_dim: int, precision: str) -> str | None:
     (they pack low-tier codes planar in registers: a power-of-two head size), or None."""
     if precision == FULL_PRECISION:
         return None
-    if precision == MIXED_PRECISION:
-        return (f"reads one low-tier format per launch (a constexpr), not a format per head "
-                f"group (--ragged-precision {MIXED_PRECISION})")
     if head_dim & (head_dim - 1):
         return f"packs low-tier codes for power-of-two head sizes only, not {head_dim}"
     return None
@@ -36,7 +33,7 @@ def triton_refuses(head_dim: int, precision: str) -> str | None:
 HIGH_TIER_READERS = ("reference", "triton", "batched", "native")
 """--ragged-attention paths that read a quantized high tier (--ragged-precision H+L)."""
 
-MIXED_FORMAT_READERS = ("reference", "batched", "native")
+MIXED_FORMAT_READERS = ("reference", "batched", "native", "triton")
 """--ragged-attention paths that read a low format per head group (--ragged-precision mixed)."""
 
 

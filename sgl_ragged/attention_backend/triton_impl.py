@@ -34,7 +34,7 @@ from sgl_ragged.kernels.decode import decode_attention, split_kernel_resources
 from sgl_ragged.kernels.extend import extend_attention
 from sgl_ragged.kernels.occupancy import SMLimits, programs_per_sm
 from sgl_ragged.kernels.seal import seal_pages
-from sgl_ragged.kernels.tables import LayerTables, all_layer_tables
+from sgl_ragged.kernels.tables import LayerTables, all_layer_tables, format_parts
 from sgl_ragged.mem_pool.sealer import Selection
 from sgl_ragged.mem_pool.storage import RaggedStorage
 
@@ -48,6 +48,7 @@ class KernelRowWriter:
     layer in one launch; pages of -1 are padding and write nothing."""
 
     tables: Sequence[LayerTables]  # per layer, the addresses of the storage's row tensors
+    parts: Sequence[tuple[LayerTables, ...]] = ()  # per layer, its launches' tables (format_parts)
 
     def __call__(self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor,
                  v_tok: torch.Tensor, selection: Selection) -> None:
@@ -57,7 +58,7 @@ class KernelRowWriter:
                              "reference")
         index = torch.arange(pages.numel(), dtype=torch.int32, device=pages.device)
         seal_pages(self.tables[layer], k_tok, v_tok, index, pages.int(), selection.scores,
-                   selection.sinks)
+                   selection.sinks, self.parts[layer] if self.parts else ())
 
 
 class TritonAttention(AttentionImpl[TritonBatch]):
@@ -73,10 +74,15 @@ class TritonAttention(AttentionImpl[TritonBatch]):
         num_q_heads query heads when given."""
         super().__init__(storage)
         self.tables = all_layer_tables(storage)
+        # Per layer, one launch's tables per low format (--ragged-precision mixed), else ().
+        self.parts = tuple(format_parts(t, storage.layout, layer) if storage.layout.mixed_formats
+                           else () for layer, t in enumerate(self.tables))
         if num_ctas is None:
             num_ctas = decode_parallelism(storage, self.tables[0], split_ratios, num_q_heads)
         self.splits = split_plan(split_ratios, num_ctas, storage.device, strategy)
-        storage.use_row_writer(KernelRowWriter(self.tables))
+        self.part_splits = tuple(tuple((t, self.splits.layer(layer).of_groups(t.groups))
+                                       for t in parts) for layer, parts in enumerate(self.parts))
+        storage.use_row_writer(KernelRowWriter(self.tables, self.parts))
 
     def prepare(self, plan: BatchPlan) -> TritonBatch:
         assert plan.staged, "planner.take_staging did not run for this plan"
@@ -95,9 +101,10 @@ class TritonAttention(AttentionImpl[TritonBatch]):
         st = self.storage
         if decode:
             return decode_attention(q, k, v, st.stage_k[layer], st.stage_v[layer],
-                                    self.tables[layer], self.splits.layer(layer), batch, scale)
+                                    self.tables[layer], self.splits.layer(layer), batch, scale,
+                                    parts=self.part_splits[layer])
         return extend_attention(q, k, v, st.stage_k[layer], st.stage_v[layer], self.tables[layer],
-                                batch, scale)
+                                batch, scale, parts=self.parts[layer])
 
 
 def decode_parallelism(storage: RaggedStorage, tables: LayerTables,

@@ -15,7 +15,7 @@ group work_group[w] for request b: an equal share of that group's sealed tokens,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import torch
@@ -63,6 +63,17 @@ class LayerSplits:
     work_split: torch.Tensor  # [W] int32 split index of work item w within its group
     num_work: int  # W (host int: the grid size)
     max_splits: int  # max_g S[l, g] (host int: the partial-result buffer width)
+
+    def of_groups(self, groups: Sequence[int] | None) -> LayerSplits:
+        """The work items of these groups only (a launch per low format, tables.format_parts);
+        split counts and buffer width stay the layer's. None: all."""
+        if groups is None:
+            return self
+        keep = torch.isin(self.work_group, torch.tensor(list(groups), dtype=torch.int32,
+                                                        device=self.work_group.device))
+        work_group, work_split = self.work_group[keep], self.work_split[keep]
+        return replace(self, work_group=work_group, work_split=work_split,
+                       num_work=int(work_group.numel()))
 
 
 @dataclass(frozen=True)

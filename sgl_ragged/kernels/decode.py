@@ -17,6 +17,8 @@ No planning at run time: the split counts are read from the device tensor S.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -169,12 +171,16 @@ def decode_attention(
     stage_k: torch.Tensor, stage_v: torch.Tensor, tables: LayerTables, splits: LayerSplits,
     batch: KernelBatch, scale: float, out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    parts: Sequence[tuple[LayerTables, LayerSplits]] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's decode attention for the whole batch (one new token per request).
 
     q: [N, H_q, D]; k_new, v_new: [N, H, D] this step's tokens (row q_start[b] of request b);
     stage_k, stage_v: [S, P, H, D] this layer's staging pages. Writes rows q_start[b] of
     out [N, H_q, D] (q's dtype) and lse [N, H_q] float32 (natural log); other rows untouched.
+    parts: with a low format per group, (tables, splits) per format (tables.format_parts,
+    LayerSplits.of_groups, both built once): the split kernel runs once per format over its
+    groups' work items; tail and merge once, with the whole layer's tables and splits.
     """
     n, h_q, d = q.shape
     out = torch.empty_like(q) if out is None else out
@@ -182,14 +188,17 @@ def decode_attention(
     B = batch.batch_size
     if B == 0:
         return out, lse
-    cfg, warps, stages = decode_launch(q, tables, h_q // k_new.shape[1], d)
     # mid_o: [B, H_q, S_max + 1, D], mid_l: [B, H_q, S_max + 1] float32 partials: slots
     # [0, S[l,g]) the group's splits, slot S_max the tail's (tail_merge).
     mid_o = torch.empty(B, h_q, splits.max_splits + 1, d, dtype=torch.float32, device=q.device)
     mid_l = torch.empty(B, h_q, splits.max_splits + 1, dtype=torch.float32, device=q.device)
-    args, options = _split_launch(q, tables, splits, batch, mid_o, mid_l, scale, cfg, warps,
-                                  stages)
-    _sealed_splits_kernel[(splits.num_work, B)](*args, **options)
+    for part, work in parts or ((tables, splits),):
+        if work.num_work == 0:
+            continue
+        cfg, warps, stages = decode_launch(q, part, h_q // k_new.shape[1], d)
+        args, options = _split_launch(q, part, work, batch, mid_o, mid_l, scale, cfg, warps,
+                                      stages)
+        _sealed_splits_kernel[(work.num_work, B)](*args, **options)
     tail_merge(q, k_new, v_new, stage_k, stage_v, tables, splits.split_counts, batch, mid_o,
                mid_l, scale, out, lse)
     return out, lse

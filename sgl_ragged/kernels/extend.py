@@ -9,6 +9,8 @@ requests in a mixed batch are requests with q_len = 1.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -26,7 +28,7 @@ EXTEND_WARPS = 8
 @triton.jit
 def _extend_kernel(
     Q, s_qn, s_qh, K_new, V_new, s_new, stage_k, stage_v, s_page, s_tok, P,
-    rows_k_ptr, rows_v_ptr, slots, hi_slots, low_ptr, head_group, head_member,
+    rows_k_ptr, rows_v_ptr, slots, hi_slots, low_ptr, head_group, head_member, heads,
     sealed_table, s_tb, num_sealed, stage_table, s_stb, num_staged, q_start, q_len,
     Out, s_out_n, s_out_h, Lse, s_lse_n, scale,
     H_P: tl.constexpr, GSIZE: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr,
@@ -37,7 +39,7 @@ def _extend_kernel(
 ):
     m = tl.program_id(0)
     b = tl.program_id(1)
-    h = tl.program_id(2)
+    h = tl.load(heads + tl.program_id(2))  # KV head (LayerTables.heads)
     n_q = tl.load(q_len + b)
     if m * BLOCK_M >= n_q:
         return
@@ -81,13 +83,15 @@ def extend_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     stage_k: torch.Tensor, stage_v: torch.Tensor, tables: LayerTables, batch: KernelBatch,
     scale: float, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+    parts: Sequence[LayerTables] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's extend attention for the whole batch.
 
     q: [N, H_q, D]; k_new, v_new: [N, H, D] this forward's tokens (rows q_start[b] ..
     q_start[b] + q_len[b] - 1 of request b); stage_k, stage_v: [S, P, H, D] this layer's staging
     pages. Writes those rows of out [N, H_q, D] (q's dtype) and lse [N, H_q] float32 (natural
-    log); other rows are left untouched.
+    log); other rows are left untouched. parts: with a low format per group
+    (tables.format_parts), one launch per format over its groups' KV heads.
     """
     n, h_q, d = q.shape
     h_kv = k_new.shape[1]
@@ -98,17 +102,20 @@ def extend_attention(
     cfg = {**block_config(q, h_q // h_kv, d), "BLOCK_G": next_pow2(h_q // h_kv)}
     block_m = max(1, (64 if compiled_for_gpu(q) else 16) // cfg["BLOCK_G"])  # >= 16 rows for tl.dot
     k_new, v_new = rows_contiguous(k_new), rows_contiguous(v_new)
-    grid = (triton.cdiv(batch.max_q_len, block_m), batch.batch_size, h_kv)
-    _extend_kernel[grid](
-        q, q.stride(0), q.stride(1), k_new, v_new, k_new.stride(0), stage_k, stage_v,
-        stage_k.stride(0), stage_k.stride(1), stage_k.shape[1],
-        tables.rows_k_ptr, tables.rows_v_ptr, tables.slots, tables.hi_slots, tables.low_ptr,
-        tables.head_group, tables.head_member, batch.sealed_table, batch.sealed_table.stride(0), batch.num_sealed,
-        batch.stage_table, batch.stage_table.stride(0), batch.num_staged, batch.q_start,
-        batch.q_len, out, out.stride(0), out.stride(1), lse, lse.stride(0), scale,
-        H_P=tables.heads_per_group, DTYPE=tl_dtype(tables.rows_dtype), BLOCK_M=block_m, **cfg,
-        LOW_BITS=tables.low_bits, LOW_FLOAT=tables.low_float,
-        NATIVE=native_level(q, tables, cfg["BLOCK_N"], d, EXTEND_WARPS),
-        HIGH_BITS=tables.high_bits, HIGH_FLOAT=tables.high_float, num_warps=EXTEND_WARPS,
-    )
+    for part in parts or (tables,):
+        heads = part.heads
+        grid = (triton.cdiv(batch.max_q_len, block_m), batch.batch_size, heads.numel())
+        _extend_kernel[grid](
+            q, q.stride(0), q.stride(1), k_new, v_new, k_new.stride(0), stage_k, stage_v,
+            stage_k.stride(0), stage_k.stride(1), stage_k.shape[1],
+            part.rows_k_ptr, part.rows_v_ptr, part.slots, part.hi_slots, part.low_ptr,
+            part.head_group, part.head_member, heads, batch.sealed_table,
+            batch.sealed_table.stride(0), batch.num_sealed, batch.stage_table,
+            batch.stage_table.stride(0), batch.num_staged, batch.q_start, batch.q_len, out,
+            out.stride(0), out.stride(1), lse, lse.stride(0), scale,
+            H_P=part.heads_per_group, DTYPE=tl_dtype(part.rows_dtype), BLOCK_M=block_m, **cfg,
+            LOW_BITS=part.low_bits, LOW_FLOAT=part.low_float,
+            NATIVE=native_level(q, part, cfg["BLOCK_N"], d, EXTEND_WARPS),
+            HIGH_BITS=part.high_bits, HIGH_FLOAT=part.high_float, num_warps=EXTEND_WARPS,
+        )
     return out, lse

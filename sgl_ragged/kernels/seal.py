@@ -17,6 +17,8 @@ is quantized too (--ragged-precision H+L: HIGH_BITS > 0, tables.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -29,13 +31,13 @@ from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
 @triton.jit
 def _seal_kernel(
     Src_K, Src_V, s_src_n, s_src_t, src_index, pages, Scores, s_sc_n, s_sc_h, Sinks, s_si_n,
-    rows_k_ptr, rows_v_ptr, slots, hi_slots, low_ptr, head_group, head_member, P,
+    rows_k_ptr, rows_v_ptr, slots, hi_slots, low_ptr, head_group, head_member, heads, P,
     H_P: tl.constexpr, D: tl.constexpr, DTYPE: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr,
     HIGH_BITS: tl.constexpr, HIGH_FLOAT: tl.constexpr,
 ):
     n = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.load(heads + tl.program_id(1))  # KV head (LayerTables.heads)
     g = tl.load(head_group + h)
     j = tl.load(head_member + h)
     k_g = tl.load(slots + g)
@@ -85,6 +87,7 @@ def _seal_kernel(
 def seal_pages(
     tables: LayerTables, src_k: torch.Tensor, src_v: torch.Tensor, src_index: torch.Tensor,
     pages: torch.Tensor, scores: torch.Tensor, sinks: torch.Tensor,
+    parts: Sequence[LayerTables] = (),
 ) -> None:
     """Write the rows of N sealed pages of one layer (the kernel form of the storage's torch row
     writer, `RaggedStorage.write_sealed` with a TierRows `Selection`; triton_impl.KernelRowWriter).
@@ -92,21 +95,25 @@ def seal_pages(
     src_k, src_v: [M, P, H, D] full K/V of candidate pages (any float dtype; cast on store);
     src_index: [N] int rows of src_k/src_v to seal; pages: [N] int logical pages to write
     (-1 writes nothing: the padding entries of a captured decode graph, attention_backend/graph.py);
-    scores: [N, H, P] float32 token scores; sinks: [N, P] bool (`sink_mask`).
+    scores: [N, H, P] float32 token scores; sinks: [N, P] bool (`sink_mask`). parts: with a
+    low format per group (tables.format_parts), one launch per format over its groups' heads.
     """
     n = pages.numel()
     if n == 0:
         return
-    _, P, h_kv, d = src_k.shape
+    _, P, _, d = src_k.shape
     src_k, src_v = rows_contiguous(src_k), rows_contiguous(src_v)
     scores = scores.float().contiguous()
     sinks = sinks.to(torch.int8).contiguous()
-    _seal_kernel[(n, h_kv)](
-        src_k, src_v, src_k.stride(0), src_k.stride(1), src_index.contiguous(), pages.contiguous(),
-        scores, scores.stride(0), scores.stride(1), sinks, sinks.stride(0),
-        tables.rows_k_ptr, tables.rows_v_ptr, tables.slots, tables.hi_slots, tables.low_ptr,
-        tables.head_group, tables.head_member, P, H_P=tables.heads_per_group, D=d,
-        DTYPE=tl_dtype(tables.rows_dtype), BLOCK_P=next_pow2(P), BLOCK_D=next_pow2(d),
-        LOW_BITS=tables.low_bits, LOW_FLOAT=tables.low_float, HIGH_BITS=tables.high_bits,
-        HIGH_FLOAT=tables.high_float, num_warps=8,
-    )
+    src_index, pages = src_index.contiguous(), pages.contiguous()
+    for part in parts or (tables,):
+        heads = part.heads
+        _seal_kernel[(n, heads.numel())](
+            src_k, src_v, src_k.stride(0), src_k.stride(1), src_index, pages,
+            scores, scores.stride(0), scores.stride(1), sinks, sinks.stride(0),
+            part.rows_k_ptr, part.rows_v_ptr, part.slots, part.hi_slots, part.low_ptr,
+            part.head_group, part.head_member, heads, P, H_P=part.heads_per_group, D=d,
+            DTYPE=tl_dtype(part.rows_dtype), BLOCK_P=next_pow2(P), BLOCK_D=next_pow2(d),
+            LOW_BITS=part.low_bits, LOW_FLOAT=part.low_float, HIGH_BITS=part.high_bits,
+            HIGH_FLOAT=part.high_float, num_warps=8,
+        )

@@ -16,11 +16,12 @@ in `high_rows[l][g]`, whose six tensors are columns 6-11 of the same `low_ptr[g]
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton.language as tl
 
+from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.quant import QuantTier
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.precision import LowPrecision
@@ -68,6 +69,9 @@ class LayerTables:
     rows_dtype: torch.dtype
     low: LowPrecision | None  # the low tier's format (None: no group has one)
     high: LowPrecision | None = None  # the high tier's format (None: the model dtype)
+    heads: torch.Tensor | None = None  # [n] int32 KV heads the extend and sealing kernels
+    # run for (their grid's head axis): all, or a format part's (format_parts)
+    groups: tuple[int, ...] | None = None  # the groups the launches cover (None: all)
 
     @property
     def num_groups(self) -> int:
@@ -140,8 +144,29 @@ def layer_tables(storage: RaggedStorage, layer: int) -> LayerTables:
         rows_dtype=storage.dtype,
         low=layout.low,
         high=layout.high,
+        heads=torch.arange(layout.num_kv_heads, dtype=torch.int32, device=dev),
     )
 
 
 def all_layer_tables(storage: RaggedStorage) -> list[LayerTables]:
     return [layer_tables(storage, layer) for layer in range(storage.layout.num_layers)]
+
+
+def format_parts(tables: LayerTables, layout: RaggedLayout, layer: int) -> tuple[LayerTables, ...]:
+    """The launches a layer's low formats need: (tables,) where every group shares one (the
+    kernels take it as a constexpr), else, for a low format per group (--ragged-precision
+    mixed), one table per format in the layer (no low tier counts as one) covering its groups
+    and their KV heads, in order of first appearance. All share the whole layer's tensors.
+    Built once (host work): decode under a CUDA graph launches them as they are."""
+    if not layout.mixed_formats:
+        return (tables,)
+    formats = [layout.low_format(layer, g) for g in range(tables.num_groups)]
+    by_format: dict[LowPrecision | None, list[int]] = {}
+    for g, fmt in enumerate(formats):
+        by_format.setdefault(fmt, []).append(g)
+    head_group = tables.head_group.tolist()
+    return tuple(
+        replace(tables, low=fmt, groups=tuple(groups),
+                heads=torch.tensor([h for h, g in enumerate(head_group) if g in groups],
+                                   dtype=torch.int32, device=tables.head_group.device))
+        for fmt, groups in by_format.items())

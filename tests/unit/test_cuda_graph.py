@@ -117,7 +117,8 @@ def _assert_same(got: RaggedStorage, want: RaggedStorage) -> None:
 
 
 @pytest.mark.parametrize("seed,window,precision", [(0, 1, "bf16"), (1, 0, "bf16"), (2, 2, "bf16"),
-                                                   (8, 1, "int4"), (4, 0, "fp8")])
+                                                   (8, 1, "int4"), (4, 0, "fp8"),
+                                                   (9, 1, "mixed")])
 def test_replayed_decode_graph_matches_eager_decode(kernel_device, seed, window, precision):
     """window: --ragged-window-pages, which sizes the graph's tail buffers (W + 1 per request);
     precision: --ragged-precision (rows with a low tier, sealed by the kernel in the graph)."""

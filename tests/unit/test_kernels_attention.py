@@ -19,7 +19,7 @@ from sgl_ragged.kernels.aot import SplitStrategy, device_parallelism, split_plan
 from sgl_ragged.kernels.batch import kernel_batch
 from sgl_ragged.kernels.decode import MERGE_BLOCK_S, decode_attention
 from sgl_ragged.kernels.extend import extend_attention
-from sgl_ragged.kernels.tables import layer_tables
+from sgl_ragged.kernels.tables import format_parts, layer_tables
 from tests.unit.kernel_cases import (
     GPU,
     D,
@@ -118,6 +118,43 @@ def test_decode_16_bit_rows(kernel_device, dtype, precision):
                                    atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_formats_one_launch_per_format(kernel_device, dtype):
+    """A low format per group (--ragged-precision mixed): format_parts gives one table per
+    format, covering each group and KV head once; the split kernel runs per part over its
+    groups' work items (LayerSplits.of_groups), the extend kernel over its heads. Tolerances:
+    float32 as the other float32 cases, bfloat16 as test_decode_16_bit_rows."""
+    rng = random.Random(41)
+    storage = random_storage(rng, kernel_device, dtype=dtype, precision="mixed")
+    whole = layer_tables(storage, 0)
+    parts = format_parts(whole, storage.layout, 0)
+    assert len({p.low for p in parts}) == len(parts) > 1
+    assert sorted(g for p in parts for g in p.groups) == list(range(whole.num_groups))
+    assert sorted(h for p in parts for h in p.heads.tolist()) == list(range(4))
+    splits = split_plan([[0.5, 0.5]], 6, kernel_device).layer(0)
+    work = [splits.of_groups(p.groups) for p in parts]
+    assert sum(w.num_work for w in work) == splits.num_work
+    for p, w in zip(parts, work, strict=True):
+        assert set(w.work_group.tolist()) <= set(p.groups)
+    tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for specs, attend in ((DECODE, "decode"), (MIXED, "extend")):
+        plans = random_plans(storage, specs, rng, gap=1)
+        q, k, v = random_qkv(plans, torch.Generator().manual_seed(41), kernel_device, dtype)
+        out, lse = _poisoned(q)
+        if attend == "decode":
+            decode_attention(q, k, v, storage.stage_k[0], storage.stage_v[0], whole, splits,
+                             kernel_batch(plans, kernel_device), SCALE, out, lse,
+                             parts=list(zip(parts, work, strict=True)))
+        else:
+            extend_attention(q, k, v, storage.stage_k[0], storage.stage_v[0], whole,
+                             kernel_batch(plans, kernel_device), SCALE, out, lse, parts=parts)
+        _check_untouched(plans, out, lse)
+        for p in plans:
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            want = request_forward(storage, 0, p, q[rows], k[rows], v[rows], SCALE)
+            torch.testing.assert_close(out[rows].float(), want.float(), **tol)
+
+
 def test_tables_refuse_misaligned_rows(kernel_device):
     """The kernels load rows 16 bytes at a time (quant.table_ptr): a row tensor that starts
     off a 16-byte boundary is refused when the tables are built, not read wrongly."""
@@ -206,7 +243,8 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU shape
 
 @needs_cuda
 @pytest.mark.parametrize("strategy,precision", [*((s, "bf16") for s in SplitStrategy),
-                                                *((SplitStrategy.AOT, p) for p in LOW)])
+                                                *((SplitStrategy.AOT, p) for p in LOW),
+                                                (SplitStrategy.AOT, "mixed")])
 def test_decode_gpu_shapes(strategy, precision):
     """Serving shapes (P 64, D 128, 8 KV heads, GQA 4, bfloat16), the device's real N_CTA."""
     rng = random.Random(21)
@@ -219,9 +257,11 @@ def test_decode_gpu_shapes(strategy, precision):
     ratios = [[rng.random() for _ in range(4)] for _ in range(2)]
     splits = split_plan(ratios, device_parallelism("cuda"), "cuda", strategy)
     scale = GPU.head_dim**-0.5
-    out, _ = decode_attention(q, k, v, storage.stage_k[1], storage.stage_v[1],
-                              layer_tables(storage, 1), splits.layer(1),
-                              kernel_batch(plans, "cuda"), scale)
+    tables = layer_tables(storage, 1)
+    parts = [(t, splits.layer(1).of_groups(t.groups))
+             for t in format_parts(tables, storage.layout, 1)]
+    out, _ = decode_attention(q, k, v, storage.stage_k[1], storage.stage_v[1], tables,
+                              splits.layer(1), kernel_batch(plans, "cuda"), scale, parts=parts)
     for p in plans:
         rows = slice(p.q_start, p.q_start + p.q_len)
         want = request_forward(storage, 1, p, q[rows], k[rows], v[rows], scale)
@@ -229,7 +269,7 @@ def test_decode_gpu_shapes(strategy, precision):
 
 
 @needs_cuda
-@pytest.mark.parametrize("precision", ["bf16", *LOW])
+@pytest.mark.parametrize("precision", ["bf16", *LOW, "mixed"])
 def test_extend_gpu_shapes(precision):
     rng = random.Random(22)
     storage = random_storage(rng, "cuda", num_pages=512, num_stages=32, dtype=torch.bfloat16,
@@ -239,8 +279,10 @@ def test_extend_gpu_shapes(precision):
     plans = random_plans(storage, specs, rng)
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(22), "cuda", torch.bfloat16, GPU)
     scale = GPU.head_dim**-0.5
-    out, _ = extend_attention(q, k, v, storage.stage_k[0], storage.stage_v[0],
-                              layer_tables(storage, 0), kernel_batch(plans, "cuda"), scale)
+    tables = layer_tables(storage, 0)
+    out, _ = extend_attention(q, k, v, storage.stage_k[0], storage.stage_v[0], tables,
+                              kernel_batch(plans, "cuda"), scale,
+                              parts=format_parts(tables, storage.layout, 0))
     for p in plans:
         rows = slice(p.q_start, p.q_start + p.q_len)
         want = request_forward(storage, 0, p, q[rows], k[rows], v[rows], scale)

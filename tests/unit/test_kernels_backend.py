@@ -56,6 +56,15 @@ def test_triton_attention_low_tiers(kernel_device, specs, decode, precision):
     compare_with_reference(_triton, specs, decode, 12, kernel_device, layer=1, precision=precision)
 
 
+@pytest.mark.parametrize("seed", [13, 14])
+@pytest.mark.parametrize("specs,decode", [(MIXED, False), (DECODE, True)])
+def test_triton_attention_mixed_formats(kernel_device, specs, decode, seed):
+    """A low format per head group (--ragged-precision mixed): one launch per format in each
+    layer (tables.format_parts) for decode, extend and sealing, against the reference."""
+    compare_with_reference(_triton, specs, decode, seed, kernel_device, layer=1,
+                           precision="mixed")
+
+
 def test_dispatch_by_device_and_choice():
     from sgl_ragged.attention_backend.native_impl import NativeAttention
 

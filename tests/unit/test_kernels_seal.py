@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sgl_ragged.kernels.seal import seal_pages
-from sgl_ragged.kernels.tables import layer_tables
+from sgl_ragged.kernels.tables import format_parts, layer_tables
 from sgl_ragged.scoring.select import sink_mask
 from tests.unit.kernel_cases import H_KV, P, random_storage, storage_state
 
@@ -53,6 +53,13 @@ def test_seal_quantizes_both_tiers_like_write_rows(kernel_device, precision):
     _check_seal(kernel_device, False, torch.bfloat16, precision, 10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_seal_mixed_formats_one_launch_per_format(kernel_device, dtype):
+    """A low format per group (--ragged-precision mixed): one launch per format over its
+    groups' heads (tables.format_parts), each quantizing into its groups' own format."""
+    _check_seal(kernel_device, False, dtype, "mixed", 12)
+
+
 def _check_seal(kernel_device, ties, dtype, precision, seed):
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(5 + seed)
@@ -62,6 +69,8 @@ def _check_seal(kernel_device, ties, dtype, precision, seed):
     if "+" in precision:
         assert any(t.hi and t.lo for t in tiers) and any(not (t.hi and t.lo) for t in tiers)
         assert all(x.shape[1] == 0 for x in kernel_store.rows_k[1])
+    elif precision == "mixed":
+        assert len({kernel_store.layout.low_format(1, g) for g in range(len(tiers))}) > 1
     else:
         assert all(t.lo for t in tiers) == (precision != "bf16")
     oracle = copy.deepcopy(kernel_store)  # same groups, rows and low tiers
@@ -74,8 +83,9 @@ def _check_seal(kernel_device, ties, dtype, precision, seed):
     pages = torch.tensor(rng.sample(range(1, 40), n), device=kernel_device)
     start = torch.tensor([0, P, 0, 3 * P, 7 * P], device=kernel_device)  # two first pages: sinks
     scores = _scores(n, gen, ties).to(kernel_device)
-    seal_pages(layer_tables(kernel_store, layer), src_k, src_v, src_index.int(), pages.int(),
-               scores, sink_mask(start, P))
+    tables = layer_tables(kernel_store, layer)
+    seal_pages(tables, src_k, src_v, src_index.int(), pages.int(), scores, sink_mask(start, P),
+               format_parts(tables, kernel_store.layout, layer))
     oracle.write_sealed(layer, pages, src_k[src_index], src_v[src_index],
                         oracle.sealer.choose(scores, start))
     # Every row and low-tier tensor of both layers (the other layer must stay untouched).
@@ -89,7 +99,7 @@ def _check_seal(kernel_device, ties, dtype, precision, seed):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU shapes need CUDA")
-@pytest.mark.parametrize("precision", ["bf16", *LOW, *PAIRS])
+@pytest.mark.parametrize("precision", ["bf16", *LOW, *PAIRS, "mixed"])
 def test_seal_gpu_shapes(precision):
     """P 64, D 128, 8 KV heads, bfloat16, many pages in one launch."""
     from tests.unit.kernel_cases import GPU
@@ -105,8 +115,9 @@ def test_seal_gpu_shapes(precision):
     pages = torch.tensor(rng.sample(range(1, 256), n), device="cuda")
     start = p * torch.arange(n, device="cuda")
     scores = torch.rand(n, h, p, generator=gen).to("cuda")
-    seal_pages(layer_tables(storage, 0), src_k, src_v, torch.arange(n, device="cuda").int(),
-               pages.int(), scores, sink_mask(start, p))
+    tables = layer_tables(storage, 0)
+    seal_pages(tables, src_k, src_v, torch.arange(n, device="cuda").int(), pages.int(), scores,
+               sink_mask(start, p), format_parts(tables, storage.layout, 0))
     oracle.write_sealed(0, pages, src_k, src_v, oracle.sealer.choose(scores, start))
     for i, (got, want) in enumerate(zip(storage_state(storage), storage_state(oracle),
                                         strict=True)):

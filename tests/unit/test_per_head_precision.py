@@ -156,18 +156,20 @@ def test_native_matches_the_reference_on_mixed_formats(decode, seed):
                            10 + seed, "cpu", layer=seed, precision="mixed")
 
 
-def test_registry_serves_mixed_formats_and_triton_refuses_them(caplog):
+def test_registry_serves_mixed_formats_on_every_path(caplog):
     """auto on a CPU picks the native kernels (built on the test machine), which read a format
-    per group as batched and the reference do; Triton reads one format per launch."""
+    per group as batched and the reference do; Triton reads them too, one launch per format
+    (tables.format_parts), and refuses only for want of a GPU or a power-of-two head size."""
     storage = mixed_storage(mixed_profile())
     with caplog.at_level("WARNING"):
         assert isinstance(make_attention_impl(storage, None, "auto"), NativeAttention)
     assert "one per head group" not in caplog.text
     assert isinstance(make_attention_impl(storage, None, "batched"), BatchedTorchAttention)
     assert type(make_attention_impl(storage, None, "reference")).__name__ == "TorchAttention"
-    with pytest.raises(ValueError, match="--ragged-attention triton reads one low-tier format"):
+    with pytest.raises(ValueError, match="--ragged-attention triton needs a CUDA device"):
         make_attention_impl(storage, None, "triton")
-    assert "per launch" in triton_refuses(64, "mixed")
+    assert triton_refuses(64, "mixed") is None
+    assert "power-of-two" in triton_refuses(48, "mixed")
 
 
 # ---- the profile and what the server accepts ---------------------------------------------
