@@ -48,7 +48,7 @@ class KernelRowWriter:
     layer in one launch; pages of -1 are padding and write nothing."""
 
     tables: Sequence[LayerTables]  # per layer, the addresses of the storage's row tensors
-    parts: Sequence[tuple[LayerTables, ...]] = ()  # per layer, its launches' tables (format_parts)
+    parts: Sequence[tuple[LayerTables, ...]]  # per layer, its launches' tables (format_parts)
 
     def __call__(self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor,
                  v_tok: torch.Tensor, selection: Selection) -> None:
@@ -58,7 +58,7 @@ class KernelRowWriter:
                              "reference")
         index = torch.arange(pages.numel(), dtype=torch.int32, device=pages.device)
         seal_pages(self.tables[layer], k_tok, v_tok, index, pages.int(), selection.scores,
-                   selection.sinks, self.parts[layer] if self.parts else ())
+                   selection.sinks, self.parts[layer])
 
 
 class TritonAttention(AttentionImpl[TritonBatch]):
@@ -74,9 +74,9 @@ class TritonAttention(AttentionImpl[TritonBatch]):
         num_q_heads query heads when given."""
         super().__init__(storage)
         self.tables = all_layer_tables(storage)
-        # Per layer, one launch's tables per low format (--ragged-precision mixed), else ().
-        self.parts = tuple(format_parts(t, storage.layout, layer) if storage.layout.mixed_formats
-                           else () for layer, t in enumerate(self.tables))
+        # Per layer, each launch's tables: one per low format (--ragged-precision mixed).
+        self.parts = tuple(format_parts(t, storage.layout, layer)
+                           for layer, t in enumerate(self.tables))
         if num_ctas is None:
             num_ctas = decode_parallelism(storage, self.tables[0], split_ratios, num_q_heads)
         self.splits = split_plan(split_ratios, num_ctas, storage.device, strategy)

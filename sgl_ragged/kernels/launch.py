@@ -7,6 +7,7 @@ import os
 import torch
 import triton.language as tl
 
+from sgl_ragged.kernels.quant import code_offset
 from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
 
 
@@ -20,15 +21,18 @@ def compiled_for_gpu(x: torch.Tensor) -> bool:
 def native_level(q: torch.Tensor, tables: LayerTables, block_n: int, d: int, warps: int) -> int:
     """The kernels' NATIVE for a launch: 0 in the interpreter (fp8 decoded with integer
     arithmetic, codes unpacked with Triton's integer ops); 1 on a GPU (native fp8 conversion);
-    2 on a GPU where integer code planes also unpack in PTX (quant._int_planes). The PTX packs
-    4 codes a register, so it needs every thread of the program to hold a multiple of 4 of a
-    tile's [block_n, D * bits / 8] code bytes: with power-of-two sizes, at least 4 each.
+    2 on a GPU where integer code planes also unpack in PTX (quant._int_planes: the codes that
+    enter 16-bit dots by their bits, quant.code_offset). The PTX packs 4 codes a register, so
+    it needs every thread of the program to hold a multiple of 4 of a tile's
+    [block_n, D * bits / 8] code bytes: with power-of-two sizes, at least 4 each.
     RAGGED_TRITON_PTX=0 keeps a GPU build at 1 (to tell a fault of the PTX from others)."""
     if not compiled_for_gpu(q):
         return 0
     if os.environ.get("RAGGED_TRITON_PTX", "1") == "0":
         return 1
-    bits = [t.bits for t in (tables.low, tables.high) if t is not None and not t.is_float and t.bits < 8]
+    dot = tl_dtype(q.dtype)
+    bits = [t.bits for t in (tables.low, tables.high)
+            if t is not None and code_offset(t.bits, t.is_float, dot)]  # unpacked by their bits
     return 2 if all(block_n * d * b // 8 >= 4 * 32 * warps for b in bits) else 1
 
 

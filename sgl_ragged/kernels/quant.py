@@ -81,6 +81,11 @@ def _fp8_encode(y):
     return tl.where(y < 0, code | 128, code)
 
 
+_MAGIC = {tl.bfloat16: (128.0, 0x4300), tl.float16: (1024.0, 0x6400)}
+"""16-bit DOT -> (2^m, its bits), m the stored mantissa bits: code | bits is the DOT number
+2^m + code for a code below 2^m."""
+
+
 def _unpack_asm(bits: int, magic: int) -> str:
     """PTX for tl.inline_asm_elementwise(pack=4): one 32-bit register of 4 code bytes in, each
     of its 8 // bits bit planes out as 4 16-bit numbers (2 registers a plane, plane p's
@@ -104,10 +109,10 @@ def _unpack_asm(bits: int, magic: int) -> str:
     return "\n".join(lines + ["}"])
 
 
-_ASM = {(bits, magic): tl.constexpr(_unpack_asm(bits, magic))
-        for bits in (2, 4) for magic in (0x4300, 0x6400)}
-_ASM_INT4_BF16, _ASM_INT4_FP16 = _ASM[4, 0x4300], _ASM[4, 0x6400]
-_ASM_INT2_BF16, _ASM_INT2_FP16 = _ASM[2, 0x4300], _ASM[2, 0x6400]
+_ASM_INT4_BF16, _ASM_INT4_FP16 = (tl.constexpr(_unpack_asm(4, _MAGIC[dt][1]))
+                                  for dt in (tl.bfloat16, tl.float16))
+_ASM_INT2_BF16, _ASM_INT2_FP16 = (tl.constexpr(_unpack_asm(2, _MAGIC[dt][1]))
+                                  for dt in (tl.bfloat16, tl.float16))
 
 
 @triton.jit
@@ -177,7 +182,7 @@ def interleaved(x, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr, DOT: tl.cons
     channel p * CB + c at position c * P + r(p) (P = 8 // bits planes; r(p) = p for 4 bits,
     2 (p % 2) + p // 2 for 2) where the codes are joined unpermuted, else unchanged. Applied
     to a query its dot with the codes is unchanged; `planar` undoes it."""
-    if code_offset(LOW_BITS, LOW_FLOAT, DOT) == 0.0 or LOW_BITS == 8:
+    if code_offset(LOW_BITS, LOW_FLOAT, DOT) == 0.0:
         return x
     elif LOW_BITS == 4:
         return tl.reshape(tl.permute(tl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1)),
@@ -193,7 +198,7 @@ def interleaved_channels(D: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.
     """[D] int32: the channel at each position of `interleaved`'s order (arange where that is
     the identity), for loading per-channel parameters straight into it."""
     pos = tl.arange(0, D)
-    if code_offset(LOW_BITS, LOW_FLOAT, DOT) == 0.0 or LOW_BITS == 8:
+    if code_offset(LOW_BITS, LOW_FLOAT, DOT) == 0.0:
         chan = pos
     elif LOW_BITS == 4:
         chan = (pos % 2) * (D // 2) + pos // 2
@@ -205,7 +210,7 @@ def interleaved_channels(D: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.
 @triton.jit
 def planar(x, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr, DOT: tl.constexpr):
     """The inverse of `interleaved`: x [R, D] in `low_codes`' channel order back in order."""
-    if code_offset(LOW_BITS, LOW_FLOAT, DOT) == 0.0 or LOW_BITS == 8:
+    if code_offset(LOW_BITS, LOW_FLOAT, DOT) == 0.0:
         return x
     elif LOW_BITS == 4:
         return tl.reshape(tl.permute(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]), (0, 2, 1)),
@@ -241,10 +246,17 @@ def code_offset(bits: int, is_float: bool, dot: tl.dtype) -> float:
     where a code fits below it, so a code is made a DOT number by setting its bits under that
     power's exponent (logical ops, no int-to-float conversion: those run at a quarter of the
     float rate on an H100, one per code); 0 where the codes are converted. A constexpr in the
-    kernels (a @triton.jit function's result is a tensor in Triton 3.6, the devices' version)."""
-    if is_float or bits >= 8:
+    kernels (a @triton.jit function's result is a tensor in Triton 3.6, the devices' version);
+    callable on the host too (launch.native_level)."""
+    if is_float or bits >= 8 or dot not in _MAGIC:
         return 0.0
-    return {tl.bfloat16: 128.0, tl.float16: 1024.0}.get(dot, 0.0)
+    return _MAGIC[dot][0]
+
+
+@triton.constexpr_function
+def _offset_bits(dot: tl.dtype) -> int:
+    """The bits of code_offset's 2^m in DOT (a 16-bit type)."""
+    return _MAGIC[dot][1]
 
 
 @triton.jit
@@ -260,10 +272,8 @@ def low_codes(packed, M: tl.constexpr, D: tl.constexpr, LOW_BITS: tl.constexpr,
             values = packed.to(tl.float8e4nv, bitcast=True).to(DOT)
         else:
             values = _fp8_decode(packed.to(tl.int32)).to(DOT)
-    elif code_offset(LOW_BITS, LOW_FLOAT, DOT) == 128.0:
-        values = _int_planes(packed, M, D, LOW_BITS, 0x4300, DOT, NATIVE == 2)
-    elif code_offset(LOW_BITS, LOW_FLOAT, DOT) == 1024.0:
-        values = _int_planes(packed, M, D, LOW_BITS, 0x6400, DOT, NATIVE == 2)
+    elif code_offset(LOW_BITS, LOW_FLOAT, DOT) != 0.0:
+        values = _int_planes(packed, M, D, LOW_BITS, _offset_bits(DOT), DOT, NATIVE == 2)
     else:
         # Through float32: the interpreter's int-to-bfloat16 cast is a bit cast.
         values = _planes(packed.to(tl.int32), M, LOW_BITS, D).to(tl.float32).to(DOT)

@@ -67,10 +67,10 @@ class LayerTables:
     heads_per_group: int
     max_slots: int
     rows_dtype: torch.dtype
+    heads: torch.Tensor  # [n] int32 KV heads the extend and sealing kernels run for: all, or a
+    # format part's (format_parts)
     low: LowPrecision | None  # the low tier's format (None: no group has one)
     high: LowPrecision | None = None  # the high tier's format (None: the model dtype)
-    heads: torch.Tensor | None = None  # [n] int32 KV heads the extend and sealing kernels
-    # run for (their grid's head axis): all, or a format part's (format_parts)
     groups: tuple[int, ...] | None = None  # the groups the launches cover (None: all)
 
     @property

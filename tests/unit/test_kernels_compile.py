@@ -86,7 +86,7 @@ def test_native_level_unpacks_in_ptx_where_every_thread_holds_4_codes(monkeypatc
     from sgl_ragged.kernels.tables import layer_tables
     from tests.unit.kernel_cases import random_storage
 
-    q = torch.zeros(1, 4, 32)
+    q = torch.zeros(1, 4, 32, dtype=torch.bfloat16)  # the codes enter the dots by their bits
     int2 = layer_tables(random_storage(random.Random(0), "cpu", precision="int2"), 0)
     drop = layer_tables(random_storage(random.Random(0), "cpu"), 0)
     assert launch.native_level(q, int2, 16, 64, 1) == 0
