@@ -182,6 +182,7 @@ def measure(profile, batch: int, context: int, warmup: int, repeats: int,
     from sgl_ragged.attention_backend.triton_impl import decode_parallelism
     from sgl_ragged.kernels.batch import kernel_batch
     from sgl_ragged.kernels.decode import decode_attention
+    from sgl_ragged.kernels.launch import joined_safe
     from sgl_ragged.kernels.tables import all_layer_tables
 
     storage, plans, (q, k, v) = build_case(profile, batch, context, precision)
@@ -200,9 +201,12 @@ def measure(profile, batch: int, context: int, warmup: int, repeats: int,
                                          storage.stage_v[layer], tables[layer],
                                          splits.layer(layer), batch_t, HEAD_DIM**-0.5)
 
+                # BLOCK_N as launched: launch.joined_safe raises it for joined code planes.
+                ran = joined_safe({"BLOCK_N": block_n, "D": HEAD_DIM}, q, tables[0])["BLOCK_N"]
                 row = {"batch": batch, "context": context, "precision": precision,
                        "programs_per_sm": per_sm, "num_ctas": ctas, "warps": warps,
-                       "block_n": block_n, "stages": stages, "strategy": split,
+                       "launch": [warps, block_n, stages], "block_n": ran, "stages": stages,
+                       "strategy": split,
                        "max_splits": max(s.max_splits for s in splits.layers),
                        **timings(step, (warps, block_n, stages), warmup, repeats)}
                 rows.append({**row, "graph_gbps": nbytes / row["graph_s"] / 1e9})
@@ -220,7 +224,8 @@ def served(row: dict) -> bool:
     from sgl_ragged.kernels.decode import DECODE_LAUNCH
 
     kind = launch_kind(row["precision"])
-    return (DECODE_LAUNCH[kind] == (row["warps"], row["block_n"], row["stages"])
+    return (DECODE_LAUNCH[kind] == tuple(row.get("launch") or (row["warps"], row["block_n"],
+                                                                  row["stages"]))
             and row["strategy"] == (SplitStrategy.AOT if kind == "rows" else SplitStrategy.UNIFORM)
             and row["programs_per_sm"] == MAX_PROGRAMS_PER_SM)
 

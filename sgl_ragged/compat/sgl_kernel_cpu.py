@@ -396,9 +396,12 @@ def install_if_needed() -> bool:
 # target, before they load plugins; install_if_needed() from the plugin is too late there.
 # So scripts/env.sh writes PTH_LINE into a .pth file of the venv: at every interpreter
 # start it adds a torch-free meta-path finder that calls find_spec() below on the first
-# `import sgl_kernel`, and does nothing for any other name.
+# `import sgl_kernel` (and of DUAL_GEMM), and does nothing for any other name.
 
 PTH_NAME = "sgl_ragged_sgl_kernel_hook.pth"
+DUAL_GEMM = "sglang.kernels.ops.gemm.cutedsl_dual_gemm"
+"""Also hooked: SGLang's CuTe DSL dual GEMM module, which needs CUTLASS's DSL (compat.dual_gemm)."""
+HOOKED = ("sgl_kernel", DUAL_GEMM)
 _HOOK = "SglRaggedKernelHook"
 # One line, as .pth files require. site.py exec()s it inside a function, so the lambda may
 # use builtins only; the any(...) guard keeps it idempotent (venvs with a lib64 -> lib
@@ -407,8 +410,8 @@ PTH_LINE = (
     "import sys; "
     f"any(type(f).__name__ == '{_HOOK}' for f in sys.meta_path) or sys.meta_path.insert(0, "
     f"type('{_HOOK}', (), {{'find_spec': staticmethod(lambda name, path=None, target=None: "
-    "__import__('sgl_ragged.compat.sgl_kernel_cpu', fromlist=['find_spec']).find_spec(name) "
-    "if name == 'sgl_kernel' else None)})())"
+    "__import__('sgl_ragged.compat.sgl_kernel_cpu', fromlist=['find_spec']).find_spec(name, path) "
+    f"if name in {HOOKED!r} else None)}})())"
 )
 
 
@@ -431,11 +434,47 @@ class _RealOrStandInLoader(importlib.abc.Loader):
             logger.info("sgl_kernel unavailable (%s); using sgl_ragged's stand-in", e)
 
 
-def find_spec(name: str, path: list[str] | None = None) -> ModuleSpec | None:
-    """Spec for ``sgl_kernel`` (None for other names): the real package, stand-in on failure.
+class _RealOrDualGemmStandInLoader(importlib.abc.Loader):
+    """Executes SGLang's real CuTe DSL dual GEMM module; if CUTLASS's DSL is missing, fills
+    the module from compat.dual_gemm instead (no dual GEMM)."""
 
-    ``path`` is where to look for the real package (default: ``sys.path``).
+    def __init__(self, real: ModuleSpec | None) -> None:
+        self.real = real
+
+    def create_module(self, spec: ModuleSpec) -> None:
+        return None
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        try:
+            if self.real is None or self.real.loader is None:
+                raise ImportError(f"{DUAL_GEMM} is not installed")
+            self.real.loader.exec_module(module)
+        except ImportError as e:
+            from sgl_ragged.compat import dual_gemm
+
+            for name in [n for n in vars(module) if not n.startswith("__")]:
+                delattr(module, name)
+            for name, value in vars(dual_gemm).items():
+                if not name.startswith("__"):
+                    setattr(module, name, value)
+            setattr(module, STANDIN_FLAG, True)
+            logger.info("%s unavailable (%s); no dual GEMM (sgl_ragged.compat.dual_gemm)",
+                        DUAL_GEMM, e)
+
+
+def find_spec(name: str, path: list[str] | None = None) -> ModuleSpec | None:
+    """Spec for ``sgl_kernel`` or ``DUAL_GEMM`` (None for other names): the real module,
+    a stand-in where it fails to import.
+
+    ``path`` is where to look for the real module (default: ``sys.path``; for DUAL_GEMM its
+    parent package's ``__path__``, as the import system passes it).
     """
+    if name == DUAL_GEMM:
+        real = PathFinder.find_spec(name, path)
+        spec = ModuleSpec(name, _RealOrDualGemmStandInLoader(real))
+        if real is not None:
+            spec.origin, spec.has_location = real.origin, real.has_location
+        return spec
     if name != "sgl_kernel":
         return None
     real = PathFinder.find_spec(name, path)

@@ -26,7 +26,13 @@ import triton.language as tl
 from sgl_ragged.kernels.aot import LayerSplits
 from sgl_ragged.kernels.attend import attend_sealed, attend_tail
 from sgl_ragged.kernels.batch import KernelBatch
-from sgl_ragged.kernels.launch import block_config, compiled_for_gpu, native_level, rows_contiguous
+from sgl_ragged.kernels.launch import (
+    block_config,
+    compiled_for_gpu,
+    joined_safe,
+    native_level,
+    rows_contiguous,
+)
 from sgl_ragged.kernels.occupancy import KernelResources
 from sgl_ragged.kernels.quant import table_ptr
 from sgl_ragged.kernels.tables import LayerTables, tl_dtype
@@ -43,7 +49,10 @@ rows and codes load 16 bytes wide, Triton pipelines the tile loops; Triton 3.6 s
 and int2 split kernels at its default of 3 stages at D = 128 and at 2 still spills int2; 1
 stage spills nothing and still loads 16 bytes wide; the drop-only kernel at 2 keeps 128
 registers at D = 128, 80 at D = 64; docs/results.md, "What the compiled kernels spend per
-token"). Under the interpreter BLOCK_N stays block_config's."""
+token"). Under the interpreter BLOCK_N stays block_config's. On a GPU, launch.joined_safe
+raises BLOCK_N to 32 for 2- and 4-bit codes in 16-bit dots (1 warp, 32 tokens: 250-254
+registers at D = 128, no spill, 8 programs per SM; session 18): at 16 their dots came out
+wrong on an H100."""
 
 MERGE_BLOCK_S = 32
 """Partials the merge kernel reads per tile."""
@@ -213,7 +222,7 @@ def decode_launch(q: torch.Tensor, tables: LayerTables, gsize: int,
                                            else "rows"]
     if compiled_for_gpu(q):
         cfg["BLOCK_N"] = block_n
-    return cfg, warps, stages
+    return joined_safe(cfg, q, tables), warps, stages
 
 
 def _split_launch(q: torch.Tensor, tables: LayerTables, splits: LayerSplits, batch: KernelBatch,

@@ -17,7 +17,13 @@ import triton.language as tl
 
 from sgl_ragged.kernels.attend import attend_sealed, attend_tail
 from sgl_ragged.kernels.batch import KernelBatch
-from sgl_ragged.kernels.launch import block_config, compiled_for_gpu, native_level, rows_contiguous
+from sgl_ragged.kernels.launch import (
+    block_config,
+    compiled_for_gpu,
+    joined_safe,
+    native_level,
+    rows_contiguous,
+)
 from sgl_ragged.kernels.quant import table_ptr
 from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
 
@@ -104,6 +110,7 @@ def extend_attention(
     k_new, v_new = rows_contiguous(k_new), rows_contiguous(v_new)
     for part in parts or (tables,):
         heads = part.heads
+        part_cfg = joined_safe(cfg, q, part)
         grid = (triton.cdiv(batch.max_q_len, block_m), batch.batch_size, heads.numel())
         _extend_kernel[grid](
             q, q.stride(0), q.stride(1), k_new, v_new, k_new.stride(0), stage_k, stage_v,
@@ -113,9 +120,9 @@ def extend_attention(
             batch.sealed_table.stride(0), batch.num_sealed, batch.stage_table,
             batch.stage_table.stride(0), batch.num_staged, batch.q_start, batch.q_len, out,
             out.stride(0), out.stride(1), lse, lse.stride(0), scale,
-            H_P=part.heads_per_group, DTYPE=tl_dtype(part.rows_dtype), BLOCK_M=block_m, **cfg,
-            LOW_BITS=part.low_bits, LOW_FLOAT=part.low_float,
-            NATIVE=native_level(q, part, cfg["BLOCK_N"], d, EXTEND_WARPS),
+            H_P=part.heads_per_group, DTYPE=tl_dtype(part.rows_dtype), BLOCK_M=block_m,
+            **part_cfg, LOW_BITS=part.low_bits, LOW_FLOAT=part.low_float,
+            NATIVE=native_level(q, part, part_cfg["BLOCK_N"], d, EXTEND_WARPS),
             HIGH_BITS=part.high_bits, HIGH_FLOAT=part.high_float, num_warps=EXTEND_WARPS,
         )
     return out, lse

@@ -36,6 +36,36 @@ def native_level(q: torch.Tensor, tables: LayerTables, block_n: int, d: int, war
     return 2 if all(block_n * d * b // 8 >= 4 * 32 * warps for b in bits) else 1
 
 
+JOINED_MIN_K = 32
+"""The shortest reduction a 16-bit dot on joined code planes gets on a GPU (`joined_safe`)."""
+
+
+def joined_planes(q: torch.Tensor, tables: LayerTables) -> bool:
+    """Whether a GPU build for these tables multiplies 16-bit dot operands made of joined bit
+    planes: 2- and 4-bit integer codes, unpacked plane by plane and put together with tl.join
+    and reshape (quant.low_codes), in a bfloat16 or float16 model."""
+    if not compiled_for_gpu(q) or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    return any(t is not None and not t.is_float and t.bits < 8 for t in (tables.low, tables.high))
+
+
+def joined_safe(cfg: dict[str, object], q: torch.Tensor, tables: LayerTables) -> dict[str, object]:
+    """cfg (block_config's, BLOCK_N as launched) with every 16-bit dot on joined code planes
+    reducing over at least JOINED_MIN_K. On an H100 with Triton 3.6 (session 18) such a dot
+    came out wrong whenever the joined operand's reduction side was 16 long, PTX unpacking or
+    not, at 1, 2 and 4 warps, with or without code_offset: the values' dot at BLOCK_N 16
+    (p [G, 16] x codes [16, D]), the keys' dot at D = 16 (q [G, 16] x codes^T [16, N]); the
+    same kernels at BLOCK_N 32 and D = 128 matched the reference, as did float32 dots (FMA)
+    at every shape and dots on codes no join built (int8, fp8) or unpacked alone. So BLOCK_N is
+    raised to JOINED_MIN_K, and heads below it take float32 dots."""
+    if not joined_planes(q, tables):
+        return cfg
+    cfg = {**cfg, "BLOCK_N": max(int(cfg["BLOCK_N"]), JOINED_MIN_K)}
+    if int(cfg["D"]) < JOINED_MIN_K:
+        cfg.update(DOT=tl.float32, PRECISION="ieee")
+    return cfg
+
+
 def block_config(q: torch.Tensor, gsize: int, d: int) -> dict[str, object]:
     """Block sizes: tensor-core friendly on a GPU, tiny under the CPU interpreter (BLOCK_N 32:
     with 64 the sm_90 build of the split kernel spills registers at D = 128). Dot operands are

@@ -134,17 +134,25 @@ def _quantize(fmt: LowPrecision, x: torch.Tensor, dim: int
     """x float32 [N, T, H, D], parameters shared along `dim` (kept as size 1).
     Returns packed codes uint8 [N, T, H, D * b / 8], scale and zero float16."""
     if fmt.is_float:
-        scale = (x.abs().amax(dim, keepdim=True) / FP8_MAX).half()
+        scale = _divide(x.abs().amax(dim, keepdim=True), FP8_MAX).half()
         safe = torch.where(scale > 0, scale.float(), 1.0)
         codes = (x / safe).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
         return codes, scale, None
     levels = 2**fmt.bits - 1
     lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     zero = lo.half()
-    scale = ((hi - zero.float()) / levels).half()
+    scale = _divide(hi - zero.float(), levels).half()
     safe = torch.where(scale > 0, scale.float(), 1.0)
     codes = torch.round((x - zero.float()) / safe).clamp_(0, levels).to(torch.uint8)
     return pack(codes, fmt.bits), scale, zero
+
+
+def _divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor correctly rounded, as the kernels divide (div_rn, quant.cpp). On CUDA torch
+    multiplies by the reciprocal when the divisor is a Python number, which is off by an ulp
+    now and then (two float16 scales of 65536 on an H100, session 18); a divisor tensor on
+    x's device (a fill, no copy: capturable) is divided element by element."""
+    return x / x.new_full((), float(divisor))
 
 
 def _decode(fmt: LowPrecision, codes: torch.Tensor, scale: torch.Tensor,

@@ -96,3 +96,44 @@ def test_native_level_unpacks_in_ptx_where_every_thread_holds_4_codes(monkeypatc
     assert launch.native_level(q, drop, 32, 64, 8) == 2  # no integer planes to unpack
     monkeypatch.setenv("RAGGED_TRITON_PTX", "0")
     assert launch.native_level(q, int2, 16, 64, 1) == 1
+
+
+def test_joined_code_planes_reduce_over_at_least_32_on_a_gpu(monkeypatch):
+    """launch.joined_safe (a 16-bit dot on joined 2- or 4-bit code planes came out wrong on an
+    H100 when that operand's reduction side was 16 long): on a GPU build such tiers get
+    BLOCK_N >= 32 and, with heads below 32, float32 dots; int8 and fp8 codes, drop-only rows,
+    float32 models and the interpreter keep block_config's sizes."""
+    import random
+
+    import torch
+    import triton.language as tl
+
+    from sgl_ragged.kernels import launch
+    from sgl_ragged.kernels.tables import layer_tables
+    from tests.unit.kernel_cases import Shape, random_storage
+
+    def tables(precision, d):
+        return layer_tables(random_storage(random.Random(0), "cpu", precision=precision,
+                                           shape=Shape(head_dim=d)), 0)
+
+    def safe(precision, d, dtype=torch.bfloat16):
+        q = torch.zeros(1, 4, d, dtype=dtype)
+        cfg = {**launch.block_config(q, 2, d), "BLOCK_N": 16}
+        return cfg, launch.joined_safe(cfg, q, tables(precision, d))
+
+    cfg, got = safe("int4", 64)
+    assert got == cfg  # the interpreter
+    monkeypatch.setattr(launch, "compiled_for_gpu", lambda x: True)
+    for precision in ("int4", "int2", "int8+int4", "fp8+int2"):
+        cfg, got = safe(precision, 64)
+        assert got == {**cfg, "BLOCK_N": 32}, precision
+        cfg, got = safe(precision, 16)
+        assert got == {**cfg, "BLOCK_N": 32, "DOT": tl.float32, "PRECISION": "ieee"}, precision
+    for precision in ("bf16", "int8", "fp8"):
+        cfg, got = safe(precision, 16)
+        assert got == cfg, precision
+    cfg, got = safe("int4", 16, torch.float32)
+    assert got == cfg
+    cfg = {**launch.block_config(torch.zeros(1, 4, 64), 2, 64), "BLOCK_N": 64}
+    assert launch.joined_safe(cfg, torch.zeros(1, 4, 64, dtype=torch.float16),
+                              tables("int2", 64))["BLOCK_N"] == 64  # never lowered

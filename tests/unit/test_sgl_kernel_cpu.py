@@ -393,3 +393,36 @@ def test_pth_line_is_one_import_line(tmp_path: Path) -> None:
     path = sk.write_import_hook(tmp_path)
     assert path.name == sk.PTH_NAME and path.read_text() == sk.PTH_LINE + "\n"
     assert sk.PTH_LINE.startswith("import ") and "\n" not in sk.PTH_LINE
+
+
+def _dual_gemm_module(tmp_path, body: str):
+    """Import sk.DUAL_GEMM through sk.find_spec from a fake package directory holding `body`."""
+    import importlib.util
+
+    (tmp_path / "cutedsl_dual_gemm.py").write_text(body)
+    spec = sk.find_spec(sk.DUAL_GEMM, [str(tmp_path)])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dual_gemm_without_cutlass_is_the_stand_in(tmp_path) -> None:
+    """SGLang's CuTe DSL dual GEMM module imports cutlass at its top; without it the hook
+    gives compat.dual_gemm's answers: the same modes, never a dual GEMM."""
+    module = _dual_gemm_module(tmp_path, "import cutlass_not_installed_here\nLEFTOVER = 1\n")
+    assert getattr(module, sk.STANDIN_FLAG) and not hasattr(module, "LEFTOVER")
+    assert module.MAX_DUAL_GEMM_DECODE_TOKENS == 16
+    mode = module.DualGemmQuantMode.UNQUANT
+    assert int(mode) == 4 and not mode.is_quantized
+    assert module.DualGemmQuantMode.DYNAMIC_PER_TOKEN.is_dynamic
+    assert module.DualGemmQuantMode.STATIC_PER_TOKEN.is_per_token
+    assert module.can_use_dual_gemm(1, 4096, 14336, mode) is False
+    with pytest.raises(NotImplementedError, match="cutlass"):
+        module.dual_gemm_swiglu(None, None)
+
+
+def test_dual_gemm_real_module_is_kept(tmp_path) -> None:
+    module = _dual_gemm_module(tmp_path, "MAX_DUAL_GEMM_DECODE_TOKENS = 8\n")
+    assert module.MAX_DUAL_GEMM_DECODE_TOKENS == 8
+    assert not getattr(module, sk.STANDIN_FLAG, False)
+    assert sk.find_spec("sglang.kernels.ops.gemm.other") is None
