@@ -182,7 +182,7 @@ def measure(profile, batch: int, context: int, warmup: int, repeats: int,
     from sgl_ragged.attention_backend.triton_impl import decode_parallelism
     from sgl_ragged.kernels.batch import kernel_batch
     from sgl_ragged.kernels.decode import decode_attention
-    from sgl_ragged.kernels.launch import joined_safe
+    from sgl_ragged.kernels.launch import joined_safe, split_planes
     from sgl_ragged.kernels.tables import all_layer_tables
 
     storage, plans, (q, k, v) = build_case(profile, batch, context, precision)
@@ -206,6 +206,7 @@ def measure(profile, batch: int, context: int, warmup: int, repeats: int,
                 row = {"batch": batch, "context": context, "precision": precision,
                        "programs_per_sm": per_sm, "num_ctas": ctas, "warps": warps,
                        "launch": [warps, block_n, stages], "block_n": ran, "stages": stages,
+                       "split_planes": split_planes(q, tables[0], HEAD_DIM),
                        "strategy": split,
                        "max_splits": max(s.max_splits for s in splits.layers),
                        **timings(step, (warps, block_n, stages), warmup, repeats)}
@@ -239,7 +240,9 @@ def markdown(rows: list[dict], device: str) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['batch']} | {r['context']} | {r['precision']} | {r['programs_per_sm']} "
+            f"| {r['batch']} | {r['context']} "
+            f"| {r['precision']}{' (split planes)' if r.get('split_planes') else ''} "
+            f"| {r['programs_per_sm']} "
             f"| {r['num_ctas']} | {r['warps']} | {r['block_n']} | {r['stages']} "
             f"| {r['strategy']} "
             f"| {r['max_splits']} | {kernel_ms(r, '_sealed_splits_kernel')} "

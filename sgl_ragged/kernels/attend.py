@@ -13,12 +13,14 @@ import triton.language as tl
 
 from sgl_ragged.kernels.quant import (
     code_offset,
+    code_planes,
     code_ptr,
     interleaved,
     interleaved_channels,
     low_codes,
     param_ptr,
     planar,
+    split_planes,
 )
 
 
@@ -61,13 +63,19 @@ def attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_row, table_row, hi_g, lo
                   scale, H_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr,
                   LOW_FLOAT: tl.constexpr, NATIVE: tl.constexpr, HIGH_BITS: tl.constexpr,
-                  HIGH_FLOAT: tl.constexpr):
+                  HIGH_FLOAT: tl.constexpr, PLANES: tl.constexpr):
     """Member head j's sealed pages table_row[p0:p1] of a group with hi_g high and lo_g
     low-tier slots per page: first every page's high slots (k_base / v_base rows
     [pages, hi_g, H_p, D]; with HIGH_BITS > 0 a quantized high tier, read on its codes like the
     low one through columns 6-11 of the low_ptr row, tables.py), then each page's low tier on
-    its codes (LOW_BITS 0: the layout has no low tier and that loop is not compiled)."""
-    if HIGH_BITS > 0:
+    its codes (LOW_BITS 0: the layout has no low tier and that loop is not compiled). PLANES
+    (launch.split_planes): 2- and 4-bit tiers plane by plane (_attend_code_pages)."""
+    if split_planes(PLANES, HIGH_BITS, HIGH_FLOAT):
+        p_hi = tl.where(hi_g > 0, p1, p0)
+        m_i, l_i, acc = _attend_code_pages(q, m_i, l_i, acc, low_row + 6, table_row, p0, p_hi,
+                                           hi_g, j, scale, H_P, D, BLOCK_N, PRECISION,
+                                           HIGH_BITS, NATIVE)
+    elif HIGH_BITS > 0:
         p_hi = tl.where(hi_g > 0, p1, p0)  # no high slots: no high-tier tensors
         # q and acc in the codes' channel order for the tier's pages (quant.interleaved).
         q_hi = interleaved(q, HIGH_BITS, HIGH_FLOAT, q.dtype)
@@ -81,7 +89,12 @@ def attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_row, table_row, hi_g, lo
     else:
         m_i, l_i, acc = _attend_high(q, m_i, l_i, acc, k_base, v_base, table_row, hi_g, j, p0,
                                      p1, scale, H_P, D, BLOCK_N, BLOCK_D, PRECISION)
-    if LOW_BITS > 0:
+    if split_planes(PLANES, LOW_BITS, LOW_FLOAT):
+        p_lo = tl.where(lo_g > 0, p1, p0)
+        m_i, l_i, acc = _attend_code_pages(q, m_i, l_i, acc, low_row, table_row, p0, p_lo, lo_g,
+                                           j, scale, H_P, D, BLOCK_N, PRECISION, LOW_BITS,
+                                           NATIVE)
+    elif LOW_BITS > 0:
         # A group without low slots has no low-tier tensors (null addresses): skip its pages.
         p_lo = tl.where(lo_g > 0, p1, p0)
         q_lo = interleaved(q, LOW_BITS, LOW_FLOAT, q.dtype)
@@ -170,6 +183,114 @@ def _attend_low_page(q, m_i, l_i, acc, low_row, page, lo_g, j, scale, H_P: tl.co
         m_i, l_i, acc, shift = _softmax_step_folded(logits, v, v_scale, v_zero, m_i, l_i, acc,
                                                     shift, PRECISION, OFFSET)
     return m_i, l_i, acc + shift[:, None]
+
+
+@triton.jit
+def _plane_of(x, p: tl.constexpr, P: tl.constexpr):
+    """Channels [p CB, (p + 1) CB) of x [R, D] (CB = D / P) as [R, CB] float32: a masked sum
+    over x's P planes (exact: the others add zeros), no join."""
+    R: tl.constexpr = x.shape[0]
+    CB: tl.constexpr = x.shape[1] // P
+    x3 = tl.reshape(x.to(tl.float32), [R, P, CB])
+    return tl.sum(tl.where((tl.arange(0, P) == p)[None, :, None], x3, 0.0), 1)
+
+
+@triton.jit
+def _from_planes(a0, a1, a2, a3, P: tl.constexpr):
+    """x [R, P CB] float32 from its planes [R, CB] (`_plane_of`'s inverse; a2 and a3 are read
+    only when P is 4)."""
+    R: tl.constexpr = a0.shape[0]
+    CB: tl.constexpr = a0.shape[1]
+    idx = tl.arange(0, P)[None, :, None]
+    x3 = tl.where(idx == 0, a0[:, None, :], 0.0) + tl.where(idx == 1, a1[:, None, :], 0.0)
+    if P == 4:
+        x3 += tl.where(idx == 2, a2[:, None, :], 0.0) + tl.where(idx == 3, a3[:, None, :], 0.0)
+    return tl.reshape(x3, [R, P * CB])
+
+
+@triton.jit
+def _attend_code_pages(q, m_i, l_i, acc, low_row, table_row, p0, p1, lo_g, j, scale,
+                       H_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       PRECISION: tl.constexpr, LOW_BITS: tl.constexpr, NATIVE: tl.constexpr):
+    """Pages table_row[p0:p1] of a 2- or 4-bit integer tier (low_row: its six addresses; lo_g
+    slots a page) of member head j, one dot per bit plane: plane p of the packed codes holds
+    channels [p CB, (p + 1) CB), so with q and acc cut into the same channel ranges once per
+    call, logits = sum_p (q_p * s_p) . codes_p + q . z and acc_p += (p * s_v) codes_p, each dot
+    on a plane straight from the bytes (quant.code_planes), none on joined planes. The
+    arithmetic is `_attend_low_page`'s (code_offset included): only the order of the sums over
+    channels differs. Needs CB = D * bits / 8 >= 16 (a dot's smallest side)."""
+    P: tl.constexpr = 8 // LOW_BITS
+    CB: tl.constexpr = D // P
+    OFFSET: tl.constexpr = code_offset(LOW_BITS, False, q.dtype)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, CB)
+    q0, q1 = _plane_of(q, 0, P), _plane_of(q, 1, P)
+    a0, a1 = _plane_of(acc, 0, P), _plane_of(acc, 1, P)
+    if P == 4:
+        q2, q3 = _plane_of(q, 2, P), _plane_of(q, 3, P)
+        a2, a3 = _plane_of(acc, 2, P), _plane_of(acc, 3, P)
+    else:
+        q2, q3, a2, a3 = q0, q1, a0, a1  # unread
+    for pi in range(p0, p1):
+        page = tl.load(table_row + pi).to(tl.int64)
+        chan = (page * H_P + j) * D + offs_c
+        s_k, z_k = param_ptr(low_row, 1) + chan, param_ptr(low_row, 2) + chan
+        # The page's key parameters folded into the query planes: qs_p [ROWS, CB], bias [ROWS].
+        qs0 = (q0 * tl.load(s_k).to(tl.float32)[None, :]).to(q.dtype)
+        qs1 = (q1 * tl.load(s_k + CB).to(tl.float32)[None, :]).to(q.dtype)
+        bias = (tl.sum(q0 * tl.load(z_k).to(tl.float32)[None, :], 1)
+                + tl.sum(q1 * tl.load(z_k + CB).to(tl.float32)[None, :], 1))
+        if P == 4:
+            qs2 = (q2 * tl.load(s_k + 2 * CB).to(tl.float32)[None, :]).to(q.dtype)
+            qs3 = (q3 * tl.load(s_k + 3 * CB).to(tl.float32)[None, :]).to(q.dtype)
+            bias += (tl.sum(q2 * tl.load(z_k + 2 * CB).to(tl.float32)[None, :], 1)
+                     + tl.sum(q3 * tl.load(z_k + 3 * CB).to(tl.float32)[None, :], 1))
+        else:
+            qs2, qs3 = qs0, qs1  # unread
+        if OFFSET != 0.0:
+            q_sum = tl.sum(qs0.to(tl.float32), 1) + tl.sum(qs1.to(tl.float32), 1)
+            if P == 4:
+                q_sum += tl.sum(qs2.to(tl.float32), 1) + tl.sum(qs3.to(tl.float32), 1)
+            bias -= OFFSET * q_sum
+        shift = tl.zeros([q.shape[0]], tl.float32)
+        for s0 in range(0, lo_g, BLOCK_N):
+            slot = s0 + offs_n
+            valid = slot < lo_g
+            tok = (page * lo_g + slot) * H_P + j
+            byte = tok[:, None] * CB + offs_c[None, :]
+            k0, k1, k2, k3 = code_planes(
+                tl.load(code_ptr(low_row, 0) + byte, mask=valid[:, None], other=0), LOW_BITS,
+                q.dtype, NATIVE)
+            logits = mma(qs0, tl.trans(k0), PRECISION) + mma(qs1, tl.trans(k1), PRECISION)
+            if P == 4:
+                logits += mma(qs2, tl.trans(k2), PRECISION) + mma(qs3, tl.trans(k3), PRECISION)
+            logits = tl.where(valid[None, :], (logits + bias[:, None]) * scale, float("-inf"))
+            v0, v1, v2, v3 = code_planes(
+                tl.load(code_ptr(low_row, 3) + byte, mask=valid[:, None], other=0), LOW_BITS,
+                q.dtype, NATIVE)
+            v_scale = tl.load(param_ptr(low_row, 4) + tok, mask=valid, other=0.0).to(tl.float32)
+            v_zero = tl.load(param_ptr(low_row, 5) + tok, mask=valid, other=0.0).to(tl.float32)
+            # _softmax_step_folded, per plane.
+            m_new = tl.maximum(m_i, tl.max(logits, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(logits - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p_s = (p * v_scale[None, :]).to(q.dtype)
+            shift = shift * alpha + tl.sum(p * v_zero[None, :], 1)
+            if OFFSET != 0.0:
+                shift -= OFFSET * tl.sum(p_s.to(tl.float32), 1)
+            grew = m_new > m_i
+            a0 = rescaled(a0, alpha, grew) + mma(p_s, v0, PRECISION)
+            a1 = rescaled(a1, alpha, grew) + mma(p_s, v1, PRECISION)
+            if P == 4:
+                a2 = rescaled(a2, alpha, grew) + mma(p_s, v2, PRECISION)
+                a3 = rescaled(a3, alpha, grew) + mma(p_s, v3, PRECISION)
+            m_i = m_new
+        a0, a1 = a0 + shift[:, None], a1 + shift[:, None]
+        if P == 4:
+            a2, a3 = a2 + shift[:, None], a3 + shift[:, None]
+    return m_i, l_i, _from_planes(a0, a1, a2, a3, P)
 
 
 @triton.jit

@@ -32,6 +32,7 @@ from sgl_ragged.kernels.launch import (
     joined_safe,
     native_level,
     rows_contiguous,
+    split_planes,
 )
 from sgl_ragged.kernels.occupancy import KernelResources
 from sgl_ragged.kernels.quant import table_ptr
@@ -67,6 +68,7 @@ def _sealed_splits_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr,
     NATIVE: tl.constexpr, HIGH_BITS: tl.constexpr, HIGH_FLOAT: tl.constexpr,
+    PLANES: tl.constexpr,
 ):
     w = tl.program_id(0)
     b = tl.program_id(1)
@@ -96,7 +98,7 @@ def _sealed_splits_kernel(
         m_i, l_i, acc = attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_ptr + g * 12,
                                       sealed_table + b * s_tb, hi_g, lo_g, j, p0, p1, scale,
                                       H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS, LOW_FLOAT,
-                                      NATIVE, HIGH_BITS, HIGH_FLOAT)
+                                      NATIVE, HIGH_BITS, HIGH_FLOAT, PLANES)
         # Empty share (short request): lse = -inf, output 0.
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -239,6 +241,7 @@ def _split_launch(q: torch.Tensor, tables: LayerTables, splits: LayerSplits, bat
                "LOW_BITS": tables.low_bits, "LOW_FLOAT": tables.low_float,
                "HIGH_BITS": tables.high_bits, "HIGH_FLOAT": tables.high_float,
                "NATIVE": native_level(q, tables, cfg["BLOCK_N"], q.shape[-1], warps),
+               "PLANES": split_planes(q, tables, q.shape[-1]),
                "num_warps": warps, "num_stages": stages}
     return args, options
 

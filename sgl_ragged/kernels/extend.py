@@ -23,6 +23,7 @@ from sgl_ragged.kernels.launch import (
     joined_safe,
     native_level,
     rows_contiguous,
+    split_planes,
 )
 from sgl_ragged.kernels.quant import table_ptr
 from sgl_ragged.kernels.tables import LayerTables, next_pow2, tl_dtype
@@ -41,7 +42,7 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr,
     LOW_FLOAT: tl.constexpr, NATIVE: tl.constexpr, HIGH_BITS: tl.constexpr,
-    HIGH_FLOAT: tl.constexpr,
+    HIGH_FLOAT: tl.constexpr, PLANES: tl.constexpr,
 ):
     m = tl.program_id(0)
     b = tl.program_id(1)
@@ -72,7 +73,7 @@ def _extend_kernel(
                                   sealed_table + b * s_tb, hi_g, tl.load(slots + g) - hi_g,
                                   tl.load(head_member + h), 0, tl.load(num_sealed + b),
                                   scale, H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS, LOW_FLOAT,
-                                  NATIVE, HIGH_BITS, HIGH_FLOAT)
+                                  NATIVE, HIGH_BITS, HIGH_FLOAT, PLANES)
     # 2. The tail, causally: query i sees tail tokens t <= n_st + i.
     n_st = tl.load(num_staged + b)
     t_end = n_st + tl.minimum((m + 1) * BLOCK_M, n_q)
@@ -123,6 +124,7 @@ def extend_attention(
             H_P=part.heads_per_group, DTYPE=tl_dtype(part.rows_dtype), BLOCK_M=block_m,
             **part_cfg, LOW_BITS=part.low_bits, LOW_FLOAT=part.low_float,
             NATIVE=native_level(q, part, part_cfg["BLOCK_N"], d, EXTEND_WARPS),
-            HIGH_BITS=part.high_bits, HIGH_FLOAT=part.high_float, num_warps=EXTEND_WARPS,
+            HIGH_BITS=part.high_bits, HIGH_FLOAT=part.high_float,
+            PLANES=split_planes(q, part, d), num_warps=EXTEND_WARPS,
         )
     return out, lse

@@ -40,13 +40,29 @@ JOINED_MIN_K = 32
 """The shortest reduction a 16-bit dot on joined code planes gets on a GPU (`joined_safe`)."""
 
 
+def _plane_tiers(tables: LayerTables) -> list:
+    """The tables' tiers of 2- or 4-bit integer codes (stored as bit planes)."""
+    return [t for t in (tables.low, tables.high) if t is not None and not t.is_float and t.bits < 8]
+
+
+def split_planes(q: torch.Tensor, tables: LayerTables, d: int) -> bool:
+    """The kernels' PLANES: attend 2- and 4-bit tiers one dot per bit plane
+    (attend._attend_code_pages) instead of on joined planes. Opt-in, RAGGED_TRITON_PLANES=1,
+    until a GPU has compared both (session 18); needs every such tier's planes at least 16
+    channels wide (D * bits / 8, a dot's smallest side)."""
+    if os.environ.get("RAGGED_TRITON_PLANES", "0") != "1":
+        return False
+    tiers = _plane_tiers(tables)
+    return bool(tiers) and all(d * t.bits // 8 >= 16 for t in tiers)
+
+
 def joined_planes(q: torch.Tensor, tables: LayerTables) -> bool:
     """Whether a GPU build for these tables multiplies 16-bit dot operands made of joined bit
     planes: 2- and 4-bit integer codes, unpacked plane by plane and put together with tl.join
-    and reshape (quant.low_codes), in a bfloat16 or float16 model."""
+    and reshape (quant.low_codes), in a bfloat16 or float16 model (not with split_planes)."""
     if not compiled_for_gpu(q) or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    return any(t is not None and not t.is_float and t.bits < 8 for t in (tables.low, tables.high))
+    return bool(_plane_tiers(tables)) and not split_planes(q, tables, q.shape[-1])
 
 
 def joined_safe(cfg: dict[str, object], q: torch.Tensor, tables: LayerTables) -> dict[str, object]:

@@ -177,6 +177,49 @@ def _int_planes(packed, M: tl.constexpr, D: tl.constexpr, LOW_BITS: tl.constexpr
 
 
 @triton.jit
+def code_planes(packed, LOW_BITS: tl.constexpr, DOT: tl.constexpr, NATIVE: tl.constexpr):
+    """The bit planes of packed 2- or 4-bit code bytes [M, CB] uint8 apart, as DOT [M, CB]
+    tensors: plane p holds channels [p CB, (p + 1) CB) (quant.pack's planar order), each code
+    plus code_offset(...). Always 4 tensors: with 4 bits planes 0 and 1, then the same two
+    again (unused; the split-planes path, attend._attend_code_pages, reads P of them). No join:
+    each plane goes into its own dot."""
+    OFFSET: tl.constexpr = code_offset(LOW_BITS, False, DOT)
+    MASK: tl.constexpr = (1 << LOW_BITS) - 1
+    if OFFSET != 0.0 and NATIVE == 2:
+        if LOW_BITS == 4:
+            p0, p1 = _ptx_planes(packed, 4, DOT)
+            p2, p3 = p0, p1
+        else:
+            p0, p1, p2, p3 = _ptx_planes(packed, 2, DOT)
+    elif OFFSET != 0.0:
+        x = packed.to(tl.int16)
+        p0, p1 = _plane(x, 0, LOW_BITS, _offset_bits(DOT), DOT), _plane(x, 1, LOW_BITS, _offset_bits(DOT), DOT)
+        if LOW_BITS == 4:
+            p2, p3 = p0, p1
+        else:
+            p2 = _plane(x, 2, 2, _offset_bits(DOT), DOT)
+            p3 = _plane(x, 3, 2, _offset_bits(DOT), DOT)
+    else:
+        # Through float32: the interpreter's int-to-bfloat16 cast is a bit cast.
+        x = packed.to(tl.int32)
+        p0 = (x & MASK).to(tl.float32).to(DOT)
+        p1 = ((x >> LOW_BITS) & MASK).to(tl.float32).to(DOT)
+        if LOW_BITS == 4:
+            p2, p3 = p0, p1
+        else:
+            p2 = ((x >> 4) & MASK).to(tl.float32).to(DOT)
+            p3 = ((x >> 6) & MASK).to(tl.float32).to(DOT)
+    return p0, p1, p2, p3
+
+
+@triton.constexpr_function
+def split_planes(planes: bool, bits: int, is_float: bool) -> bool:
+    """Whether a tier of `bits`-bit codes is attended plane by plane (attend._attend_code_pages)
+    in a launch with PLANES (launch.split_planes): 2- and 4-bit integer codes."""
+    return bool(planes) and not is_float and bits in (2, 4)
+
+
+@triton.jit
 def interleaved(x, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr, DOT: tl.constexpr):
     """x [R, D] (channels in order) in the channel order of `low_codes`' values for this tier:
     channel p * CB + c at position c * P + r(p) (P = 8 // bits planes; r(p) = p for 4 bits,

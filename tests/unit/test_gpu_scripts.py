@@ -18,7 +18,8 @@ from bench.servers import GPU_ARGS, GPU_ENV
 from sgl_ragged.testing.server import ServerError
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ("gpu_setup.sh", "gpu_serve.sh", "gpu_multiturn.sh", "gpu_check.sh", "gpu_wheels.sh")
+SCRIPTS = ("gpu_setup.sh", "gpu_serve.sh", "gpu_multiturn.sh", "gpu_check.sh", "gpu_wheels.sh",
+           "gpu_issue21.sh")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

@@ -23,6 +23,7 @@ from sgl_ragged.kernels.tables import format_parts, layer_tables
 from tests.unit.kernel_cases import (
     GPU,
     D,
+    Shape,
     Spec,
     batch_rows,
     random_plans,
@@ -287,3 +288,47 @@ def test_extend_gpu_shapes(precision):
         rows = slice(p.q_start, p.q_start + p.q_len)
         want = request_forward(storage, 0, p, q[rows], k[rows], v[rows], scale)
         torch.testing.assert_close(out[rows].float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+PLANES_SHAPE = Shape(head_dim=64)  # int2 planes are 16 channels wide: a dot's smallest side
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("precision", ["int4", "int2", "int8+int4", "fp8+int2", "mixed"])
+def test_split_planes_match_reference(kernel_device, monkeypatch, precision, dtype):
+    """RAGGED_TRITON_PLANES=1 (launch.split_planes): 2- and 4-bit tiers attended one dot per
+    bit plane (attend._attend_code_pages), decode and extend, against the reference. The same
+    arithmetic as the joined planes, summed in another order: float32 as tight as the other
+    float32 cases, 16-bit as test_decode_16_bit_rows."""
+    monkeypatch.setenv("RAGGED_TRITON_PLANES", "1")
+    from sgl_ragged.kernels.launch import split_planes
+
+    rng = random.Random(41)
+    storage = random_storage(rng, kernel_device, dtype=dtype, precision=precision,
+                             shape=PLANES_SHAPE)
+    tables = layer_tables(storage, 0)
+    parts = format_parts(tables, storage.layout, 0)
+    q_probe = torch.zeros(1, 1, PLANES_SHAPE.head_dim, dtype=dtype)
+    assert any(split_planes(q_probe, t, PLANES_SHAPE.head_dim) for t in parts)
+    tol = ({"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32
+           else {"atol": 2e-2, "rtol": 2e-2})
+    scale = PLANES_SHAPE.head_dim**-0.5
+    for specs in (DECODE, MIXED):
+        plans = random_plans(storage, specs, rng, gap=1)
+        q, k, v = random_qkv(plans, torch.Generator().manual_seed(41), kernel_device, dtype,
+                             PLANES_SHAPE)
+        out, lse = _poisoned(q)
+        if specs is DECODE:
+            splits = split_plan([[0.5, 0.5]], device_parallelism(kernel_device), kernel_device)
+            whole = splits.layer(0)
+            decode_attention(q, k, v, storage.stage_k[0], storage.stage_v[0], tables, whole,
+                             kernel_batch(plans, kernel_device), scale, out, lse,
+                             parts=[(t, whole.of_groups(t.groups)) for t in parts])
+        else:
+            extend_attention(q, k, v, storage.stage_k[0], storage.stage_v[0], tables,
+                             kernel_batch(plans, kernel_device), scale, out, lse, parts=parts)
+        _check_untouched(plans, out, lse)
+        for p in plans:
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            want = request_forward(storage, 0, p, q[rows], k[rows], v[rows], scale)
+            torch.testing.assert_close(out[rows].float(), want.float(), **tol)
