@@ -270,16 +270,8 @@ def _attend_code_pages(q, m_i, l_i, acc, low_row, table_row, p0, p1, lo_g, j, sc
                 q.dtype, NATIVE)
             v_scale = tl.load(param_ptr(low_row, 4) + tok, mask=valid, other=0.0).to(tl.float32)
             v_zero = tl.load(param_ptr(low_row, 5) + tok, mask=valid, other=0.0).to(tl.float32)
-            # _softmax_step_folded, per plane.
-            m_new = tl.maximum(m_i, tl.max(logits, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_use)
-            p = tl.exp(logits - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            p_s = (p * v_scale[None, :]).to(q.dtype)
-            shift = shift * alpha + tl.sum(p * v_zero[None, :], 1)
-            if OFFSET != 0.0:
-                shift -= OFFSET * tl.sum(p_s.to(tl.float32), 1)
+            m_new, alpha, l_i, p_s, shift = _folded_probs(logits, v_scale, v_zero, m_i, l_i,
+                                                          shift, OFFSET, q.dtype)
             grew = m_new > m_i
             a0 = rescaled(a0, alpha, grew) + mma(p_s, v0, PRECISION)
             a1 = rescaled(a1, alpha, grew) + mma(p_s, v1, PRECISION)
@@ -301,17 +293,28 @@ def _softmax_step_folded(logits, codes, v_scale, v_zero, m_i, l_i, acc, shift,
     the scales; the zeros' term (less OFFSET times the scaled probabilities), the same for
     every channel, accumulates in shift [ROWS] beside acc (acc + shift[:, None] is the
     output's numerator)."""
+    m_new, alpha, l_i, p_s, shift = _folded_probs(logits, v_scale, v_zero, m_i, l_i, shift,
+                                                  OFFSET, codes.dtype)
+    acc = rescaled(acc, alpha, m_new > m_i) + mma(p_s, codes, PRECISION)
+    return m_new, l_i, acc, shift
+
+
+@triton.jit
+def _folded_probs(logits, v_scale, v_zero, m_i, l_i, shift, OFFSET: tl.constexpr,
+                  DOT: tl.constexpr):
+    """The online-softmax step of values stored as codes, before the values' dot: the new
+    running max, the rescale alpha, the normalizer, the probabilities with the value scales
+    folded in (p_s [ROWS, BLOCK_N] in DOT) and shift with this tile's zero-point term."""
     m_new = tl.maximum(m_i, tl.max(logits, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_use)
     p = tl.exp(logits - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    p_s = (p * v_scale[None, :]).to(codes.dtype)
+    p_s = (p * v_scale[None, :]).to(DOT)
     shift = shift * alpha + tl.sum(p * v_zero[None, :], 1)
     if OFFSET != 0.0:
         shift -= OFFSET * tl.sum(p_s.to(tl.float32), 1)
-    acc = rescaled(acc, alpha, m_new > m_i) + mma(p_s, codes, PRECISION)
-    return m_new, l_i, acc, shift
+    return m_new, alpha, l_i, p_s, shift
 
 
 @triton.jit

@@ -49,6 +49,14 @@ def _oracle(storage, layer, plans, q, k, v, out, lse) -> None:
         torch.testing.assert_close(lse[rows].cpu(), want_lse, atol=2e-5, rtol=1e-4)
 
 
+def _check_outputs(storage, plans, q, k, v, out, scale, tol) -> None:
+    """Layer 0's outputs against the reference, request by request, within `tol`."""
+    for p in plans:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        want = request_forward(storage, 0, p, q[rows], k[rows], v[rows], scale)
+        torch.testing.assert_close(out[rows].float(), want.float(), **tol)
+
+
 def _poisoned(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), device=q.device)
@@ -150,10 +158,7 @@ def test_mixed_formats_one_launch_per_format(kernel_device, dtype):
             extend_attention(q, k, v, storage.stage_k[0], storage.stage_v[0], whole,
                              kernel_batch(plans, kernel_device), SCALE, out, lse, parts=parts)
         _check_untouched(plans, out, lse)
-        for p in plans:
-            rows = slice(p.q_start, p.q_start + p.q_len)
-            want = request_forward(storage, 0, p, q[rows], k[rows], v[rows], SCALE)
-            torch.testing.assert_close(out[rows].float(), want.float(), **tol)
+        _check_outputs(storage, plans, q, k, v, out, SCALE, tol)
 
 
 def test_tables_refuse_misaligned_rows(kernel_device):
@@ -328,7 +333,4 @@ def test_split_planes_match_reference(kernel_device, monkeypatch, precision, dty
             extend_attention(q, k, v, storage.stage_k[0], storage.stage_v[0], tables,
                              kernel_batch(plans, kernel_device), scale, out, lse, parts=parts)
         _check_untouched(plans, out, lse)
-        for p in plans:
-            rows = slice(p.q_start, p.q_start + p.q_len)
-            want = request_forward(storage, 0, p, q[rows], k[rows], v[rows], scale)
-            torch.testing.assert_close(out[rows].float(), want.float(), **tol)
+        _check_outputs(storage, plans, q, k, v, out, scale, tol)
