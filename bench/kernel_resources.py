@@ -3,15 +3,18 @@ shared memory per program as compiled for an NVIDIA architecture, and the progra
 the AOT split map's N_CTA follows from (kernels/occupancy.py).
 
     python -m bench.kernel_resources [--arch 90] [--head-dim 64 128] \
-        [--precision bf16 int8 int4 int2 fp8] --out results/kernel_resources
+        [--precision bf16 int8 int4 int2 fp8] [--split-launch W:N:S] --out results/kernel_resources
 
 Each kernel (decode split, tail and merge, extend, seal) is launched on a small case on the CPU with
 its launch intercepted: Triton's own argument binder specializes the arguments (types, 16-byte
 alignment) for the CUDA target, `triton.compile` builds it, and its `ptxas -v` run (ptxas ships
 with Triton) reports registers and spills. Shapes: 8 KV heads, GQA 4, page size 64, bfloat16 rows.
 A compile-time figure, not a timing: it shows whether a build spills and how many programs an
-SM holds. Must run without TRITON_INTERPRET (the kernels would be interpreted, not compiled).
-Writes kernel_resources.json and kernel_resources.md.
+SM holds, and, from the SASS, what a tile of tokens costs: the instructions a warp issues per
+key token in the largest innermost loop and their mix (`loop_mix`). `--split-launch` compiles the
+decode split kernel at other warps, BLOCK_N and stages than decode.DECODE_LAUNCH's (the launches
+`bench.decode_breakdown --sweep` times on a GPU). Must run without TRITON_INTERPRET (the kernels
+would be interpreted, not compiled). Writes kernel_resources.json and kernel_resources.md.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ class Build:
     half_loads: int  # 2-byte global loads (LDG .U16 / .S16)
     wide_loads: int  # 16-byte global loads (LDG .128, and cp.async LDGSTS .128)
     inner_loops: list[int]  # SASS instructions of each innermost loop body (distinct, largest first)
+    loop_mix: dict[str, int]  # the largest innermost loop's instructions by class (OP_CLASSES)
+    block_n: int  # key tokens per tile (the kernel's BLOCK_N as launched; 0 without one)
+    warp_instructions_per_token: float  # largest innermost loop x warps / block_n (0: no loop)
 
 
 @dataclass(frozen=True)
@@ -154,15 +160,42 @@ def sass_counts(sass: str) -> dict[str, object]:
                 branches.append((len(ops), target.group(0)))
             ops.append(found.group(2))
     loops = [(labels[t], i) for i, t in branches if t in labels and labels[t] < i]
-    inner = {end - start + 1 for start, end in loops
-             if not any(start <= s0 and e0 <= end and (s0, e0) != (start, end) for s0, e0 in loops)}
+    inner = [(start, end) for start, end in loops
+             if not any(start <= s0 and e0 <= end and (s0, e0) != (start, end) for s0, e0 in loops)]
+    largest = max(inner, key=lambda loop: loop[1] - loop[0], default=None)
     loads = [op for op in ops if op.startswith(("LDG.", "LDGSTS."))]
     return {"instructions": len(ops),
             "int_to_float": sum(op.split(".")[0] == "I2F" for op in ops),
             "byte_loads": sum(op.endswith((".U8", ".S8")) for op in loads),
             "half_loads": sum(op.endswith((".U16", ".S16")) for op in loads),
             "wide_loads": sum(op.endswith(".128") for op in loads),
-            "inner_loops": sorted(inner, reverse=True)}
+            "inner_loops": sorted({end - start + 1 for start, end in inner}, reverse=True),
+            "loop_mix": op_mix(ops[largest[0]:largest[1] + 1]) if largest else {}}
+
+
+OP_CLASSES = {
+    "mma": ("HMMA", "HGMMA", "IMMA", "QGMMA"),  # tensor cores
+    "bits": ("PRMT", "LOP3", "SHF"),  # byte permutes, logic and shifts: unpacking, packing pairs
+    "move": ("MOV", "IMAD.MOV", "CS2R"),  # register copies (IMAD.MOV is ptxas's move)
+    "float": ("FADD", "FMUL", "FFMA", "FMNMX", "FSETP", "FSEL", "MUFU", "HADD2", "HMUL2",
+              "HFMA2", "F2F", "F2FP", "FCHK"),
+    "shared": ("LDS", "LDSM", "STS", "STSM", "BAR"),  # shared memory: layout conversions
+    "shuffle": ("SHFL",),  # warp reductions
+    "global": ("LDG", "LDGSTS", "STG"),
+}
+"""Instruction classes of `op_mix`, matched on the opcode and its first modifier, longest
+prefix first; the rest is "int" (addresses, indices, predicates, branches)."""
+
+
+def op_mix(ops: list[str]) -> dict[str, int]:
+    """Counts of SASS opcodes (with their modifiers, e.g. IMAD.MOV.U32) by OP_CLASSES."""
+    names = sorted(((name, cls) for cls, names in OP_CLASSES.items() for name in names),
+                   key=lambda item: -len(item[0]))
+    counts = dict.fromkeys([*OP_CLASSES, "int"], 0)
+    for op in ops:
+        cls = next((c for name, c in names if op == name or op.startswith(name + ".")), "int")
+        counts[cls] += 1
+    return counts
 
 
 def ptxas_usage(text: str) -> dict[str, int]:
@@ -219,17 +252,51 @@ def case_launches(precision: str, head_dim: int) -> dict[str, Launch]:
     return seen
 
 
-def measure(precision: str, head_dim: int, arch: int) -> list[Build]:
+@contextmanager
+def split_launch(launch: tuple[int, int, int] | None) -> Iterator[None]:
+    """decode.DECODE_LAUNCH's (warps, BLOCK_N, stages) replaced by `launch` for every row layout
+    (None: as shipped). launch.joined_safe still raises BLOCK_N where it must."""
+    from sgl_ragged.kernels import decode
+
+    saved = dict(decode.DECODE_LAUNCH)
+    if launch is not None:
+        decode.DECODE_LAUNCH.update(dict.fromkeys(saved, launch))
+    try:
+        yield
+    finally:
+        decode.DECODE_LAUNCH.update(saved)
+
+
+def parse_launch(text: str) -> tuple[int, int, int]:
+    """W:N:S (split-kernel warps, BLOCK_N, pipelining stages) as a tuple."""
+    try:
+        warps, block_n, stages = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected W:N:S, e.g. 2:32:1") from None
+    if warps not in (1, 2, 4, 8) or block_n < 16 or block_n & (block_n - 1) or stages < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: warps 1, 2, 4 or 8, BLOCK_N a power of two of at least 16, stages >= 1")
+    return warps, block_n, stages
+
+
+def measure(precision: str, head_dim: int, arch: int,
+            split: tuple[int, int, int] | None = None) -> list[Build]:
     from sgl_ragged.kernels.occupancy import KernelResources, SMLimits, programs_per_sm
 
     builds = []
-    for name, launch in case_launches(precision, head_dim).items():
+    with split_launch(split):
+        launches = case_launches(precision, head_dim)
+    for name, launch in launches.items():
         usage, shared, sass = compile_launch(launch, arch)
         warps = launch.kwargs.get("num_warps", 4)
         per_sm = programs_per_sm(KernelResources(usage["registers"], shared, warps), SMLimits())
+        counts = sass_counts(sass)
+        block_n = int(launch.kwargs.get("BLOCK_N", 0))
+        loop = counts["inner_loops"][0] if counts["inner_loops"] else 0
+        per_token = round(loop * warps / block_n, 1) if block_n else 0.0
         builds.append(Build(name, precision, head_dim, warps, usage["registers"],
                             usage["spill_bytes"], usage["stack_bytes"], shared, per_sm,
-                            **sass_counts(sass)))
+                            **counts, block_n=block_n, warp_instructions_per_token=per_token))
         print(f"{precision} D={head_dim} {name}: {usage['registers']} registers, "
               f"{usage['spill_bytes']} B spilled, {per_sm} programs/SM", file=sys.stderr)
     return builds
@@ -240,16 +307,28 @@ def markdown(builds: list[Build], arch: int) -> str:
              "spilled bytes (stores + loads) and stack; shared memory per program; programs one "
              "SM holds (kernels/occupancy.py, sm_90 limits); SASS instructions (each counted "
              "once), int-to-float conversions, global loads 1, 2 and 16 bytes wide, and the "
-             "instructions of each innermost loop (per thread per tile of tokens).", "",
-             "| kernel | rows | head_dim | warps | registers | spilled B | stack B | shared B "
-             "| programs/SM | SASS | I2F | 1-B loads | 2-B loads | 16-B loads | inner loops |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "instructions of each innermost loop (per thread per tile of BLOCK_N tokens), and "
+             "the largest one's instructions a warp issues per key token.", "",
+             "| kernel | rows | head_dim | warps | BLOCK_N | registers | spilled B | stack B "
+             "| shared B | programs/SM | SASS | I2F | 1-B loads | 2-B loads | 16-B loads "
+             "| inner loops | warp instructions per token |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for b in builds:
         lines.append(f"| {b.kernel} | {b.precision} | {b.head_dim} | {b.num_warps} | "
-                     f"{b.registers} | {b.spill_bytes} | {b.stack_bytes} | {b.shared_bytes} | "
-                     f"{b.programs_per_sm} | {b.instructions} | {b.int_to_float} | "
-                     f"{b.byte_loads} | {b.half_loads} | {b.wide_loads} | "
-                     f"{' / '.join(map(str, b.inner_loops)) or '-'} |")
+                     f"{b.block_n or '-'} | {b.registers} | {b.spill_bytes} | {b.stack_bytes} | "
+                     f"{b.shared_bytes} | {b.programs_per_sm} | {b.instructions} | "
+                     f"{b.int_to_float} | {b.byte_loads} | {b.half_loads} | {b.wide_loads} | "
+                     f"{' / '.join(map(str, b.inner_loops)) or '-'} | "
+                     f"{b.warp_instructions_per_token or '-'} |")
+    classes = [*OP_CLASSES, "int"]
+    lines += ["", "The largest innermost loop by instruction class (per thread per tile; "
+              "bench.kernel_resources.OP_CLASSES):", "",
+              "| kernel | rows | head_dim | " + " | ".join(classes) + " |",
+              "|---|---|---|" + "---|" * len(classes)]
+    for b in builds:
+        if b.loop_mix:
+            lines.append(f"| {b.kernel} | {b.precision} | {b.head_dim} | "
+                         + " | ".join(str(b.loop_mix[c]) for c in classes) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -259,14 +338,19 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--precision", nargs="+", choices=[*PRECISION_CHOICES, *PAIR_CHOICES],
                         default=list(PRECISION_CHOICES))
+    parser.add_argument("--split-launch", type=parse_launch, metavar="W:N:S",
+                        help="the decode split kernel's warps, BLOCK_N and pipelining stages "
+                             "for every precision (default: decode.DECODE_LAUNCH)")
     parser.add_argument("--out", type=Path, default=Path("results/kernel_resources"))
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
-    builds = [b for d in args.head_dim for p in args.precision for b in measure(p, d, args.arch)]
+    builds = [b for d in args.head_dim for p in args.precision
+              for b in measure(p, d, args.arch, args.split_launch)]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernel_resources.json").write_text(
-        json.dumps({"arch": args.arch, "builds": [asdict(b) for b in builds]}, indent=2))
+        json.dumps({"arch": args.arch, "split_launch": args.split_launch,
+                    "builds": [asdict(b) for b in builds]}, indent=2))
     table = markdown(builds, args.arch)
     (args.out / "kernel_resources.md").write_text(table)
     print(table)

@@ -33,9 +33,14 @@ STOCK_KV_BYTES = {"bf16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 STOCK_BACKEND = {"cpu": "torch_native", "cuda": "triton"}
 # What every server needs on a lent GPU machine without the sgl-kernel wheel (docs/gpu_serving.md):
 # norms, activations and rotary embedding on their torch forward_native, no version check of the
-# absent package, and SGLang's CUDA platform (testing.server sets the CPU engine) ...
+# absent package, SGLang's CUDA platform (testing.server sets the CPU engine), and the radix
+# tree's pure-Python core: the Rust one (the only extension in SGLang's wheel that links
+# libtorch) is built against torch 2.14 and, under the machine's torch 2.11, read the int64 token
+# slots it is handed as uint8 and stopped the scheduler at the first prefill ("insert value must
+# be an int64 tensor, got Uint8"; seen on the CPU in a copy of the machine's packages) ...
 GPU_ENV = {"SGLANG_USE_CPU_ENGINE": "0", "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",
-           "SGLANG_FORCE_FUSED_OP_BACKEND": "torch"}
+           "SGLANG_FORCE_FUSED_OP_BACKEND": "torch",
+           "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python"}
 # ... and its arguments: torch sampling (no FlashInfer kernels), no grammar backend, prefill CUDA
 # graphs off (the ragged backend plans each chunk on the host; stock runs the same way).
 GPU_ARGS = ("--sampling-backend", "pytorch", "--grammar-backend", "none",

@@ -18,8 +18,10 @@ rc=0
 python3 scripts/gpu_codes_bisect.py pv >"$work/pv.txt" 2>&1 || rc=1
 RAGGED_TRITON_PLANES=1 python3 -m pytest -q -rs -p no:cacheprovider -n 4 \
   tests/unit/test_kernels_attention.py >"$work/planes_tests.txt" 2>&1 || rc=1
+# 4:32:1 beside the shipped launch: 12 warps per SM instead of 8, at 1.5x the instructions per
+# token (sm_90 SASS, docs/results.md "Where an int4 tile's instructions go"): latency or issue?
 OUT="$work/check" ./scripts/gpu_check.sh --precision int4 --batch 16 64 --context 8192 65536 \
-  --warmup 3 --repeats 10 -- --sweep shipped --splits uniform aot >/dev/null 2>&1 || rc=1
+  --warmup 3 --repeats 10 -- --sweep shipped 4:32:1 --splits uniform aot >/dev/null 2>&1 || rc=1
 RAGGED_TRITON_PLANES=1 python3 -m bench.decode_breakdown --out "$work/planes" \
   --precision int4 --batch 16 64 --context 8192 65536 --warmup 3 --repeats 10 \
   --sweep shipped --splits uniform >"$work/planes/breakdown.txt" 2>&1 || rc=1

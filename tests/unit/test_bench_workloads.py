@@ -255,3 +255,14 @@ def test_gpu_serve_shares_the_gpu_settings():
     from bench import gpu_serve
 
     assert gpu_serve.GPU_ENV is GPU_ENV and gpu_serve.GPU_ARGS is GPU_ARGS
+
+
+def test_gpu_env_names_a_radix_tree_core_sglang_has():
+    # The lent machine's torch is not the one SGLang's Rust tree core was built against: GPU
+    # servers take the pure-Python core, by a name SGLang's registry must still know.
+    from sglang.srt.mem_cache.unified_cache.tree_core_registry import (
+        registered_tree_core_backends,
+    )
+
+    core = GPU_ENV["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"]
+    assert core == "python" and core in registered_tree_core_backends()

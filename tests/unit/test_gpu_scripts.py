@@ -19,7 +19,7 @@ from sgl_ragged.testing.server import ServerError
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("gpu_setup.sh", "gpu_serve.sh", "gpu_multiturn.sh", "gpu_check.sh", "gpu_wheels.sh",
-           "gpu_issue21.sh")
+           "gpu_issue21.sh", "device_replica.sh")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)

@@ -10,11 +10,14 @@ would for sm_90, with ptxas, in a process without TRITON_INTERPRET.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from sgl_ragged.precision import PRECISION_CHOICES
 
@@ -38,6 +41,8 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     for b in builds:
         assert 0 < b["registers"] <= 255, b
         assert b["programs_per_sm"] >= 1, b
+        if b["inner_loops"]:  # the mix is of the largest loop, every instruction in one class
+            assert sum(b["loop_mix"].values()) == b["inner_loops"][0], b
     # What the attention kernels spend per token (bench.kernel_resources's SASS counts):
     by = {(b["kernel"], b["precision"]): b for b in builds}
     for kernel in ("decode split", "extend"):
@@ -53,6 +58,30 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     # Drop-only rows too arrive 16 bytes at a time, not 2.
     assert by["decode split", "bf16"]["half_loads"] == 0
     assert by["decode split", "bf16"]["wide_loads"] > 0
+
+
+def test_split_launch_compiles_the_split_kernel_as_asked(tmp_path):
+    from bench.kernel_resources import parse_launch
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.kernel_resources", "--head-dim", "64", "--precision",
+         "bf16", "int4", "--split-launch", "2:64:1", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    report = json.loads((tmp_path / "kernel_resources.json").read_text())
+    assert report["split_launch"] == [2, 64, 1]
+    split = [b for b in report["builds"] if b["kernel"] == "decode split"]
+    assert [(b["precision"], b["num_warps"], b["block_n"]) for b in split] == [
+        ("bf16", 2, 64), ("int4", 2, 64)]
+    for b in split:  # a warp's instructions per key token: the tile loop x warps / BLOCK_N
+        assert b["warp_instructions_per_token"] == round(b["inner_loops"][0] * 2 / 64, 1) > 0
+    assert "warp instructions per token" in (tmp_path / "kernel_resources.md").read_text()
+    assert parse_launch("1:32:2") == (1, 32, 2)
+    for bad in ("1:32", "3:32:1", "1:24:1", "1:32:0", "a:b:c"):
+        with pytest.raises(argparse.ArgumentTypeError, match="W:N:S|warps"):
+            parse_launch(bad)
 
 
 def test_sass_counts_read_loads_conversions_and_inner_loops():
@@ -71,8 +100,22 @@ def test_sass_counts_read_loads_conversions_and_inner_loops():
 .L_x_2:
         /*0070*/                   EXIT ;
 """
+    mix = {"mma": 0, "bits": 0, "move": 0, "float": 0, "shared": 0, "shuffle": 0, "global": 0,
+           "int": 2}
     assert sass_counts(sass) == {"instructions": 8, "int_to_float": 1, "byte_loads": 1,
-                                 "half_loads": 1, "wide_loads": 1, "inner_loops": [2]}
+                                 "half_loads": 1, "wide_loads": 1, "inner_loops": [2],
+                                 "loop_mix": mix}
+
+
+def test_op_mix_classes_opcodes_by_their_first_modifier():
+    from bench.kernel_resources import op_mix
+
+    ops = ["HMMA.16816.F32.BF16", "PRMT", "LOP3.LUT", "SHF.R.U32.HI", "IMAD.MOV.U32", "MOV",
+           "CS2R", "IMAD.SHL.U32", "IMAD.WIDE.U32", "F2FP.BF16.F32.PACK_AB", "MUFU.EX2",
+           "FMUL", "LDSM.16.M88.4", "LDS.128", "STS.128", "BAR.SYNC.DEFER_BLOCKING",
+           "SHFL.BFLY", "LDG.E.128", "LDGSTS.E.BYPASS.128", "ISETP.GE.AND", "BRA"]
+    assert op_mix(ops) == {"mma": 1, "bits": 3, "move": 3, "float": 3, "shared": 4,
+                           "shuffle": 1, "global": 2, "int": 4}
 
 
 def test_native_level_unpacks_in_ptx_where_every_thread_holds_4_codes(monkeypatch):

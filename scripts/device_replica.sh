@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# A copy, on this CPU machine, of what a lent GPU machine serves SGLang with: Python 3.12, its
+# torch 2.11 / Triton 3.6 / transformers 5.17 / torchvision 0.26 (not the project venv's torch
+# 2.14), SGLang and its missing dependencies from the carried wheels installed without their
+# dependencies (scripts/gpu_wheels.txt bundle 1, as scripts/gpu_setup.sh installs them there),
+# this package, and the sgl_kernel stand-in's import hook. Failures of version skew (SGLang built
+# against torch 2.14, run on 2.11) show here without device time; CUDA-only paths do not.
+#   ./scripts/device_replica.sh                     # build it (~3 GB, a few minutes), print its python
+#   ./scripts/device_replica.sh python -m bench.multiturn --launch baseline ...   # run in it
+# The venv lives at ${RAGGED_CACHE:-~/.cache/sgl-ragged}/device-replica-<hash of this script and
+# gpu_wheels.txt>. The machine's own package set is not recorded anywhere: besides the stack
+# above it holds what SGLang's server imports that bundle 1 leaves out (uvloop, scipy, einops,
+# ...: session 18's server got past those imports there).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cache="${RAGGED_CACHE:-$HOME/.cache/sgl-ragged}"
+hash=$(cat scripts/device_replica.sh scripts/gpu_wheels.txt | sha256sum | cut -c1-12)
+venv="$cache/device-replica-$hash"
+# What the lent machine holds besides torch, Triton and transformers.
+MACHINE=(torch==2.11.0 triton==3.6.0 transformers==5.17.0 torchvision==0.26.0 numpy aiohttp
+         requests psutil pillow pytest huggingface_hub sentencepiece safetensors)
+ASSUMED=(uvloop==0.23.0 prometheus-client==0.26.0 einops==0.8.2 scipy==1.17.1
+         python-dateutil==2.9.0.post0 xxhash==4.1.0 tiktoken==0.14.0 ninja==1.13.2
+         nvidia-ml-py==13.615.71 numba==0.65.1 llvmlite==0.47.0)  # the project venv's versions
+if [[ ! -x "$venv/bin/python" ]]; then
+  py=$(command -v python3.12 || true)
+  [[ -n "$py" ]] && "$py" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null \
+    || py=$(ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)
+  [[ -n "$py" ]] || { echo "device_replica: no Python 3.12 here (the lent machine's version)" >&2; exit 1; }
+  echo "[device_replica] building $venv (~3 GB)" >&2
+  rm -rf "$venv.tmp" && "$py" -m venv "$venv.tmp"
+  "$venv.tmp/bin/pip" install -q "${MACHINE[@]}"
+  "$venv.tmp/bin/pip" install -q --no-deps "${ASSUMED[@]}"
+  ls .whl/sglang-*.whl >/dev/null 2>&1 || ./scripts/gpu_wheels.sh 1 >&2
+  "$venv.tmp/bin/pip" install -q --no-index --no-deps --no-compile .whl/*.whl
+  mv "$venv.tmp" "$venv"
+fi
+# This checkout, editable, and the stand-in's hook (both cheap: every call).
+"$venv/bin/pip" install -q --no-deps --no-build-isolation -e . >/dev/null
+"$venv/bin/python" -c 'from sgl_ragged.compat.sgl_kernel_cpu import write_import_hook as w; w()'
+if [[ $# -eq 0 ]]; then
+  echo "$venv/bin/python"
+  exit 0
+fi
+export PATH="$venv/bin:$PATH"
+unset PYTHONPATH
+exec "$@"
