@@ -22,18 +22,18 @@ MACHINE=(torch==2.11.0 triton==3.6.0 transformers==5.17.0 torchvision==0.26.0 nu
 ASSUMED=(uvloop==0.23.0 prometheus-client==0.26.0 einops==0.8.2 scipy==1.17.1
          python-dateutil==2.9.0.post0 xxhash==4.1.0 tiktoken==0.14.0 ninja==1.13.2
          nvidia-ml-py==13.615.71 numba==0.65.1 llvmlite==0.47.0)  # the project venv's versions
-if [[ ! -x "$venv/bin/python" ]]; then
+if [[ ! -f "$venv/.complete" ]]; then
   py=$(command -v python3.12 || true)
   [[ -n "$py" ]] && "$py" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null \
     || py=$(ls -d "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)
   [[ -n "$py" ]] || { echo "device_replica: no Python 3.12 here (the lent machine's version)" >&2; exit 1; }
   echo "[device_replica] building $venv (~3 GB)" >&2
-  rm -rf "$venv.tmp" && "$py" -m venv "$venv.tmp"
-  "$venv.tmp/bin/pip" install -q "${MACHINE[@]}"
-  "$venv.tmp/bin/pip" install -q --no-deps "${ASSUMED[@]}"
+  rm -rf "$venv" && "$py" -m venv "$venv"  # in place: a venv's scripts name their path
+  "$venv/bin/pip" install -q "${MACHINE[@]}"
+  "$venv/bin/pip" install -q --no-deps "${ASSUMED[@]}"
   ls .whl/sglang-*.whl >/dev/null 2>&1 || ./scripts/gpu_wheels.sh 1 >&2
-  "$venv.tmp/bin/pip" install -q --no-index --no-deps --no-compile .whl/*.whl
-  mv "$venv.tmp" "$venv"
+  "$venv/bin/pip" install -q --no-index --no-deps --no-compile .whl/*.whl
+  touch "$venv/.complete"
 fi
 # This checkout, editable, and the stand-in's hook (both cheap: every call).
 "$venv/bin/pip" install -q --no-deps --no-build-isolation -e . >/dev/null
