@@ -17,11 +17,14 @@ cache="${RAGGED_CACHE:-$HOME/.cache/sgl-ragged}"
 hash=$(cat scripts/device_replica.sh scripts/gpu_wheels.txt | sha256sum | cut -c1-12)
 venv="$cache/device-replica-$hash"
 # What the lent machine holds besides torch, Triton and transformers.
-MACHINE=(torch==2.11.0 triton==3.6.0 transformers==5.17.0 torchvision==0.26.0 numpy aiohttp
-         requests psutil pillow pytest huggingface_hub sentencepiece safetensors)
+# numpy at the project venv's version: Triton 3.6's interpreter fails on numpy 2.5 (a 1-element
+# loop bound is no longer a Python int), which the tests here would meet, not the machine.
+MACHINE=(torch==2.11.0 triton==3.6.0 transformers==5.17.0 torchvision==0.26.0 numpy==2.3.5
+         aiohttp requests psutil pillow pytest huggingface_hub sentencepiece safetensors)
 ASSUMED=(uvloop==0.23.0 prometheus-client==0.26.0 einops==0.8.2 scipy==1.17.1
          python-dateutil==2.9.0.post0 xxhash==4.1.0 tiktoken==0.14.0 ninja==1.13.2
          nvidia-ml-py==13.615.71 numba==0.65.1 llvmlite==0.47.0)  # the project venv's versions
+TESTS=(hypothesis==6.170.15 sortedcontainers==2.4.0)  # not on the machine: for tests/unit here
 if [[ ! -f "$venv/.complete" ]]; then
   py=$(command -v python3.12 || true)
   [[ -n "$py" ]] && "$py" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null \
@@ -30,7 +33,7 @@ if [[ ! -f "$venv/.complete" ]]; then
   echo "[device_replica] building $venv (~3 GB)" >&2
   rm -rf "$venv" && "$py" -m venv "$venv"  # in place: a venv's scripts name their path
   "$venv/bin/pip" install -q "${MACHINE[@]}"
-  "$venv/bin/pip" install -q --no-deps "${ASSUMED[@]}"
+  "$venv/bin/pip" install -q --no-deps "${ASSUMED[@]}" "${TESTS[@]}"
   ls .whl/sglang-*.whl >/dev/null 2>&1 || ./scripts/gpu_wheels.sh 1 >&2
   "$venv/bin/pip" install -q --no-index --no-deps --no-compile .whl/*.whl
   touch "$venv/.complete"
