@@ -4,8 +4,8 @@
 # install and the checkpoint for the next call (./scripts/gpu_serve.sh) build meanwhile.
 #   device run:  PYTHONUNBUFFERED=1 ./scripts/gpu_issue21.sh        (timeout_s 420)
 # Everything lands in one archive, $OUT/issue21.tgz (a call brings back at most 8 files):
-# pv.txt, planes_tests.txt, check/ (gpu_check.sh's files), planes/ (the split-planes
-# breakdown); summary.txt beside it.
+# pip_list.txt, pv.txt, planes_tests.txt, check/ (gpu_check.sh's files), planes/ (the
+# split-planes breakdown); summary.txt beside it.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 work=/tmp/issue21
@@ -15,6 +15,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 (out=/tmp/gpu_setup; source scripts/gpu_setup.sh --layers 8 >"$work/setup.txt" 2>&1) &
 setup=$!
 rc=0
+# The machine's packages, for scripts/device_replica.sh (its list is inferred until this is read).
+python3 -m pip list --format=freeze >"$work/pip_list.txt" 2>&1
 python3 scripts/gpu_codes_bisect.py pv >"$work/pv.txt" 2>&1 || rc=1
 RAGGED_TRITON_PLANES=1 python3 -m pytest -q -rs -p no:cacheprovider -n 4 \
   tests/unit/test_kernels_attention.py >"$work/planes_tests.txt" 2>&1 || rc=1
