@@ -8,9 +8,9 @@
 #   ./scripts/device_replica.sh                     # build it (~3 GB, a few minutes), print its python
 #   ./scripts/device_replica.sh python -m bench.multiturn --launch baseline ...   # run in it
 # The venv lives at ${RAGGED_CACHE:-~/.cache/sgl-ragged}/device-replica-<hash of this script and
-# gpu_wheels.txt>. The machine's own package set is not recorded anywhere: besides the stack
-# above it holds what SGLang's server imports that bundle 1 leaves out (uvloop, scipy, einops,
-# ...: session 18's server got past those imports there).
+# gpu_wheels.txt>. The machine's own package set is not yet recorded (gpu_issue21.sh's
+# pip_list.txt will be): besides the stack above it holds what SGLang's server imports that
+# bundle 1 leaves out (uvloop, scipy, einops, ...: session 18's server got past those imports).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 cache="${RAGGED_CACHE:-$HOME/.cache/sgl-ragged}"
