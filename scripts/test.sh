@@ -19,7 +19,7 @@ fi
 out="$(mktemp -d /tmp/sgl-ragged-shards.XXXXXX)"
 pids=()
 for shard in e2e-a e2e-b; do
-  RAGGED_TEST_SHARD=$shard python -m pytest -q -p no:cacheprovider >"$out/$shard.log" 2>&1 &
+  RAGGED_TEST_SHARD=$shard python -m pytest -q -p no:cacheprovider --durations=15 >"$out/$shard.log" 2>&1 &
   pids+=("$!")
   echo "[test.sh] shard $shard started (pid $!, output in $out/$shard.log)"
 done
@@ -28,7 +28,7 @@ trap stop_shards INT TERM
 
 start=$SECONDS
 rc=0
-RAGGED_TEST_SHARD=unit python -m pytest -q 2>&1 | tee "$out/unit.log" || rc=$?
+RAGGED_TEST_SHARD=unit python -m pytest -q --durations=25 2>&1 | tee "$out/unit.log" || rc=$?
 summary=("unit: rc $rc after $(( (SECONDS - start) / 60 )) min, $(tail -n 1 "$out/unit.log")")
 i=0
 for shard in e2e-a e2e-b; do
