@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Run the test suite in the pinned venv; arguments go to pytest.
-#   ./scripts/test.sh                    # everything: three shards side by side (below)
+#   ./scripts/test.sh                    # everything: four shards side by side (below)
 #   ./scripts/test.sh tests/unit -k pool # a subset, one pytest process
 #   RAGGED_TEST_SERIAL=1 ./scripts/test.sh  # everything in one process
-# Without arguments the suite runs as three pytest processes at once (tests/conftest.py,
-# RAGGED_TEST_SHARD): the unit tests in the foreground, the two halves of the end-to-end
+# Without arguments the suite runs as four pytest processes at once (tests/conftest.py,
+# RAGGED_TEST_SHARD): unit-a in the foreground; unit-b and the two halves of the end-to-end
 # modules with their output in files, printed when they end. The exit status is the first
-# nonzero one of the three (5 where a shard collected no tests).
+# nonzero one of the four (5 where a shard collected no tests).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
@@ -18,8 +18,8 @@ fi
 
 out="$(mktemp -d /tmp/sgl-ragged-shards.XXXXXX)"
 pids=()
-for shard in e2e-a e2e-b; do
-  RAGGED_TEST_SHARD=$shard python -m pytest -q -p no:cacheprovider --durations=15 >"$out/$shard.log" 2>&1 &
+for shard in unit-b e2e-a e2e-b; do
+  RAGGED_TEST_SHARD=$shard python -m pytest -q -p no:cacheprovider --durations=25 >"$out/$shard.log" 2>&1 &
   pids+=("$!")
   echo "[test.sh] shard $shard started (pid $!, output in $out/$shard.log)"
 done
@@ -28,18 +28,33 @@ trap stop_shards INT TERM
 
 start=$SECONDS
 rc=0
-RAGGED_TEST_SHARD=unit python -m pytest -q --durations=25 2>&1 | tee "$out/unit.log" || rc=$?
-summary=("unit: rc $rc after $(( (SECONDS - start) / 60 )) min, $(tail -n 1 "$out/unit.log")")
-i=0
-for shard in e2e-a e2e-b; do
-  shard_rc=0
-  wait "${pids[$i]}" || shard_rc=$?
-  i=$((i + 1))
-  echo
-  echo "[test.sh] ===== shard $shard (rc $shard_rc) ====="
-  cat "$out/$shard.log"
-  summary+=("$shard: rc $shard_rc, $(tail -n 1 "$out/$shard.log")")
-  if [[ $rc -eq 0 ]]; then rc=$shard_rc; fi
+RAGGED_TEST_SHARD=unit-a python -m pytest -q --durations=25 2>&1 | tee "$out/unit-a.log" || rc=$?
+summary=("unit-a: rc $rc after $(( (SECONDS - start) / 60 )) min, $(tail -n 1 "$out/unit-a.log")")
+# The others: each one's output as soon as it ends; meanwhile a progress line a minute (so a
+# run stopped from outside still shows where every shard was).
+shards=(unit-b e2e-a e2e-b)
+done_=(0 0 0)
+left=3
+while [[ $left -gt 0 ]]; do
+  for i in 0 1 2; do
+    [[ ${done_[$i]} -eq 1 ]] && continue
+    kill -0 "${pids[$i]}" 2>/dev/null && continue
+    shard_rc=0
+    wait "${pids[$i]}" || shard_rc=$?
+    done_[$i]=1
+    left=$((left - 1))
+    echo
+    echo "[test.sh] ===== shard ${shards[$i]} (rc $shard_rc, $(( (SECONDS - start) / 60 )) min) ====="
+    cat "$out/${shards[$i]}.log"
+    summary+=("${shards[$i]}: rc $shard_rc after $(( (SECONDS - start) / 60 )) min, $(tail -n 1 "$out/${shards[$i]}.log")")
+    if [[ $rc -eq 0 ]]; then rc=$shard_rc; fi
+  done
+  if [[ $left -gt 0 ]]; then
+    sleep 60
+    for i in 0 1 2; do
+      [[ ${done_[$i]} -eq 1 ]] || echo "[test.sh] $(( (SECONDS - start) / 60 )) min, ${shards[$i]} running: $(tail -c 80 "$out/${shards[$i]}.log" | tr '\n' ' ')"
+    done
+  fi
 done
 echo
 echo "[test.sh] all shards done after $(( (SECONDS - start) / 60 )) min:"

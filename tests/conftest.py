@@ -41,26 +41,39 @@ if INTERPRET:
     _import_kernels_interpreted()
 
 
-# ---- Shards: scripts/test.sh runs the suite as three pytest processes side by side ----
+# ---- Shards: scripts/test.sh runs the suite as four pytest processes side by side ----
 # Most of an end-to-end module's time is a server's start (about 40 s of single-threaded imports
-# per server) and small forwards, so on a 2-core machine the unit tests and two halves of the
-# end-to-end modules overlap well (one process: over 90 minutes on a CPU without AVX512-BF16).
-# A module's session-scoped servers (ragged_server, oracle_pair) start once per process, so the
-# modules that share one stay in one shard.
+# per server) and small forwards, and most of the unit tests' is Triton's interpreter, in
+# Python: on a 2-core machine four shards keep both cores busy to the end (one process: over
+# 90 minutes on a CPU without AVX512-BF16). A session-scoped server (ragged_server,
+# oracle_pair) starts once per process, so the modules that share one stay in one shard, and
+# within an end-to-end shard they run last: the servers alive at once (each SGLang CPU server
+# is 3-4 GB in three processes) stay few.
 SHARD_ENV = "RAGGED_TEST_SHARD"
-SHARDS = ("unit", "e2e-a", "e2e-b")
+SHARDS = ("unit-a", "unit-b", "e2e-a", "e2e-b")
+UNIT_B_MODULES = ("test_cuda_graph.py", "test_high_tier.py", "test_kernels_aot.py",
+                  "test_kernels_attention.py", "test_kernels_backend.py",
+                  "test_kernels_compile.py", "test_kernels_seal.py", "test_mixed_tiers.py",
+                  "test_bench_triton_baseline.py")
+"""tests/unit modules of shard unit-b (the Triton kernels under the interpreter, and their sm_90
+builds); the others are unit-a."""
 E2E_B_MODULES = ("test_equivalence.py", "test_precision.py",  # oracle_pair
                  "test_native_attention.py", "test_calibrated_profile.py",
                  "test_tensor_parallel.py")
 """tests/e2e modules of shard e2e-b (about half of the end-to-end server time); the others,
 the shared ragged_server's modules among them, are e2e-a."""
+SESSION_SERVERS = ("ragged_server", "oracle_pair")
 
 
 def shard_of(path: Path) -> str:
     """The shard a test file belongs to."""
-    if path.parent.name != "e2e":
-        return "unit"
-    return "e2e-b" if path.name in E2E_B_MODULES else "e2e-a"
+    if path.parent.name == "e2e":
+        return "e2e-b" if path.name in E2E_B_MODULES else "e2e-a"
+    return "unit-b" if path.name in UNIT_B_MODULES else "unit-a"
+
+
+def _uses_session_server(item: pytest.Item) -> bool:
+    return any(name in SESSION_SERVERS for name in getattr(item, "fixturenames", ()))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -73,4 +86,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     keep = [item for item in items if shard_of(item.path) == shard]
     if len(keep) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if shard_of(item.path) != shard])
-        items[:] = keep
+    # Modules with a session-scoped server last (stable: module order kept otherwise).
+    shared = {item.path for item in keep if _uses_session_server(item)}
+    items[:] = sorted(keep, key=lambda item: item.path in shared)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import E2E_B_MODULES, SHARD_ENV, SHARDS, shard_of
+from tests.conftest import E2E_B_MODULES, SHARD_ENV, SHARDS, UNIT_B_MODULES, shard_of
 
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
@@ -30,9 +30,10 @@ def _session_fixtures() -> set[str]:
     return names - {"model_path"}  # a path, not a server
 
 
-def test_every_named_e2e_module_exists():
-    e2e = {p.name for p in (TESTS / "e2e").glob("test_*.py")}
-    assert set(E2E_B_MODULES) <= e2e, set(E2E_B_MODULES) - e2e
+def test_every_named_module_exists():
+    for folder, names in (("e2e", E2E_B_MODULES), ("unit", UNIT_B_MODULES)):
+        there = {p.name for p in (TESTS / folder).glob("test_*.py")}
+        assert set(names) <= there, set(names) - there
 
 
 def test_each_shared_server_is_used_from_one_shard():
@@ -45,7 +46,8 @@ def test_each_shared_server_is_used_from_one_shard():
 
 
 def test_files_map_to_their_shards():
-    assert shard_of(TESTS / "unit" / "test_quant.py") == "unit"
+    assert shard_of(TESTS / "unit" / "test_quant.py") == "unit-a"
+    assert shard_of(TESTS / "unit" / "test_kernels_attention.py") == "unit-b"
     assert shard_of(TESTS / "e2e" / "test_serving.py") == "e2e-a"
     assert shard_of(TESTS / "e2e" / "test_precision.py") == "e2e-b"
     assert {shard_of(p) for p in (TESTS / "e2e").glob("test_*.py")} == {"e2e-a", "e2e-b"}
@@ -60,11 +62,15 @@ def _collected(shard: str, *paths: str) -> tuple[int, str]:
 
 
 def test_the_environment_selects_one_shard():
-    paths = ("tests/unit/test_shards.py", "tests/e2e/test_precision.py", "tests/e2e/test_fuzz.py")
+    paths = ("tests/unit/test_shards.py", "tests/unit/test_kernels_aot.py",
+             "tests/e2e/test_fuzz.py", "tests/e2e/test_readme_server.py",
+             "tests/e2e/test_precision.py")
     for shard in SHARDS:
         rc, out = _collected(shard, *paths)
-        listed = {line.split("::")[0] for line in out.splitlines() if "::" in line}
+        order = [line.split("::")[0] for line in out.splitlines() if "::" in line]
         assert rc == 0, out
-        assert listed and {shard_of(ROOT / p) for p in listed} == {shard}, (shard, listed)
+        assert order and {shard_of(ROOT / p) for p in order} == {shard}, (shard, order)
+        if shard == "e2e-a":  # the shared ragged_server's module after the one with its own
+            assert order.index("tests/e2e/test_fuzz.py") > order.index("tests/e2e/test_readme_server.py")
     rc, out = _collected("gpu", *paths)
     assert rc != 0 and f"{SHARD_ENV}=gpu is not a shard" in out
