@@ -51,12 +51,12 @@ if INTERPRET:
 # is 3-4 GB in three processes) stay few.
 SHARD_ENV = "RAGGED_TEST_SHARD"
 SHARDS = ("unit-a", "unit-b", "e2e-a", "e2e-b")
-UNIT_B_MODULES = ("test_cuda_graph.py", "test_high_tier.py", "test_kernels_aot.py",
-                  "test_kernels_attention.py", "test_kernels_backend.py",
-                  "test_kernels_compile.py", "test_kernels_seal.py", "test_mixed_tiers.py",
-                  "test_bench_triton_baseline.py")
+UNIT_B_MODULES = ("test_high_tier.py", "test_kernels_aot.py", "test_kernels_attention.py",
+                  "test_kernels_backend.py", "test_kernels_compile.py", "test_kernels_seal.py",
+                  "test_mixed_tiers.py", "test_bench_triton_baseline.py")
 """tests/unit modules of shard unit-b (the Triton kernels under the interpreter, and their sm_90
-builds); the others are unit-a."""
+builds); the others are unit-a, the decode-graph replays under the interpreter among them
+(with them unit-b was the longest shard by far, session 20)."""
 E2E_B_MODULES = ("test_equivalence.py", "test_precision.py",  # oracle_pair
                  "test_native_attention.py", "test_calibrated_profile.py",
                  "test_tensor_parallel.py")

@@ -5,15 +5,21 @@ exactly its shard's tests."""
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
 from pathlib import Path
+from types import SimpleNamespace
 
-from tests.conftest import E2E_B_MODULES, SHARD_ENV, SHARDS, UNIT_B_MODULES, shard_of
+import pytest
+
+from tests.conftest import (
+    E2E_B_MODULES,
+    SHARD_ENV,
+    SHARDS,
+    UNIT_B_MODULES,
+    pytest_collection_modifyitems,
+    shard_of,
+)
 
 TESTS = Path(__file__).resolve().parents[1]
-ROOT = TESTS.parent
 
 
 def _session_fixtures() -> set[str]:
@@ -53,24 +59,43 @@ def test_files_map_to_their_shards():
     assert {shard_of(p) for p in (TESTS / "e2e").glob("test_*.py")} == {"e2e-a", "e2e-b"}
 
 
-def _collected(shard: str, *paths: str) -> tuple[int, str]:
-    env = {**os.environ, SHARD_ENV: shard}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                           "-p", "no:cacheprovider", *paths], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    return proc.returncode, proc.stdout + proc.stderr
+def _items(*names: str, shared: tuple[str, ...] = ()) -> list[SimpleNamespace]:
+    """Stand-ins for collected tests: what the hook reads (path, fixturenames)."""
+    return [SimpleNamespace(path=TESTS / name, name=name,
+                            fixturenames=["ragged_server"] if name in shared else ["model_path"])
+            for name in names]
 
 
-def test_the_environment_selects_one_shard():
-    paths = ("tests/unit/test_shards.py", "tests/unit/test_kernels_aot.py",
-             "tests/e2e/test_fuzz.py", "tests/e2e/test_readme_server.py",
-             "tests/e2e/test_precision.py")
+def _select(shard: str, items: list[SimpleNamespace]) -> tuple[list[str], list[str]]:
+    deselected: list[str] = []
+    config = SimpleNamespace(hook=SimpleNamespace(
+        pytest_deselected=lambda items: deselected.extend(item.name for item in items)))
+    with pytest.MonkeyPatch.context() as mp:  # the shard this test itself runs in is kept
+        mp.setenv(SHARD_ENV, shard)
+        pytest_collection_modifyitems(config, items)
+    return [item.name for item in items], deselected
+
+
+def test_the_environment_selects_one_shard_in_order():
+    names = ("unit/test_quant.py", "unit/test_kernels_aot.py", "e2e/test_fuzz.py",
+             "e2e/test_fuzz.py", "e2e/test_readme_server.py", "e2e/test_precision.py")
     for shard in SHARDS:
-        rc, out = _collected(shard, *paths)
-        order = [line.split("::")[0] for line in out.splitlines() if "::" in line]
-        assert rc == 0, out
-        assert order and {shard_of(ROOT / p) for p in order} == {shard}, (shard, order)
-        if shard == "e2e-a":  # the shared ragged_server's module after the one with its own
-            assert order.index("tests/e2e/test_fuzz.py") > order.index("tests/e2e/test_readme_server.py")
-    rc, out = _collected("gpu", *paths)
-    assert rc != 0 and f"{SHARD_ENV}=gpu is not a shard" in out
+        kept, dropped = _select(shard, items := _items(*names, shared=("e2e/test_fuzz.py",)))
+        assert kept and all(shard_of(TESTS / n) == shard for n in kept)
+        assert sorted(kept + dropped) == sorted(names)
+        assert len(items) == len(kept)
+    # the shared ragged_server's module after the one with its own server, its tests together
+    assert _select("e2e-a", _items(*names, shared=("e2e/test_fuzz.py",)))[0] == [
+        "e2e/test_readme_server.py", "e2e/test_fuzz.py", "e2e/test_fuzz.py"]
+    kept, dropped = _select("unit-a", _items(*names))
+    assert kept == ["unit/test_quant.py"] and len(dropped) == 5
+
+
+def test_an_unknown_shard_is_refused_and_none_keeps_everything():
+    with pytest.raises(pytest.UsageError, match=f"{SHARD_ENV}=gpu is not a shard"):
+        _select("gpu", _items("unit/test_quant.py"))
+    items = _items("unit/test_quant.py", "e2e/test_fuzz.py")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(SHARD_ENV, raising=False)
+        pytest_collection_modifyitems(SimpleNamespace(), items)
+    assert [item.name for item in items] == ["unit/test_quant.py", "e2e/test_fuzz.py"]
