@@ -40,28 +40,36 @@ def _profile(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], ServerProcess]:
-    """ragged servers over the tiny model: {(profile name, tp size): server}, started together."""
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    """The tiny model and the two profiles: {name: --ragged-profile}."""
     root = tmp_path_factory.mktemp("tp")
     model = save_tiny_llama(root / "model", layers=LAYERS, kv_heads=KV_HEADS, q_heads=4)
-    profiles = {"uniform": "uniform:1.0", "sliced": str(_profile(root / "profile.json"))}
+    return model, {"uniform": "uniform:1.0", "sliced": str(_profile(root / "profile.json"))}
+
+
+@pytest.fixture(scope="module", params=["uniform", "sliced"])
+def servers(request: pytest.FixtureRequest, tiny_model) -> tuple[str, dict[int, ServerProcess]]:
+    """(profile name, {tp size: ragged server over the tiny model}), both started together; one
+    profile's pair at a time (four servers at once, six ranks, took 15 GB beside the suite's
+    other shards)."""
+    model, profiles = tiny_model
+    name = request.param
     log_dir = Path(os.environ.get("RAGGED_TEST_LOGS", "/tmp/sgl-ragged-test-logs"))
     made = {}
-    for name, spec in profiles.items():
-        for tp in (1, 2):
-            args = ["--model-path", str(model), "--device", "cpu", "--dtype", "float32",
-                    "--page-size", "64", "--chunked-prefill-size", "256", "--max-total-tokens",
-                    "4096", "--max-running-requests", "4", "--disable-radix-cache",
-                    "--attention-backend", "ragged", "--ragged-profile", spec,
-                    "--ragged-heads-per-group", "1", "--tp-size", str(tp)]
-            env = {**INTEGRITY_ENV, **({"SGLANG_CPU_OMP_THREADS_BIND": cpu_bind(tp)} if tp > 1 else {})}
-            made[name, tp] = ServerProcess(args, env=env, log_path=log_dir / f"tp{tp}-{name}.log",
-                                           startup_timeout=900)
+    for tp in (1, 2):
+        args = ["--model-path", str(model), "--device", "cpu", "--dtype", "float32",
+                "--page-size", "64", "--chunked-prefill-size", "256", "--max-total-tokens",
+                "4096", "--max-running-requests", "4", "--disable-radix-cache",
+                "--attention-backend", "ragged", "--ragged-profile", profiles[name],
+                "--ragged-heads-per-group", "1", "--tp-size", str(tp)]
+        env = {**INTEGRITY_ENV, **({"SGLANG_CPU_OMP_THREADS_BIND": cpu_bind(tp)} if tp > 1 else {})}
+        made[tp] = ServerProcess(args, env=env, log_path=log_dir / f"tp{tp}-{name}.log",
+                                 startup_timeout=900)
     try:
         with ThreadPoolExecutor(len(made)) as pool:
             for future in [pool.submit(s.start) for s in made.values()]:
                 future.result()
-        yield made
+        yield name, made
     finally:
         for server in made.values():
             server.stop()
@@ -75,23 +83,25 @@ def _greedy(server: ServerProcess, ids: list[int]) -> tuple[list[int], list[floa
     return [p[1] for p in pairs], [p[0] for p in pairs]
 
 
-@pytest.mark.parametrize("name", ["uniform", "sliced"])
-def test_tp2_gives_the_tokens_of_tp1(servers, name: str) -> None:
+def test_tp2_gives_the_tokens_of_tp1(servers) -> None:
+    name, by_tp = servers
     rng = random.Random(0)
     for length in (40, 200, 333):  # within one page; sealed pages; a partial tail page
         ids = [rng.randrange(256) for _ in range(length)]
-        tokens1, logprobs1 = _greedy(servers[name, 1], ids)
-        tokens2, logprobs2 = _greedy(servers[name, 2], ids)
+        tokens1, logprobs1 = _greedy(by_tp[1], ids)
+        tokens2, logprobs2 = _greedy(by_tp[2], ids)
         assert tokens2 == tokens1, f"{name}, {length} prompt tokens"
         assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2, strict=True)) < 1e-3
 
 
 def test_tp2_ranks_hold_their_slices_and_agree_on_capacity(servers) -> None:
-    log = servers["sliced", 2].log_text()
+    name, by_tp = servers
+    log = by_tp[2].log_text()
     lines = [line for line in log.splitlines() if "ragged capacity:" in line and "logical pages" in line]
     assert any("TP0" in line for line in lines) and any("TP1" in line for line in lines), lines
     # Same logical pages on both ranks although their rows differ in bytes (min over ranks).
     assert len({line.split("ragged capacity:")[1].split(" logical pages")[0] for line in lines}) == 1
     pools = [line for line in log.splitlines() if "Ragged KV cache:" in line]
     bytes_per_page = {re.search(r"(\d+) bytes per logical page", line).group(1) for line in pools}
-    assert len(pools) == 2 and len(bytes_per_page) == 2, pools  # each rank its own slice
+    # each rank its own slice: the sliced profile's ranks differ in bytes, uniform:1.0's do not
+    assert len(pools) == 2 and len(bytes_per_page) == {"sliced": 2, "uniform": 1}[name], pools
