@@ -17,10 +17,13 @@ if [[ $# -gt 0 || "${RAGGED_TEST_SERIAL:-0}" == 1 ]]; then
 fi
 
 out="$(mktemp -d /tmp/sgl-ragged-shards.XXXXXX)"
+shards=(unit-b e2e-a e2e-b)  # in the background; unit-a in the foreground
 pids=()
-for shard in unit-b e2e-a e2e-b; do
+done_=()
+for shard in "${shards[@]}"; do
   RAGGED_TEST_SHARD=$shard python -m pytest -q -p no:cacheprovider --durations=25 >"$out/$shard.log" 2>&1 &
   pids+=("$!")
+  done_+=(0)
   echo "[test.sh] shard $shard started (pid $!, output in $out/$shard.log)"
 done
 stop_shards() { kill "${pids[@]}" 2>/dev/null || true; }
@@ -32,11 +35,9 @@ RAGGED_TEST_SHARD=unit-a python -m pytest -q --durations=25 2>&1 | tee "$out/uni
 summary=("unit-a: rc $rc after $(( (SECONDS - start) / 60 )) min, $(tail -n 1 "$out/unit-a.log")")
 # The others: each one's output as soon as it ends; meanwhile a progress line a minute (so a
 # run stopped from outside still shows where every shard was).
-shards=(unit-b e2e-a e2e-b)
-done_=(0 0 0)
-left=3
+left=${#shards[@]}
 while [[ $left -gt 0 ]]; do
-  for i in 0 1 2; do
+  for i in "${!shards[@]}"; do
     [[ ${done_[$i]} -eq 1 ]] && continue
     kill -0 "${pids[$i]}" 2>/dev/null && continue
     shard_rc=0
@@ -51,7 +52,7 @@ while [[ $left -gt 0 ]]; do
   done
   if [[ $left -gt 0 ]]; then
     sleep 60
-    for i in 0 1 2; do
+    for i in "${!shards[@]}"; do
       [[ ${done_[$i]} -eq 1 ]] || echo "[test.sh] $(( (SECONDS - start) / 60 )) min, ${shards[$i]} running: $(tail -c 80 "$out/${shards[$i]}.log" | tr '\n' ' ')"
     done
   fi

@@ -62,7 +62,7 @@ E2E_B_MODULES = ("test_equivalence.py", "test_precision.py",  # oracle_pair
                  "test_tensor_parallel.py")
 """tests/e2e modules of shard e2e-b (about half of the end-to-end server time); the others,
 the shared ragged_server's modules among them, are e2e-a."""
-SESSION_SERVERS = ("ragged_server", "oracle_pair")
+SESSION_SERVERS = ("ragged_server", "oracle_pair")  # tests/e2e/conftest.py's (test_shards.py)
 
 
 def shard_of(path: Path) -> str:
@@ -83,9 +83,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if shard not in SHARDS:
         raise pytest.UsageError(f"{SHARD_ENV}={shard} is not a shard: use one of "
                                 f"{', '.join(SHARDS)}, or unset it for the whole suite")
-    keep = [item for item in items if shard_of(item.path) == shard]
-    if len(keep) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if shard_of(item.path) != shard])
+    keep, drop = [], []
+    for item in items:
+        (keep if shard_of(item.path) == shard else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
     # Modules with a session-scoped server last (stable: module order kept otherwise).
     shared = {item.path for item in keep if _uses_session_server(item)}
     items[:] = sorted(keep, key=lambda item: item.path in shared)

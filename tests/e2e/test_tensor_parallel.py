@@ -50,8 +50,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
 @pytest.fixture(scope="module", params=["uniform", "sliced"])
 def servers(request: pytest.FixtureRequest, tiny_model) -> tuple[str, dict[int, ServerProcess]]:
     """(profile name, {tp size: ragged server over the tiny model}), both started together; one
-    profile's pair at a time (four servers at once, six ranks, took 15 GB beside the suite's
-    other shards)."""
+    profile's pair at a time (four servers at once, six ranks, beside test_scaling's servers in
+    another shard took the machine to 21.8 of 24 GB, session 20)."""
     model, profiles = tiny_model
     name = request.param
     log_dir = Path(os.environ.get("RAGGED_TEST_LOGS", "/tmp/sgl-ragged-test-logs"))
