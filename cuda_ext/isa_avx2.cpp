@@ -1,9 +1,14 @@
-// The kernel body (attention_body.inc) compiled for AVX2 + FMA, 256-bit vectors.
+// The kernel body (attention_body.inc) compiled for AVX2 + FMA, 256-bit vectors. Defines
+// RAGGED_AVX2: dense keys dotted without the tile transpose, the softmax in intrinsics, and
+// integer tiers of bfloat16 storages dotted on their codes with vpmaddwd (the body's AVX2
+// sections); the other loops are the portable C++.
 // bindings.cpp picks a variant at run time (__builtin_cpu_supports, RAGGED_NATIVE_ISA).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include <immintrin.h>
 
 #include "ragged_attention.h"
 
@@ -11,6 +16,7 @@
 
 namespace ragged {
 namespace avx2 {
+#define RAGGED_AVX2 1  // attention_body.inc's AVX2 intrinsics
 #include "attention_body.inc"
 }  // namespace avx2
 }  // namespace ragged

@@ -126,13 +126,14 @@ inline int64_t tile_workspace_floats(const Params& p) {
   return R * U + (2 * R * D + R * U + 6 * U * D) / 2 + 7 * 16 + 16;
 }
 
-// Floats of the AVX-512 integer-tier scratch (bfloat16 storages, attention_body.inc's VNNI
-// section; 64-byte aligned starts): row scales [R] float32, then bytes: queries' two int8
-// parts [R, 2, D], a page's value codes in 4-token groups [Pp, D], one row's probability
-// parts [2, Pp].
+// Floats of the integer-tier scratch (bfloat16 storages, attention_body.inc's VNNI and AVX2
+// sections; 64-byte aligned starts): row scales [R] float32, then bytes: queries' two int8
+// parts [R, 2, D] (AVX2: int16 [R, D]), a page's value codes in 4-token groups [Pp, D] (AVX2:
+// int16 in token pairs, [Pp, D] of 2 bytes), one row's probability parts [2, Pp] (AVX2: [Pp]
+// int16).
 inline int64_t vnni_workspace_floats(const Params& p) {
   const int64_t R = p.q_block * p.group_size, D = p.head_dim, Pp = padded_page(p);
-  return R + (2 * R * D + Pp * D + 2 * Pp) / 4 + 4 * 16 + 16;
+  return R + (2 * R * D + 2 * Pp * D + 2 * Pp) / 4 + 4 * 16 + 16;
 }
 
 // Floats of per-thread workspace one item needs (scaled queries, logits, a unit's keys
