@@ -72,7 +72,8 @@ def native_refuses(storage: RaggedStorage) -> str | None:
 TILE_ISAS = ("amx", "avx512")
 """ISA variants that run bfloat16 prefill chunks as bfloat16 matrix products (S = Q K^T and
 acc += bf16(P) V, attention_body.inc's RAGGED_TILES): on AMX tiles through cpublas's brgemm
-(amx) or on vdpbf16ps (avx512); the avx2 and scalar variants keep the float32 loops."""
+(amx) or on vdpbf16ps (avx512); the avx2 and scalar variants keep the per-row loops (avx2:
+dense keys in float32 FMAs, integer tiers of bfloat16 storages on vpmaddwd)."""
 
 
 def extends_on_tiles(storage: RaggedStorage, module: ModuleType) -> bool:
@@ -97,7 +98,8 @@ def prefill_on_batched(storage: RaggedStorage, module: ModuleType) -> bool:
       in float32 (below bfloat16's resolution of the logits); answer-token top-1 in
       bench.accuracy was no worse (full 0.811 vs 0.807 batched, the default profile 0.807 vs
       0.800, with the float32 loops).
-    - avx2 and scalar variants: batched (the avx2 loops lost at 4K: x0.68).
+    - avx2 and scalar variants: batched. The avx2 loops lost at 4K (x0.68); with the session-21
+      intrinsics they still lose on the default profile (x0.65-0.84 except x1.51 at 1 x 1K).
     RAGGED_NATIVE_PREFILL=native|batched overrides the rule (measurements, other CPUs)."""
     forced = os.environ.get("RAGGED_NATIVE_PREFILL", "")
     if forced:
