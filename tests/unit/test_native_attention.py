@@ -298,8 +298,9 @@ def test_matches_reference_bfloat16(precision, decode):
 @pytest.mark.parametrize("head_dim,page,heads", [(64, 16, 2), (128, 16, 2), (192, 16, 2),
                                                  (256, 16, 2), (64, 64, 3)])
 def test_integer_tiers_of_bfloat16_storages(precision, head_dim, page, heads, decode):
-    """Integer tiers of a bfloat16 storage: on AVX-512 the key codes are dotted as integers
-    (VNNI, attention_body.inc: q' rounded to 16-bit integers per row; decode rounds p' too, and
+    """Integer tiers of a bfloat16 storage: on AVX-512 and AVX2 the key codes are dotted as
+    integers (VNNI, or vpmaddwd on AVX2 at head sizes 64-256, 192 included: attention_body.inc,
+    q' rounded to 16-bit integers per row; decode rounds p' too, and
     prefill chunks on the products take the keys' logits from an integer product of the codes,
     int_tier_logits; head sizes 64, 128 and 256 in every layout of the codes, 192 on the float
     loops or the dequantized keys). Outputs within bf16_tol of the float32 twin's reference; the
