@@ -160,5 +160,6 @@ def reason() -> str | None:
 def cpu_has_amx() -> bool:
     """The CPU advertises AMX bfloat16 tiles (Linux's /proc/cpuinfo flags; False elsewhere):
     where torch's CPU matrix products (oneDNN, cpublas) multiply bfloat16 on them."""
-    info = Path("/proc/cpuinfo")
-    return info.is_file() and "amx_bf16" in info.read_text()
+    from sgl_ragged.compat.cpu_gemm import cpu_flags
+
+    return "amx_bf16" in cpu_flags()

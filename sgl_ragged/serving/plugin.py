@@ -51,7 +51,7 @@ def register() -> None:
 
 def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
     """(dotted SGLang target, hook, kind) of every hook register() installs."""
-    from sgl_ragged.compat import cpu_tp
+    from sgl_ragged.compat import cpu_gemm, cpu_tp
     from sgl_ragged.serving import scheduler_hooks as hooks
     from sgl_ragged.serving import server_args
 
@@ -69,6 +69,8 @@ def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
         *((tree, hooks.checkpoint, HookType.AROUND) for tree in _TREES),
         (f"{_SRT}.distributed.parallel_state.init_model_parallel_group",
          cpu_tp.init_model_parallel_group, HookType.AROUND),
+        (f"{_SRT}.layers.quantization.unquant.UnquantizedLinearMethod.apply", cpu_gemm.apply,
+         HookType.AROUND),
     ]
 
 

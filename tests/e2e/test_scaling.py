@@ -30,16 +30,17 @@ def _context(session: int) -> str:
 
 
 def _chat(base_url: str, messages: list[dict]) -> dict:
+    # Four sessions share two cores here: a request can wait behind three others' prefills.
     return post(base_url, "/v1/chat/completions", {
-        "model": "default", "messages": messages, "max_tokens": 8, "temperature": 0})
+        "model": "default", "messages": messages, "max_tokens": 8, "temperature": 0}, timeout=600)
 
 
-def _run_sessions(base_url: str) -> dict[int, list[int]]:
-    """SESSIONS sessions of TURNS turns, run side by side; cached prompt tokens per turn."""
+def _run_sessions(base_url: str, turns: int = TURNS) -> dict[int, list[int]]:
+    """SESSIONS sessions of `turns` turns, run side by side; cached prompt tokens per turn."""
     def session(s: int) -> list[int]:
         messages: list[dict] = [{"role": "system", "content": _context(s)}]
         cached = []
-        for turn in range(TURNS):
+        for turn in range(turns):
             messages.append({"role": "user", "content": f"Question {turn}: what is note {turn}?"})
             out = _chat(base_url, messages)
             cached.append(int((out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
@@ -90,8 +91,10 @@ def dp_server(request: pytest.FixtureRequest, model_path: str):
 
 
 def test_dp_size_2_serves_with_a_pool_per_rank(dp_server):
-    cached = _run_sessions(dp_server.base_url)
-    assert all(len(turns) == TURNS for turns in cached.values())
+    # Two turns: round-robin ignores where a session's history lives, so later turns often
+    # prefill it again on the other rank, one core each (three turns took 325-380 s in CI).
+    cached = _run_sessions(dp_server.base_url, turns=2)
+    assert all(len(turns) == 2 for turns in cached.values())
     log = dp_server.log_text()
     # Two schedulers each built their own ragged pool and staging (one log line each).
     assert log.count("Ragged KV cache:") == 2, log[-3000:]
