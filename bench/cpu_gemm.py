@@ -1,15 +1,18 @@
-"""bfloat16 linear layers on the CPU: torch's bfloat16 product against compat/cpu_gemm's float32 one.
+"""bfloat16 dense layers on the CPU: torch's bfloat16 product, compat/cpu_gemm's float32 one and
+the native kernel (cuda_ext/linear.cpp), in the same rounds.
 
-    python -m bench.cpu_gemm [--rows 1 4 8 16 32 256] [--threads 1 2] --out results/cpu-gemm
+    python -m bench.cpu_gemm [--rows 1 2 4 8 16 32 64 128 256] [--threads 1 2] --out results/cpu-gemm
 
 The dense layers of the default model (SmolLM2-135M: hidden 576, intermediate 1536, 9 query and
-3 KV heads of 64), each as SGLang's UnquantizedLinearMethod multiplies it (`F.linear` of
-bfloat16 rows and weights) and as `cpu_gemm.linear` does (both converted to float32, the product
-rounded to bfloat16 once), timed in alternating rounds at every row count (the tokens of a
-prefill chunk, or the requests of a decode batch). A model step's sum is over every layer's four
-products. Medians over repetitions after warm-up; the ratio is bfloat16 / float32 (above 1: the
-float32 products are faster). Writes cpu_gemm.json and cpu_gemm.md. compat/cpu_gemm.py's
-FLOAT32_ROWS comes from this table.
+3 KV heads of 64, a 49152-token vocabulary), each multiplied as SGLang does (`F.linear` of
+bfloat16 rows and weights; the lm_head by `torch.matmul`, the same product), as
+`cpu_gemm.linear` does (both converted to float32, rounded to bfloat16 once) and by the native
+kernel (the weight read as bfloat16, float32 sums, rounded once). A model step is every layer's
+four products over 30 layers of distinct weights (212 MB, more than the caches hold: the weights
+stream from memory as in a server); the lm_head (56 MB) is timed on its own. Each round times
+every variant once, in turn (alternating); medians over the repeats after warm-up. Row counts
+stand for a decode batch's requests or a prefill chunk's tokens. Writes cpu_gemm.json and
+cpu_gemm.md. compat/cpu_gemm.py's NATIVE_ROWS and FLOAT32_ROWS come from this table.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from sgl_ragged import native
 from sgl_ragged.attention_backend import ops
 from sgl_ragged.compat import cpu_gemm
 
@@ -31,86 +35,100 @@ from sgl_ragged.compat import cpu_gemm
 LAYERS = (("qkv_proj", 576, 960), ("o_proj", 576, 576), ("gate_up_proj", 576, 3072),
           ("down_proj", 1536, 576))
 NUM_LAYERS = 30
-VARIANTS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+LM_HEAD = (576, 49152)  # hidden, vocabulary
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+VARIANTS: dict[str, Product] = {
     "bfloat16": lambda x, w: F.linear(x, w),
     "float32": lambda x, w: cpu_gemm.linear(x, w, None),
+    "native": lambda x, w: native.load().linear_bf16(x, w, None),
 }
 
 
-def measure(rows: list[int], threads: list[int], warmup: int, repeats: int) -> list[dict]:
-    """Median seconds of each variant for every (threads, rows, layer); alternating rounds."""
+def _weights(num_layers: int, vocab: int, gen: torch.Generator) -> tuple[list, torch.Tensor]:
+    layers = [[(torch.randn(n, k, generator=gen) / k**0.5).bfloat16() for _, k, n in LAYERS]
+              for _ in range(num_layers)]
+    head = (torch.randn(vocab, LM_HEAD[0], generator=gen) / LM_HEAD[0]**0.5).bfloat16()
+    return layers, head
+
+
+def measure(rows: list[int], threads: list[int], warmup: int, repeats: int,
+            num_layers: int = NUM_LAYERS, vocab: int = LM_HEAD[1],
+            progress: Callable[[str], None] = lambda line: None) -> list[dict]:
+    """Median seconds of each variant's model step and lm_head per (threads, rows)."""
     gen = torch.Generator().manual_seed(0)
-    weights = {name: (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
-               for name, k, n in LAYERS}
+    layers, head = _weights(num_layers, vocab, gen)
     results = []
     for t in threads:
         with ops.intra_op_threads(t):
             for m in rows:
-                for name, k, _ in LAYERS:
-                    x = torch.randn(m, k, generator=gen).bfloat16()
-                    w = weights[name]
-                    samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
-                    for round_ in range(warmup + repeats):
-                        for variant, fn in VARIANTS.items():
-                            t0 = time.perf_counter()
-                            fn(x, w)
-                            if round_ >= warmup:
-                                samples[variant].append(time.perf_counter() - t0)
-                    results.append({"threads": t, "rows": m, "layer": name,
-                                    **{f"{v}_s": statistics.median(s) for v, s in samples.items()}})
+                progress(f"{t} thread(s), {m} rows")
+                xs = [torch.randn(m, k, generator=gen).bfloat16() for _, k, _ in LAYERS]
+                hidden = torch.randn(m, LM_HEAD[0], generator=gen).bfloat16()
+                step: dict[str, list[float]] = {v: [] for v in VARIANTS}
+                lm: dict[str, list[float]] = {v: [] for v in VARIANTS}
+                for round_ in range(warmup + repeats):
+                    for variant, fn in VARIANTS.items():
+                        t0 = time.perf_counter()
+                        for weights in layers:
+                            for x, w in zip(xs, weights, strict=True):
+                                fn(x, w)
+                        t1 = time.perf_counter()
+                        fn(hidden, head)
+                        t2 = time.perf_counter()
+                        if round_ >= warmup:
+                            step[variant].append(t1 - t0)
+                            lm[variant].append(t2 - t1)
+                results.append({"threads": t, "rows": m, "layers": num_layers,
+                                **{f"{v}_step_s": statistics.median(s) for v, s in step.items()},
+                                **{f"{v}_lm_head_s": statistics.median(s) for v, s in lm.items()}})
     return results
 
 
-def model_steps(results: list[dict]) -> list[dict]:
-    """Per (threads, rows): the dense products of a whole model step (every layer's four)."""
-    steps: dict[tuple[int, int], dict] = {}
-    for r in results:
-        step = steps.setdefault((r["threads"], r["rows"]), {
-            "threads": r["threads"], "rows": r["rows"], **{f"{v}_s": 0.0 for v in VARIANTS}})
-        for v in VARIANTS:
-            step[f"{v}_s"] += NUM_LAYERS * r[f"{v}_s"]
-    return list(steps.values())
-
-
 def markdown(results: list[dict]) -> str:
-    lines = ["Dense products of SmolLM2-135M on the CPU, bfloat16 (torch) vs float32 "
-             "(compat/cpu_gemm), alternating rounds, medians.", "",
-             "| threads | rows | layer | bfloat16 ms | float32 ms | bfloat16 / float32 |",
-             "|---|---|---|---|---|---|"]
-    for r in results + [{**s, "layer": f"model step ({NUM_LAYERS} layers)"}
-                        for s in model_steps(results)]:
-        lines.append(f"| {r['threads']} | {r['rows']} | {r['layer']} | "
-                     f"{r['bfloat16_s'] * 1e3:.2f} | {r['float32_s'] * 1e3:.2f} | "
-                     f"x{r['bfloat16_s'] / r['float32_s']:.2f} |")
-    flags = cpu_gemm.cpu_flags()
+    layers = results[0]["layers"] if results else NUM_LAYERS
+    lines = [f"Dense products of SmolLM2-135M on the CPU: a model step ({layers} layers of distinct "
+             "weights, four products each) and the lm_head; torch's bfloat16 product, float32 "
+             "(compat/cpu_gemm.linear) and the native kernel (cuda_ext/linear.cpp); alternating "
+             "rounds, medians. Ratios above 1: the native kernel is faster.", "",
+             "| threads | rows | step bfloat16 ms | step float32 ms | step native ms | "
+             "bfloat16 / native | float32 / native | lm_head bfloat16 ms | lm_head native ms | "
+             "bfloat16 / native |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        b, f, n = (r[f"{v}_step_s"] * 1e3 for v in VARIANTS)
+        hb, hn = r["bfloat16_lm_head_s"] * 1e3, r["native_lm_head_s"] * 1e3
+        lines.append(f"| {r['threads']} | {r['rows']} | {b:.1f} | {f:.1f} | {n:.1f} | "
+                     f"x{b / n:.2f} | x{f / n:.2f} | {hb:.1f} | {hn:.1f} | x{hb / hn:.2f} |")
+    flags = native.cpu_flags()
     lines += ["", f"CPU: {torch.backends.cpu.get_cpu_capability()} in torch; "
-              f"amx_bf16 {'amx_bf16' in flags}, avx512_bf16 {'avx512_bf16' in flags}; "
-              f"RAGGED_CPU_GEMM=auto multiplies in "
-              f"{'float32' if cpu_gemm.float32_products() else 'bfloat16'} from "
-              f"{cpu_gemm.FLOAT32_ROWS} rows."]
+              f"amx_bf16 {'amx_bf16' in flags}, avx512_bf16 {'avx512_bf16' in flags}; the native "
+              f"kernel's form: {native.load().linear_isa()}; RAGGED_CPU_GEMM=auto routes here: "
+              f"{cpu_gemm.routes()} (native below {cpu_gemm.NATIVE_ROWS} rows, float32 from "
+              "there; without the native kernel, float32 from "
+              f"{cpu_gemm.FLOAT32_ROWS} rows)."]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 256])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=Path("results/cpu-gemm"))
     args = parser.parse_args()
-    if min(args.rows) < 1 or min(args.threads) < 1:
-        parser.error("--rows and --threads must be at least 1")
-    results = []
-    for i, t in enumerate(args.threads):
-        print(f"[{i + 1}/{len(args.threads)}] {t} thread(s): rows {args.rows} x "
-              f"{len(LAYERS)} layers ...", flush=True)
-        results += measure(args.rows, [t], args.warmup, args.repeats)
+    if min(args.rows) < 1 or min(args.threads) < 1 or args.repeats < 1 or args.warmup < 0:
+        parser.error("--rows, --threads and --repeats must be at least 1, --warmup at least 0")
+    native.load()  # builds it if needed, before the clock runs
+    total = len(args.rows) * len(args.threads)
+    done = iter(range(1, total + 1))
+    results = measure(args.rows, args.threads, args.warmup, args.repeats,
+                      progress=lambda line: print(f"[{next(done)}/{total}] {line} ...", flush=True))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cpu_gemm.json").write_text(json.dumps(
-        {"results": results, "model_steps": model_steps(results),
-         "cpu_flags": sorted(cpu_gemm.cpu_flags() & {"avx2", "avx512f", "avx512_bf16",
-                                                      "amx_bf16"})}, indent=2))
+        {"results": results, "native_isa": native.load().linear_isa(),
+         "cpu_flags": sorted(native.cpu_flags() & {"avx2", "avx512f", "avx512_bf16",
+                                                   "amx_bf16"})}, indent=2))
     table = markdown(results)
     (args.out / "cpu_gemm.md").write_text(table)
     print(table)

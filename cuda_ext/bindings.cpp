@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "linear.h"
 #include "quantize.h"
 #include "ragged_attention.h"
 #include "tails.h"
@@ -329,4 +330,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &ragged::isa_name, "The ISA variant in use (RAGGED_NATIVE_ISA forces a lower one)");
   m.def("quantize_low", &ragged::quantize_low,
         "Pages' low-tier codes and parameters (mem_pool/quant.py _quantize, bit for bit)");
+  m.def("linear_bf16", &ragged::linear_bf16, pybind11::arg("x"), pybind11::arg("weight"),
+        pybind11::arg("bias") = pybind11::none(),
+        "bf16(x @ weight^T + bias) in float32 sums, the weight read as bfloat16 (linear.cpp)");
+  m.def("linear_isa", &ragged::linear_isa, "The form linear_bf16 runs here: avx2 or scalar");
 }

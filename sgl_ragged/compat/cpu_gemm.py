@@ -1,71 +1,113 @@
-"""bfloat16 linear layers on a CPU without bfloat16 dot products (AVX2, AVX-512 without BF16).
+"""bfloat16 dense layers on a CPU without bfloat16 dot products (AVX2, AVX-512 without BF16).
 
 SGLang 0.5.23 multiplies a dense layer's bfloat16 activations and weights with `F.linear` on a
-CPU without AMX (`UnquantizedLinearMethod.apply`). Where the CPU has neither AMX nor
+CPU without AMX (`UnquantizedLinearMethod.apply`), and its logits with `torch.matmul` against
+the bfloat16 lm_head (`LogitsProcessor._compute_lm_head`). Where the CPU has neither AMX nor
 AVX512-BF16, torch converts both operands inside its product and reaches a fifth of its float32
-speed (AMD EPYC with AVX2, one thread, a 256-token chunk through SmolLM2's dense layers:
-11.1 s in bfloat16, 2.1 s converting to float32 first; docs/results.md, "Dense layers in
-float32 on CPUs without bfloat16 dot products"). The AROUND hook here converts activations and
-weights to float32 itself when a call has at least FLOAT32_ROWS rows (prefill chunks, large
-decode batches) and rounds the product to bfloat16 once: the same sum of the same products,
-accumulated in float32 as torch's bfloat16 product does, in another order. Below FLOAT32_ROWS
-the conversion of the weights costs more than it saves, and the call stays as SGLang makes it.
+speed (AMD EPYC with AVX2, one thread, a 256-token chunk through SmolLM2's dense layers: 11.1 s
+in bfloat16, 2.1 s converting to float32 first; docs/results.md, "Dense layers in float32 on
+CPUs without bfloat16 dot products"). The AROUND hooks here route such a call one of two ways,
+both the same float32 sums of the same products that torch's bfloat16 product accumulates, in
+another order, rounded to bfloat16 once:
 
-It is installed by the plugin in every SGLang process of the environment, so a stock server
-there (any --attention-backend) multiplies the same way as a ragged one: the benchmarks compare
-KV caches, not matrix products. RAGGED_CPU_GEMM=float32|bfloat16 forces either way; unset or
-auto picks float32 on CPUs whose flags show neither amx_bf16 nor avx512_bf16.
+- fewer than NATIVE_ROWS rows (decode batches): the native kernel (cuda_ext/linear.cpp), which
+  reads the weight as bfloat16 and widens it in registers: converting the weight to float32
+  first costs more than the product at these sizes;
+- from there on (prefill chunks): activations and weights converted to float32 and multiplied by
+  torch (`linear`).
+
+Without the native extension built, calls below FLOAT32_ROWS stay as SGLang makes them and the
+float32 route starts at FLOAT32_ROWS (session 23's form).
+
+The plugin installs the hooks in every SGLang process of the environment, so a stock server there
+(any --attention-backend) multiplies the same way as a ragged one: the benchmarks compare KV
+caches, not matrix products. RAGGED_CPU_GEMM picks the routes (CHOICES); unset or auto uses
+them on CPUs whose flags show neither amx_bf16 nor avx512_bf16.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from sgl_ragged import native
+from sgl_ragged.native import cpu_flags
+
+__all__ = ["cpu_flags", "apply", "compute_lm_head", "linear", "route", "routes", "validate"]
+
+NATIVE_ROWS = 128
+"""Calls with fewer rows take the native kernel (python -m bench.cpu_gemm on an AMD EPYC with
+AVX2, a model step of SmolLM2's dense layers at 2 threads, weights streamed from memory; the
+figures are in docs/results.md, "Dense layers on a native bfloat16 kernel")."""
+
 FLOAT32_ROWS = 16
-"""Calls with at least this many rows convert to float32 (python -m bench.cpu_gemm on an AMD
-EPYC with AVX2, SmolLM2's dense layers, a model step's products at 2 threads: x0.38 at 1 row,
-x1.03 at 8, x1.67 at 16, x2.45 at 32, x4.45 at 256; at 1 thread x1.42 at 8 rows)."""
+"""Without the native kernel, calls with at least this many rows convert to float32 (2 threads:
+x0.38 at 1 row, x1.03 at 8, x1.67 at 16, x2.45 at 32, x4.45 at 256)."""
 
-CHOICES = ("auto", "float32", "bfloat16")
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from Linux's /proc/cpuinfo (empty elsewhere)."""
-    info = Path("/proc/cpuinfo")
-    if not info.is_file():
-        return frozenset()
-    for line in info.read_text().splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
+CHOICES = {
+    "auto": "native below NATIVE_ROWS rows and float32 above where the CPU has neither amx_bf16 "
+            "nor avx512_bf16, else torch's bfloat16 product",
+    "native": "native below NATIVE_ROWS rows and float32 above, on any CPU",
+    "float32": "float32 from FLOAT32_ROWS rows, torch's bfloat16 product below",
+    "bfloat16": "torch's bfloat16 product throughout (SGLang's own calls)",
+}
 
 
-def float32_products() -> bool:
-    """Whether bfloat16 linear layers of FLOAT32_ROWS rows or more multiply in float32 here."""
+def _choice() -> str:
     choice = os.environ.get("RAGGED_CPU_GEMM", "auto") or "auto"
     if choice not in CHOICES:
-        raise ValueError(f"RAGGED_CPU_GEMM={choice} is not a choice: set it to float32 (convert "
-                         "bfloat16 linear layers to float32 products on the CPU), bfloat16 "
-                         "(leave them to torch), or auto (float32 where the CPU has neither "
-                         "amx_bf16 nor avx512_bf16)")
+        raise ValueError(f"RAGGED_CPU_GEMM={choice} is not a choice: set it to "
+                         + "; ".join(f"{k} ({v})" for k, v in CHOICES.items()))
+    return choice
+
+
+def routes() -> str:
+    """How this process multiplies bfloat16 dense layers on the CPU: 'native' (the native kernel
+    below NATIVE_ROWS rows, float32 above), 'float32' (float32 from FLOAT32_ROWS rows) or
+    'bfloat16' (torch's product). Raises ValueError for a bad RAGGED_CPU_GEMM, or for
+    RAGGED_CPU_GEMM=native where the native extension is not built."""
+    choice = _choice()
     if choice == "auto":
-        return not {"amx_bf16", "avx512_bf16"} & cpu_flags()
-    return choice == "float32"
+        if {"amx_bf16", "avx512_bf16"} & cpu_flags():
+            return "bfloat16"
+        # is_built first: a server never compiles the extension (scripts/env.sh builds it)
+        return "native" if native.is_built() and native.available() else "float32"
+    if choice == "native" and not (native.is_built() and native.available()):
+        raise ValueError("RAGGED_CPU_GEMM=native needs the native kernels: build them with "
+                         "`python -m sgl_ragged.native build`"
+                         + (f" ({native.reason()})" if native.is_built() else "")
+                         + ", or set RAGGED_CPU_GEMM=auto")
+    return choice
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """This call is a CPU bfloat16 product of at least FLOAT32_ROWS rows with a plain weight."""
-    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and type(weight) in
-            (torch.Tensor, torch.nn.Parameter) and weight.dtype == torch.bfloat16
-            and weight.dim() == 2 and x.numel() >= FLOAT32_ROWS * x.shape[-1]
-            and (bias is None or bias.dtype == torch.bfloat16))
+def validate() -> None:
+    """Read RAGGED_CPU_GEMM as every server of the environment will (server_args calls this at
+    startup): a bad value is refused there, with the choices."""
+    routes()
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """'native' or 'float32' where this call is a CPU bfloat16 product with a plain weight that
+    this process's routes take; None: leave it to SGLang."""
+    if not (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() >= 1
+            and type(weight) in (torch.Tensor, torch.nn.Parameter)
+            and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and x.shape[-1] == weight.shape[1]
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.dim() == 1))):
+        return None
+    rows = x.numel() // max(x.shape[-1], 1)
+    mode = _routes_here()
+    if mode == "native":
+        if rows < NATIVE_ROWS and weight.is_contiguous() and (bias is None or bias.is_contiguous()):
+            return "native"
+        return "float32"
+    if mode == "float32" and rows >= FLOAT32_ROWS:
+        return "float32"
+    return None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -74,17 +116,55 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out.to(torch.bfloat16)
 
 
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            how: str) -> torch.Tensor:
+    """bf16(x @ weight^T + bias) by route `how` ('native' or 'float32')."""
+    if how == "native":
+        return native.load().linear_bf16(x, weight, bias)
+    return linear(x, weight, bias)
+
+
 def apply(original: Any, method: Any, layer: torch.nn.Module, x: torch.Tensor,
           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """AROUND UnquantizedLinearMethod.apply: float32 products where `takes` and the CPU wants
-    them (`float32_products`, decided once per process), else SGLang's own call."""
+    """AROUND UnquantizedLinearMethod.apply: this process's route (`route`), else SGLang's own
+    call (AMX-packed layers, other dtypes, RAGGED_CPU_GEMM=bfloat16)."""
     weight = getattr(layer, "weight", None)
-    if (weight is not None and not getattr(layer, "use_intel_amx_backend", False)
-            and takes(x, weight, bias) and _float32_here()):
-        return linear(x, weight, bias)
+    if weight is not None and not getattr(layer, "use_intel_amx_backend", False):
+        how = route(x, weight, bias)
+        if how is not None:
+            return product(x, weight, bias, how)
     return original(method, layer, x, bias)
 
 
+def compute_lm_head(original: Any, processor: Any, hidden_states: torch.Tensor, lm_head: Any,
+                    embedding_bias: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    """AROUND LogitsProcessor._compute_lm_head: where SGLang would take its plain branch,
+    `torch.matmul(hidden_states.to(weight.dtype), weight.T)` (no LoRA, no quantized or
+    AMX-packed head, no float32 head, no RL on-policy target; that branch adds no
+    embedding_bias), the same product by this process's route; else SGLang's own call."""
+    weight = getattr(lm_head, "weight", None)
+    if (weight is not None and hidden_states.dtype == torch.bfloat16
+            and _plain_lm_head(processor, lm_head)):
+        how = route(hidden_states, weight, None)
+        if how is not None:
+            return product(hidden_states, weight, None, how)
+    return original(processor, hidden_states, lm_head, embedding_bias, **kwargs)
+
+
+def _plain_lm_head(processor: Any, lm_head: Any) -> bool:
+    from sglang.srt.layers import logits_processor
+
+    if hasattr(lm_head, "set_lora") and hasattr(lm_head, "apply_lora"):
+        return False
+    if logits_processor.should_apply_lm_head_quant_method(
+            lm_head, getattr(lm_head, "quant_method", None)):
+        return False
+    return not (getattr(lm_head, "use_intel_amx_backend", False)
+                or getattr(processor, "use_fp32_lm_head", False)
+                or getattr(processor, "use_fp32_lm_head_output", False)
+                or getattr(processor, "rl_on_policy_target", None) is not None)
+
+
 @functools.cache
-def _float32_here() -> bool:
-    return float32_products()
+def _routes_here() -> str:
+    return routes()

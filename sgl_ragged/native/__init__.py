@@ -22,8 +22,9 @@ from types import ModuleType
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "cuda_ext"
 SOURCES = ("bindings.cpp", "isa_amx.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp",
-           "quantize.cpp", "tails.cpp")
-HEADERS = ("ragged_attention.h", "attention_body.inc", "quantize.h", "tails.h", "checks.h")
+           "quantize.cpp", "tails.cpp", "linear.cpp")
+HEADERS = ("ragged_attention.h", "attention_body.inc", "quantize.h", "tails.h", "checks.h",
+           "linear.h")
 CFLAGS = ("-O3", "-fopenmp")  # per-ISA flags are #pragma GCC target in isa_*.cpp
 LDFLAGS = ("-fopenmp",)
 NAME = "sgl_ragged_native"
@@ -157,9 +158,19 @@ def reason() -> str | None:
     return str(result) if isinstance(result, NativeUnavailableError) else None
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from Linux's /proc/cpuinfo (empty elsewhere)."""
+    info = Path("/proc/cpuinfo")
+    if not info.is_file():
+        return frozenset()
+    for line in info.read_text().splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
 def cpu_has_amx() -> bool:
     """The CPU advertises AMX bfloat16 tiles (Linux's /proc/cpuinfo flags; False elsewhere):
     where torch's CPU matrix products (oneDNN, cpublas) multiply bfloat16 on them."""
-    from sgl_ragged.compat.cpu_gemm import cpu_flags
-
     return "amx_bf16" in cpu_flags()

@@ -71,6 +71,8 @@ def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
          cpu_tp.init_model_parallel_group, HookType.AROUND),
         (f"{_SRT}.layers.quantization.unquant.UnquantizedLinearMethod.apply", cpu_gemm.apply,
          HookType.AROUND),
+        (f"{_SRT}.layers.logits_processor.LogitsProcessor._compute_lm_head",
+         cpu_gemm.compute_lm_head, HookType.AROUND),
     ]
 
 

@@ -128,7 +128,7 @@ def _graph_config(graph_config: Any, decode: bool) -> Any:
 def validate_ragged_args(server_args: Any, previous: Any) -> None:
     """Resolution hook around handle_other_validations: checks needing final values."""
     previous(server_args)
-    cpu_gemm.float32_products()  # RAGGED_CPU_GEMM is read by every server of the environment
+    cpu_gemm.validate()  # RAGGED_CPU_GEMM is read by every server of the environment
     if not is_active():
         return
     from sglang.srt.arg_groups.model_override_base import resolving_view

@@ -1,5 +1,6 @@
-"""compat/cpu_gemm.py: bfloat16 linear layers as float32 products on CPUs without bfloat16 dots,
-checked against a float64 reference on fresh random inputs; the calls it must leave to SGLang."""
+"""compat/cpu_gemm.py: bfloat16 linear layers (and the lm_head) by the native kernel or as float32
+products on CPUs without bfloat16 dots, checked against a float64 reference on fresh random inputs;
+the calls it must leave to SGLang. The kernel itself: tests/unit/test_native_linear.py."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ BF16_ULP = 2.0**-7  # bfloat16's relative spacing: 8 bits of significand
 @pytest.fixture(autouse=True)
 def _fresh_choice(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("RAGGED_CPU_GEMM", raising=False)
-    cpu_gemm._float32_here.cache_clear()
+    cpu_gemm._routes_here.cache_clear()
     yield
-    cpu_gemm._float32_here.cache_clear()
+    cpu_gemm._routes_here.cache_clear()
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -97,29 +98,40 @@ def test_calls_it_leaves_to_sglang(case: str, monkeypatch: pytest.MonkeyPatch) -
     assert calls == 1
 
 
-@pytest.mark.parametrize(("flags", "float32"), [
+@pytest.mark.parametrize(("flags", "fast"), [
     (set(), True),  # no AVX at all: the scalar loops are slowest in bfloat16
     ({"avx2", "fma", "f16c"}, True),
     ({"avx512f", "avx512bw"}, True),
     ({"avx512f", "avx512_bf16"}, False),
     ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, False),
 ])
-def test_auto_picks_float32_where_the_cpu_has_no_bfloat16_dots(
-        flags: set[str], float32: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("built", [True, False])
+def test_auto_routes_where_the_cpu_has_no_bfloat16_dots(
+        flags: set[str], fast: bool, built: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset(flags))
-    assert cpu_gemm.float32_products() is float32
+    monkeypatch.setattr(cpu_gemm.native, "is_built", lambda: built)
+    monkeypatch.setattr(cpu_gemm.native, "available", lambda: built)
+    want = ("native" if built else "float32") if fast else "bfloat16"
+    assert cpu_gemm.routes() == want
     monkeypatch.setenv("RAGGED_CPU_GEMM", "auto")
-    assert cpu_gemm.float32_products() is float32
-    monkeypatch.setenv("RAGGED_CPU_GEMM", "float32")
-    assert cpu_gemm.float32_products()
-    monkeypatch.setenv("RAGGED_CPU_GEMM", "bfloat16")
-    assert not cpu_gemm.float32_products()
+    assert cpu_gemm.routes() == want
+    for choice in ("float32", "bfloat16"):
+        monkeypatch.setenv("RAGGED_CPU_GEMM", choice)
+        assert cpu_gemm.routes() == choice
+    monkeypatch.setenv("RAGGED_CPU_GEMM", "native")
+    if built:
+        assert cpu_gemm.routes() == "native"
+    else:
+        with pytest.raises(ValueError, match=r"RAGGED_CPU_GEMM=native needs the native kernels: "
+                                             r"build them with `python -m sgl_ragged.native build`"):
+            cpu_gemm.validate()
 
 
 def test_a_bad_choice_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAGGED_CPU_GEMM", "fp32")
-    with pytest.raises(ValueError, match=r"RAGGED_CPU_GEMM=fp32 is not a choice: set it to float32"):
-        cpu_gemm.float32_products()
+    with pytest.raises(ValueError, match=r"RAGGED_CPU_GEMM=fp32 is not a choice: set it to auto "
+                                         r"\(.*\); native .*; float32 .*; bfloat16"):
+        cpu_gemm.validate()
 
 
 def test_the_flags_are_this_machines() -> None:
@@ -139,7 +151,103 @@ def test_sglangs_own_linear_method_through_the_hook(monkeypatch: pytest.MonkeyPa
         layer.weight.copy_(torch.randn(96, 64) / 8)
     x = torch.randn(40, 64).bfloat16()
     ref = _reference(x, layer.weight, None)
-    for choice in ("float32", "bfloat16"):
+    for choice in ("native", "float32", "bfloat16"):
         monkeypatch.setenv("RAGGED_CPU_GEMM", choice)
-        cpu_gemm._float32_here.cache_clear()
-        _assert_rounded(cpu_gemm.apply(UnquantizedLinearMethod.apply, method, layer, x), ref)
+        cpu_gemm._routes_here.cache_clear()
+        for rows in (1, 3, 40):
+            _assert_rounded(cpu_gemm.apply(UnquantizedLinearMethod.apply, method, layer, x[:rows]),
+                            ref[:rows])
+
+
+def _routes_taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    taken: list[str] = []
+    product = cpu_gemm.product
+
+    def spy(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, how: str) -> torch.Tensor:
+        taken.append(how)
+        return product(x, w, b, how)
+
+    monkeypatch.setattr(cpu_gemm, "product", spy)
+    return taken
+
+
+def test_native_route_below_native_rows_and_float32_from_there(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAGGED_CPU_GEMM", "native")
+    taken = _routes_taken(monkeypatch)
+    layer = _Layer(40, 64)
+    with torch.no_grad():
+        layer.weight.div_(8)
+    gen = torch.Generator().manual_seed(5)
+    for rows in (1, 2, 7, cpu_gemm.NATIVE_ROWS - 1, cpu_gemm.NATIVE_ROWS):
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        out, calls = _run(x, layer)
+        assert calls == 0
+        _assert_rounded(out, _reference(x, layer.weight, None))
+    assert taken == ["native"] * 4 + ["float32"]
+    # a non-contiguous weight (a transposed view) goes to float32, never to the kernel
+    taken.clear()
+    view = torch.nn.Module()
+    view.weight = torch.randn(64, 40).bfloat16().t()
+    out, calls = _run(torch.randn(3, 64).bfloat16(), view)
+    assert calls == 0 and taken == ["float32"]
+
+
+class _Head(torch.nn.Module):
+    """An unquantized lm_head as SGLang's VocabParallelEmbedding holds it."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        from sglang.srt.layers.quantization.unquant import UnquantizedEmbeddingMethod
+
+        super().__init__()
+        gen = torch.Generator().manual_seed(vocab + hidden)
+        self.weight = torch.nn.Parameter(
+            (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).bfloat16(),
+            requires_grad=False)
+        self.quant_method = UnquantizedEmbeddingMethod()
+
+
+def _processor(**changes: Any) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{"use_fp32_lm_head": False, "use_fp32_lm_head_output": False,
+                              "rl_on_policy_target": None, **changes})
+
+
+@pytest.mark.parametrize("choice", ["native", "float32"])
+def test_the_lm_head_through_the_hook(choice: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's own _compute_lm_head as `original`: the hook's logits are its plain branch's."""
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+
+    monkeypatch.setenv("RAGGED_CPU_GEMM", choice)
+    taken = _routes_taken(monkeypatch)
+    head = _Head(1000, 64)
+    for rows in (1, 5, 32):
+        hidden = torch.randn(rows, 64).bfloat16()
+        ref = _reference(hidden, head.weight, None)
+        mine = cpu_gemm.compute_lm_head(LogitsProcessor._compute_lm_head, _processor(), hidden,
+                                        head)
+        _assert_rounded(mine, ref)
+        _assert_rounded(LogitsProcessor._compute_lm_head(_processor(), hidden, head), ref)
+    assert taken == (["native"] * 3 if choice == "native" else ["float32"])
+
+
+@pytest.mark.parametrize("case", ["fp32 head", "rl target", "lora", "amx", "float32 hidden"])
+def test_lm_heads_it_leaves_to_sglang(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAGGED_CPU_GEMM", "float32")
+    head = _Head(96, 64)
+    processor = _processor(use_fp32_lm_head=case == "fp32 head",
+                           rl_on_policy_target="fsdp" if case == "rl target" else None)
+    if case == "lora":
+        head.set_lora = head.apply_lora = lambda *a: None
+    if case == "amx":
+        head.use_intel_amx_backend = True
+    hidden = torch.randn(32, 64).to(torch.float32 if case == "float32 hidden" else torch.bfloat16)
+    calls = []
+
+    def original(*args: Any, **kwargs: Any) -> str:
+        calls.append(args)
+        return "sglang's"
+
+    assert cpu_gemm.compute_lm_head(original, processor, hidden, head) == "sglang's"
+    assert len(calls) == 1 and calls[0][1] is hidden

@@ -1,0 +1,241 @@
+// A dense layer's bfloat16 product for CPUs without bfloat16 dot products (AVX2 without
+// AVX512-BF16 or AMX), where torch converts inside its bfloat16 product at a fraction of its
+// float32 speed (sgl_ragged/compat/cpu_gemm.py, the hook that calls it).
+//
+// y[m, n] = bf16(sum_k x[m, k] w[n, k] + bias[n]): products and sums in float32, rounded to
+// bfloat16 once, as torch's bfloat16 product accumulates (in another order). The weight stays
+// bfloat16 in memory and is read once per call: a bfloat16 value is the high half of a float32,
+// so widening 8 of them is a zero-extension and a shift (vpmovzxwd, vpslld). x is converted to
+// float32 once per call (M x K floats, small beside the weight).
+//
+// Work: blocks of NB = 4 weight rows, split over torch's intra-op pool (at::parallel_for; a
+// call of fewer than SERIAL_MACS products stays on the calling thread: waking the pool costs
+// more than the second core gives). In a block, activation rows go 2 at a time against the 4
+// weight rows (8 float32 accumulators of 8 lanes, summed across lanes at the end of K). With
+// one or two rows the weights are widened as they are loaded; with more, the block's 4 rows are
+// widened once into a float32 buffer (4 x K floats, in L1 for K up to ~1500) that every pair
+// of rows then reads. K's last K % 8 channels and a last partial block run the scalar form.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <immintrin.h>
+
+#include "checks.h"
+#include "linear.h"
+
+namespace ragged {
+namespace {
+
+constexpr int64_t NB = 4;                 // weight rows per block
+constexpr int64_t SERIAL_MACS = 1 << 18;  // below this, one thread (about 20 us of work)
+
+inline float bf16_float(uint16_t v) {
+  const uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Rows [0, M) of y against weight rows [n0, n1): the portable form (and the tails of the AVX2
+// one: channels from k0 added to acc, which holds the sums of channels below k0).
+void dot_scalar(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_t n, int64_t k0,
+                float* acc /* [M] */) {
+  const uint16_t* wr = w + n * K;
+  for (int64_t m = 0; m < M; ++m) {
+    float s = 0.0f;
+    for (int64_t k = k0; k < K; ++k) s += xf[m * K + k] * bf16_float(wr[k]);
+    acc[m] += s;
+  }
+}
+
+void finish(float* acc, int64_t M, int64_t N, int64_t n, const uint16_t* bias, at::BFloat16* y) {
+  const float b = bias ? bf16_float(bias[n]) : 0.0f;
+  for (int64_t m = 0; m < M; ++m) y[m * N + n] = at::BFloat16(acc[m] + b);
+}
+
+void rows_scalar(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_t* w,
+                 const uint16_t* bias, int64_t n0, int64_t n1, at::BFloat16* y) {
+  std::vector<float> acc(M);
+  for (int64_t n = n0; n < n1; ++n) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    dot_scalar(xf, M, K, w, n, 0, acc.data());
+    finish(acc.data(), M, N, n, bias, y);
+  }
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+
+namespace wide {
+
+inline __m256 widen(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline float lane_sum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// MR (1 or 2) activation rows (row stride K) against NB weight rows over channels [0, K8):
+// acc[r][j] = the sums. Weights from bf16 (wb, row stride K) or from the block's float32 buffer
+// (wf, row stride K8).
+template <int MR, bool WIDEN>
+inline void block(const float* x, int64_t K, int64_t K8, const uint16_t* wb, const float* wf,
+                  float acc[2][NB]) {
+  __m256 a[MR][NB];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NB; ++j) a[r][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  if (MR == 1) {  // one row: a second set of accumulators, 8 independent FMA chains
+    __m256 b[NB];
+    for (int j = 0; j < NB; ++j) b[j] = _mm256_setzero_ps();
+    for (; k + 16 <= K8; k += 16) {
+      const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+      if (WIDEN)  // the next block's rows (NB * K channels on), a cache line per row per step
+        for (int j = 0; j < NB; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(wb + (NB + j) * K + k), _MM_HINT_T0);
+      for (int j = 0; j < NB; ++j) {
+        const __m256 w0 = WIDEN ? widen(wb + j * K + k) : _mm256_loadu_ps(wf + j * K8 + k);
+        const __m256 w1 = WIDEN ? widen(wb + j * K + k + 8) : _mm256_loadu_ps(wf + j * K8 + k + 8);
+        a[0][j] = _mm256_fmadd_ps(x0, w0, a[0][j]);
+        b[j] = _mm256_fmadd_ps(x1, w1, b[j]);
+      }
+    }
+    for (int j = 0; j < NB; ++j) a[0][j] = _mm256_add_ps(a[0][j], b[j]);
+  }
+  for (; k < K8; k += 8) {
+    __m256 wv[NB];
+    if (WIDEN && k % 32 == 0)
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + (NB + j) * K + k), _MM_HINT_T0);
+    for (int j = 0; j < NB; ++j)
+      wv[j] = WIDEN ? widen(wb + j * K + k) : _mm256_loadu_ps(wf + j * K8 + k);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      for (int j = 0; j < NB; ++j) a[r][j] = _mm256_fmadd_ps(xv, wv[j], a[r][j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = lane_sum(a[r][j]);
+}
+
+// Weight blocks [b0, b1) (rows b * NB ..), all M rows of y.
+void blocks(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_t* w,
+            const uint16_t* bias, int64_t b0, int64_t b1, at::BFloat16* y) {
+  const int64_t K8 = K & ~int64_t(7);
+  const bool buffered = M > 2;
+  std::vector<float> wf(buffered ? NB * K8 : 0);
+  std::vector<float> col(M);
+  float acc[2][NB];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t n = b * NB;
+    const uint16_t* wb = w + n * K;
+    if (buffered)
+      for (int j = 0; j < NB; ++j)
+        for (int64_t k = 0; k < K8; k += 8) {
+          if (k % 32 == 0)
+            _mm_prefetch(reinterpret_cast<const char*>(wb + (NB + j) * K + k), _MM_HINT_T0);
+          _mm256_storeu_ps(&wf[j * K8 + k], widen(wb + j * K + k));
+        }
+    float sums[NB][64];  // column sums of up to 64 rows at a time
+    for (int64_t m0 = 0; m0 < M; m0 += 64) {
+      const int64_t mc = std::min<int64_t>(64, M - m0);
+      for (int64_t r = 0; r < mc; r += 2) {
+        const float* x = xf + (m0 + r) * K;
+        if (r + 1 < mc) {
+          if (buffered)
+            block<2, false>(x, K, K8, nullptr, wf.data(), acc);
+          else
+            block<2, true>(x, K, K8, wb, nullptr, acc);
+        } else if (buffered) {
+          block<1, false>(x, K, K8, nullptr, wf.data(), acc);
+        } else {
+          block<1, true>(x, K, K8, wb, nullptr, acc);
+        }
+        for (int64_t rr = 0; rr < std::min<int64_t>(2, mc - r); ++rr)
+          for (int j = 0; j < NB; ++j) sums[j][r + rr] = acc[rr][j];
+      }
+      for (int j = 0; j < NB; ++j) {
+        for (int64_t r = 0; r < mc; ++r) col[r] = sums[j][r];
+        if (K8 < K) dot_scalar(xf + m0 * K, mc, K, w, n + j, K8, col.data());
+        finish(col.data(), mc, N, n + j, bias, y + m0 * N);
+      }
+    }
+  }
+}
+
+}  // namespace wide
+
+#pragma GCC pop_options
+
+// AVX2 + FMA where the CPU has them, unless RAGGED_NATIVE_ISA=scalar asks for the portable
+// form (as it does of the attention: bindings.cpp).
+bool has_avx2() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    const char* want = std::getenv("RAGGED_NATIVE_ISA");
+    if (want && std::string(want) == "scalar") return false;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return yes;
+}
+
+}  // namespace
+
+std::string linear_isa() { return has_avx2() ? "avx2" : "scalar"; }
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  const char* who = "linear_bf16";
+  check_cpu_tensor(who, weight, "weight", at::kBFloat16, 2);
+  const int64_t N = weight.size(0), K = weight.size(1);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16, who,
+              ": x must be a bfloat16 CPU tensor, got ", x.scalar_type(), " on ", x.device());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, who, ": x's last dim must be the weight's ", K,
+              " input features, got x of shape ", x.sizes());
+  const uint16_t* bias_ptr = nullptr;
+  if (bias && bias->defined()) {
+    check_cpu_tensor(who, *bias, "bias", at::kBFloat16, 1);
+    TORCH_CHECK(bias->size(0) == N, who, ": bias must have the weight's ", N,
+                " output features, got ", bias->size(0));
+    bias_ptr = reinterpret_cast<const uint16_t*>(bias->data_ptr<at::BFloat16>());
+  }
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  at::Tensor y = at::empty(out_shape, x.options());
+  const int64_t M = x.numel() / std::max<int64_t>(K, 1);
+  if (M == 0 || N == 0) return y;
+  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+
+  const int64_t n_blocks = N / NB;
+  const int64_t block_macs = std::max<int64_t>(NB * K * M, 1);
+  const int64_t grain = M * N * K < SERIAL_MACS ? std::max<int64_t>(n_blocks, 1)
+                                                : std::max<int64_t>(1, SERIAL_MACS / block_macs);
+  if (has_avx2()) {
+    at::parallel_for(0, n_blocks, grain, [&](int64_t b0, int64_t b1) {
+      wide::blocks(xp, M, K, N, wp, bias_ptr, b0, b1, yp);
+    });
+    rows_scalar(xp, M, K, N, wp, bias_ptr, n_blocks * NB, N, yp);
+  } else {
+    at::parallel_for(0, N, grain * NB, [&](int64_t n0, int64_t n1) {
+      rows_scalar(xp, M, K, N, wp, bias_ptr, n0, n1, yp);
+    });
+  }
+  return y;
+}
+
+}  // namespace ragged

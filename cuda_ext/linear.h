@@ -1,0 +1,18 @@
+// A dense layer's bfloat16 product on a CPU without bfloat16 dot products (linear.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+
+namespace ragged {
+
+// bf16(x @ weight^T + bias): x [M, K], weight [N, K], bias [N] (all bfloat16, contiguous; x may
+// have more leading dims), products and sums in float32, rounded to bfloat16 once.
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias);
+
+// Which form linear_bf16 runs here: "avx2" (AVX2 + FMA) or "scalar".
+std::string linear_isa();
+
+}  // namespace ragged

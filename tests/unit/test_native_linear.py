@@ -1,0 +1,132 @@
+"""The native bfloat16 linear kernel (cuda_ext/linear.cpp) against a float64 reference on fresh
+random inputs: every shape class its blocking has (one row, row pairs, an odd row, more than 64
+rows, K not a multiple of 8 or 16, N not a multiple of 4), with and without bias, serial and
+split over threads, and its portable form (RAGGED_NATIVE_ISA=scalar) in a child process. Bad
+arguments get a message that names them. The extension must build here (as for the attention)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sgl_ragged import native
+from sgl_ragged.attention_backend import ops
+
+BF16_ULP = 2.0**-7
+ROOT = Path(__file__).resolve().parents[2]
+
+SHAPES = [  # (M, K, N)
+    (1, 576, 960), (2, 576, 576), (3, 1536, 44), (5, 64, 7), (8, 100, 13), (1, 584, 8),
+    (1, 7, 5), (4, 15, 4), (65, 72, 30), (130, 200, 17), (17, 576, 3072),
+]
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+def _assert_rounded(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """out is ref rounded to bfloat16, give or take one bfloat16 step: the float32 sums of the
+    same products in another order than the float64 reference's differ by far less than that."""
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    err = (out.double() - ref).abs()
+    assert (err <= BF16_ULP * ref.abs() + 1e-6).all(), (err.max(), ref.abs().max())
+
+
+def _case(m: int, k: int, n: int, bias: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_the_reference(shape: tuple[int, int, int], bias: bool, threads: int) -> None:
+    m, k, n = shape
+    x, w, b = _case(m, k, n, bias, seed=m * 7919 + k * 31 + n + bias)
+    with ops.intra_op_threads(threads):
+        out = native.load().linear_bf16(x, w, b)
+    _assert_rounded(out, _reference(x, w, b))
+
+
+def test_the_bfloat16_sum_is_torchs_within_a_step() -> None:
+    """Against torch's own bfloat16 product of the same operands (what SGLang would compute)."""
+    x, w, b = _case(24, 576, 960, True, seed=11)
+    out = native.load().linear_bf16(x, w, b).double()
+    theirs = F.linear(x, w, b).double()
+    assert ((out - theirs).abs() <= 2 * BF16_ULP * theirs.abs() + 1e-6).all()
+
+
+def test_leading_dims_and_strided_activations() -> None:
+    x, w, b = _case(12, 96, 40, True, seed=3)
+    lin = native.load().linear_bf16
+    out = lin(x.view(3, 4, 96), w, b)
+    assert out.shape == (3, 4, 40)
+    _assert_rounded(out, _reference(x, w, b).view(3, 4, 40))
+    wide = torch.randn(12, 192).bfloat16()
+    strided = wide[:, ::2]  # not contiguous: the kernel copies it
+    _assert_rounded(lin(strided, w, None), _reference(strided, w, None))
+    assert lin(x[:0], w, b).shape == (0, 40)
+
+
+def test_special_values_pass_through() -> None:
+    x, w, _ = _case(3, 64, 8, False, seed=9)
+    x[1, 5] = float("inf")
+    x[2, 0] = float("nan")
+    out = native.load().linear_bf16(x, w, None)
+    ref = F.linear(x.float(), w.float())
+    assert torch.equal(out[1].isinf() | out[1].isnan(), ref[1].isinf() | ref[1].isnan())
+    assert out[2].isnan().all()
+    _assert_rounded(out[0], _reference(x[:1], w, None)[0])
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (lambda x, w, b: (x.float(), w, b), r"x must be a bfloat16 CPU tensor, got Float"),
+    (lambda x, w, b: (x, w.float(), b), r"weight must be BFloat16, got Float"),
+    (lambda x, w, b: (x[:, :-1], w, b), r"x's last dim must be the weight's 64 input features"),
+    (lambda x, w, b: (x, w.t().contiguous().t(), b), r"weight must be contiguous"),
+    (lambda x, w, b: (x, w, b[:-1]), r"bias must have the weight's 8 output features, got 7"),
+    (lambda x, w, b: (x, w[None], b), r"weight must have 2 dims"),
+])
+def test_bad_arguments_say_what_is_wrong(args, message: str) -> None:
+    x, w, b = _case(3, 64, 8, True, seed=1)
+    with pytest.raises(RuntimeError, match=message):
+        native.load().linear_bf16(*args(x, w, b))
+
+
+def test_the_form_this_cpu_runs() -> None:
+    flags = native.cpu_flags()
+    want = "avx2" if {"avx2", "fma"} <= flags else "scalar"
+    assert native.load().linear_isa() == want
+
+
+def test_the_portable_form_in_a_child() -> None:
+    """RAGGED_NATIVE_ISA=scalar: the portable loops, the same answers (the variant is chosen once
+    per process, so in a child)."""
+    code = (
+        "import torch, torch.nn.functional as F\n"
+        "from sgl_ragged import native\n"
+        "m = native.load()\n"
+        "assert m.linear_isa() == 'scalar', m.linear_isa()\n"
+        "g = torch.Generator().manual_seed(2)\n"
+        "for (M, K, N) in [(1, 576, 9), (5, 100, 13), (70, 64, 600)]:\n"
+        "    x = torch.randn(M, K, generator=g).bfloat16()\n"
+        "    w = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16()\n"
+        "    b = torch.randn(N, generator=g).bfloat16()\n"
+        "    ref = F.linear(x.double(), w.double(), b.double())\n"
+        "    err = (m.linear_bf16(x, w, b).double() - ref).abs()\n"
+        "    assert (err <= 2 ** -7 * ref.abs() + 1e-6).all(), err.max()\n"
+        "print('ok')\n")
+    env = {**os.environ, "RAGGED_NATIVE_ISA": "scalar", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
