@@ -1,0 +1,150 @@
+"""Decode speed of one served configuration under each RAGGED_CPU_GEMM choice, side by side.
+
+    python -m bench.gemm_serving [--choices float32 auto] [--concurrency 1 8 16] --out results/gemm-serving
+
+For every choice (compat/cpu_gemm.CHOICES: how a CPU server multiplies its bfloat16 dense layers
+and lm_head) the same server is started (default: the README's, SmolLM2-135M with
+`--attention-backend ragged` and the default profile and precision), warmed up, and sent rounds
+of `c` concurrent chat requests with distinct short prompts whose answers run to exactly
+--max-tokens tokens (`min_tokens`), greedy. A round's decode rate is its output tokens over its
+wall time; TPOT is each request's time per output token after the first. The servers run one
+after the other on a quiet machine; the rounds of a choice alternate over concurrencies, medians
+over --repeats rounds. Ratios are against the first choice. Writes gemm_serving.json and
+gemm_serving.md; each server's log beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.client import RequestRecord, chat_payload, stream_chat
+from sgl_ragged.compat.cpu_gemm import CHOICES
+from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
+
+TOPICS = ("a lighthouse", "the moon", "a violin", "rain in a city", "an old map", "a robot cook",
+          "a mountain pass", "the first snow", "a desert well", "a paper boat", "a night train",
+          "a clock tower", "a fox", "the sea in winter", "a library", "a garden at dawn")
+
+
+def launch_args(model: str, args: argparse.Namespace) -> list[str]:
+    served = (["--attention-backend", "ragged", "--ragged-profile", args.profile,
+               "--ragged-precision", args.precision] if args.profile
+              else ["--attention-backend", "torch_native"])
+    return ["--model-path", model, "--device", "cpu", *served,
+            "--max-total-tokens", str(args.max_total_tokens),
+            "--max-running-requests", str(max(args.concurrency)), "--page-size", "16",
+            "--chunked-prefill-size", "512"]
+
+
+async def one_round(base_url: str, concurrency: int, max_tokens: int, seed: int) -> dict[str, Any]:
+    """`concurrency` requests at once; their decode rate and TPOTs."""
+    timeout = aiohttp.ClientTimeout(total=1800)
+    records = [RequestRecord(session=i, turn=0, task="story", start=0.0)
+               for i in range(concurrency)]
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(
+            stream_chat(http, base_url, _payload(seed, i, max_tokens), record, t0)
+            for i, record in enumerate(records)))
+        wall = time.perf_counter() - t0
+    errors = [r.error for r in done if r.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {concurrency} requests failed: {errors[0]}")
+    tokens = sum(r.output_tokens for r in done)
+    tpots = [r.tpot for r in done if r.tpot is not None]
+    return {"tokens": tokens, "seconds": wall, "tok_s": tokens / wall,
+            "tpot_s": statistics.median(tpots) if tpots else None}
+
+
+def _payload(seed: int, i: int, max_tokens: int) -> dict[str, Any]:
+    topic = TOPICS[(seed + i) % len(TOPICS)]
+    payload = chat_payload([{"role": "user", "content": f"Tell a short story about {topic}. "
+                             f"(request {seed}-{i})"}], max_tokens)
+    payload["min_tokens"] = max_tokens
+    return payload
+
+
+def measure(base_url: str, concurrency: list[int], max_tokens: int, warmup: int,
+            repeats: int) -> dict[int, dict[str, float]]:
+    """Median tokens/s and TPOT per concurrency (rounds alternate over the concurrencies)."""
+    rounds: dict[int, list[dict[str, Any]]] = {c: [] for c in concurrency}
+    for r in range(warmup + repeats):
+        for c in concurrency:
+            result = asyncio.run(one_round(base_url, c, max_tokens, seed=100 * r + c))
+            if r >= warmup:
+                rounds[c].append(result)
+    return {c: {"tok_s": statistics.median(x["tok_s"] for x in rs),
+                "tpot_s": statistics.median(x["tpot_s"] for x in rs if x["tpot_s"] is not None),
+                "rounds": len(rs)} for c, rs in rounds.items()}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    choices = list(report["choices"])
+    first = choices[0]
+    lines = [f"Decode of `{report['served']}` on the CPU per RAGGED_CPU_GEMM choice, "
+             f"{report['max_tokens']}-token answers, medians of {report['repeats']} rounds; ratios "
+             f"against {first}.", "",
+             "| concurrency | " + " | ".join(f"{c} tok/s | {c} TPOT ms" for c in choices)
+             + " | " + " | ".join(f"{c} / {first}" for c in choices[1:]) + " |",
+             "|---|" + "---|---|" * len(choices) + "---|" * (len(choices) - 1)]
+    for conc in report["concurrency"]:
+        cells, base = [], report["choices"][first][str(conc)]["tok_s"]
+        for c in choices:
+            m = report["choices"][c][str(conc)]
+            cells.append(f"{m['tok_s']:.1f} | {m['tpot_s'] * 1e3:.0f}")
+        ratios = [f"x{report['choices'][c][str(conc)]['tok_s'] / base:.2f}" for c in choices[1:]]
+        lines.append(f"| {conc} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--choices", nargs="+", default=["float32", "auto"], choices=list(CHOICES))
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--model", help="model path (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help="the served profile (an empty string: stock torch_native)")
+    p.add_argument("--precision", default=DEFAULT_PRECISION)
+    p.add_argument("--max-total-tokens", type=int, default=8192)
+    p.add_argument("--out", type=Path, default=Path("results/gemm-serving"))
+    args = p.parse_args(argv)
+    if min(args.concurrency) < 1 or args.repeats < 1 or args.max_tokens < 2:
+        p.error("--concurrency and --repeats must be at least 1, --max-tokens at least 2")
+    from sgl_ragged.models.smollm2 import ensure_smollm2
+    from sgl_ragged.testing.server import ServerProcess
+
+    server_args = launch_args(args.model or str(ensure_smollm2()), args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "served": f"ragged {args.precision}:{args.profile}" if args.profile else "torch_native",
+        "launch_args": server_args, "max_tokens": args.max_tokens, "repeats": args.repeats,
+        "concurrency": args.concurrency, "choices": {}}
+    for i, choice in enumerate(args.choices):
+        print(f"[{i + 1}/{len(args.choices)}] RAGGED_CPU_GEMM={choice}: starting the server ...",
+              flush=True)
+        with ServerProcess(server_args, env={"RAGGED_CPU_GEMM": choice},
+                           log_path=args.out / f"server-{choice}.log", startup_timeout=900) as srv:
+            print(f"    measuring concurrency {args.concurrency} ...", flush=True)
+            result = measure(srv.base_url, args.concurrency, args.max_tokens, args.warmup,
+                             args.repeats)
+        report["choices"][choice] = {str(c): m for c, m in result.items()}
+    (args.out / "gemm_serving.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    (args.out / "gemm_serving.md").write_text(table)
+    print(table)
+    return report
+
+
+if __name__ == "__main__":
+    main()

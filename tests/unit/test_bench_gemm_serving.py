@@ -1,0 +1,68 @@
+"""bench.gemm_serving: rounds alternate over the concurrencies, medians after warm-up, the table's
+ratios against the first choice, and the requests it sends (the server itself: a manual run)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from bench import gemm_serving
+
+
+def test_rounds_alternate_and_medians_skip_the_warmup(monkeypatch: pytest.MonkeyPatch) -> None:
+    order: list[tuple[int, int]] = []
+
+    async def fake_round(base_url: str, c: int, max_tokens: int, seed: int) -> dict[str, Any]:
+        order.append((c, seed))
+        r = len(order)
+        return {"tok_s": 1000.0 if r <= 2 else 10.0 * c + r, "tpot_s": 0.1 * r}
+
+    monkeypatch.setattr(gemm_serving, "one_round", fake_round)
+    out = gemm_serving.measure("http://x", [1, 8], 16, warmup=1, repeats=3)
+    assert [c for c, _ in order] == [1, 8] * 4
+    assert len({seed for _, seed in order}) == 8  # every round's prompts are new
+    assert out[1] == {"tok_s": 10.0 + 5, "tpot_s": 0.1 * 5, "rounds": 3}
+    assert out[8]["tok_s"] == 80.0 + 6 and out[8]["rounds"] == 3
+
+
+def test_the_table_and_its_ratios() -> None:
+    report = {"served": "ragged mixed:p.json", "max_tokens": 64, "repeats": 3,
+              "concurrency": [1, 16],
+              "choices": {"float32": {"1": {"tok_s": 4.0, "tpot_s": 0.25},
+                                      "16": {"tok_s": 16.0, "tpot_s": 0.9}},
+                          "auto": {"1": {"tok_s": 5.0, "tpot_s": 0.2},
+                                   "16": {"tok_s": 40.0, "tpot_s": 0.4}}}}
+    table = gemm_serving.markdown(report)
+    assert "| 1 | 4.0 | 250 | 5.0 | 200 | x1.25 |" in table
+    assert "| 16 | 16.0 | 900 | 40.0 | 400 | x2.50 |" in table
+    assert "ratios against float32" in table
+
+
+def test_each_request_runs_to_length_with_its_own_prompt() -> None:
+    a, b = (gemm_serving._payload(7, i, 32) for i in (0, 1))
+    assert a["min_tokens"] == a["max_tokens"] == 32 and a["temperature"] == 0 and a["stream"]
+    assert a["messages"][0]["content"] != b["messages"][0]["content"]
+
+
+def test_a_failed_request_fails_the_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def failing(http: Any, base_url: str, payload: Any, record: Any, t0: float) -> Any:
+        record.error = "HTTP 500: boom"
+        return record
+
+    monkeypatch.setattr(gemm_serving, "stream_chat", failing)
+    with pytest.raises(RuntimeError, match=r"2 of 2 requests failed: HTTP 500: boom"):
+        asyncio.run(gemm_serving.one_round("http://127.0.0.1:9", 2, 8, seed=0))
+
+
+def test_the_launch_is_the_readme_server_or_stock() -> None:
+    import argparse
+
+    args = argparse.Namespace(profile="p.json", precision="mixed", max_total_tokens=8192,
+                              concurrency=[1, 16])
+    launch = gemm_serving.launch_args("/m", args)
+    assert launch[launch.index("--attention-backend") + 1] == "ragged"
+    assert launch[launch.index("--max-running-requests") + 1] == "16"
+    args.profile = ""
+    assert "torch_native" in gemm_serving.launch_args("/m", args)
