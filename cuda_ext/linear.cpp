@@ -47,8 +47,8 @@ inline float bf16_float(uint16_t v) {
   return f;
 }
 
-// Rows [0, M) of y against weight rows [n0, n1): the portable form (and the tails of the AVX2
-// one: channels from k0 added to acc, which holds the sums of channels below k0).
+// Rows [0, M) of x against weight row n, channels [k0, K) added to acc (the portable form with
+// k0 = 0; the AVX2 form's last K % 8 channels on top of its vector sums).
 void dot_scalar(const float* xf, int64_t M, int64_t K, const uint16_t* w, int64_t n, int64_t k0,
                 float* acc /* [M] */) {
   const uint16_t* wr = w + n * K;
@@ -139,7 +139,7 @@ void blocks(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_t* w,
   const int64_t K8 = K & ~int64_t(7);
   const bool buffered = M > 2;
   std::vector<float> wf(buffered ? NB * K8 : 0);
-  std::vector<float> col(M);
+  std::vector<float> sums(NB * M);  // [NB][M]: each weight row's sums over all M rows
   float acc[2][NB];
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n = b * NB;
@@ -151,29 +151,25 @@ void blocks(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_t* w,
             _mm_prefetch(reinterpret_cast<const char*>(wb + (NB + j) * K + k), _MM_HINT_T0);
           _mm256_storeu_ps(&wf[j * K8 + k], widen(wb + j * K + k));
         }
-    float sums[NB][64];  // column sums of up to 64 rows at a time
-    for (int64_t m0 = 0; m0 < M; m0 += 64) {
-      const int64_t mc = std::min<int64_t>(64, M - m0);
-      for (int64_t r = 0; r < mc; r += 2) {
-        const float* x = xf + (m0 + r) * K;
-        if (r + 1 < mc) {
-          if (buffered)
-            block<2, false>(x, K, K8, nullptr, wf.data(), acc);
-          else
-            block<2, true>(x, K, K8, wb, nullptr, acc);
-        } else if (buffered) {
-          block<1, false>(x, K, K8, nullptr, wf.data(), acc);
-        } else {
-          block<1, true>(x, K, K8, wb, nullptr, acc);
-        }
-        for (int64_t rr = 0; rr < std::min<int64_t>(2, mc - r); ++rr)
-          for (int j = 0; j < NB; ++j) sums[j][r + rr] = acc[rr][j];
+    for (int64_t r = 0; r < M; r += 2) {
+      const float* x = xf + r * K;
+      if (r + 1 < M) {
+        if (buffered)
+          block<2, false>(x, K, K8, nullptr, wf.data(), acc);
+        else
+          block<2, true>(x, K, K8, wb, nullptr, acc);
+      } else if (buffered) {
+        block<1, false>(x, K, K8, nullptr, wf.data(), acc);
+      } else {
+        block<1, true>(x, K, K8, wb, nullptr, acc);
       }
-      for (int j = 0; j < NB; ++j) {
-        for (int64_t r = 0; r < mc; ++r) col[r] = sums[j][r];
-        if (K8 < K) dot_scalar(xf + m0 * K, mc, K, w, n + j, K8, col.data());
-        finish(col.data(), mc, N, n + j, bias, y + m0 * N);
-      }
+      for (int64_t rr = 0; rr < std::min<int64_t>(2, M - r); ++rr)
+        for (int j = 0; j < NB; ++j) sums[j * M + r + rr] = acc[rr][j];
+    }
+    for (int j = 0; j < NB; ++j) {
+      float* col = &sums[j * M];
+      if (K8 < K) dot_scalar(xf, M, K, w, n + j, K8, col);
+      finish(col, M, N, n + j, bias, y);
     }
   }
 }

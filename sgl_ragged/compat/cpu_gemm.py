@@ -74,14 +74,19 @@ def routes() -> str:
     if choice == "auto":
         if {"amx_bf16", "avx512_bf16"} & cpu_flags():
             return "bfloat16"
-        # is_built first: a server never compiles the extension (scripts/env.sh builds it)
-        return "native" if native.is_built() and native.available() else "float32"
-    if choice == "native" and not (native.is_built() and native.available()):
+        return "native" if _native_ready() else "float32"
+    if choice == "native" and not _native_ready():
         raise ValueError("RAGGED_CPU_GEMM=native needs the native kernels: build them with "
                          "`python -m sgl_ragged.native build`"
                          + (f" ({native.reason()})" if native.is_built() else "")
                          + ", or set RAGGED_CPU_GEMM=auto")
     return choice
+
+
+def _native_ready() -> bool:
+    """The native extension is built and loads. is_built first: a server never compiles it
+    (scripts/env.sh builds it)."""
+    return native.is_built() and native.available()
 
 
 def validate() -> None:
@@ -143,10 +148,9 @@ def compute_lm_head(original: Any, processor: Any, hidden_states: torch.Tensor, 
     AMX-packed head, no float32 head, no RL on-policy target; that branch adds no
     embedding_bias), the same product by this process's route; else SGLang's own call."""
     weight = getattr(lm_head, "weight", None)
-    if (weight is not None and hidden_states.dtype == torch.bfloat16
-            and _plain_lm_head(processor, lm_head)):
+    if weight is not None:
         how = route(hidden_states, weight, None)
-        if how is not None:
+        if how is not None and _plain_lm_head(processor, lm_head):
             return product(hidden_states, weight, None, how)
     return original(processor, hidden_states, lm_head, embedding_bias, **kwargs)
 
