@@ -12,12 +12,22 @@
 // call of fewer than SERIAL_MACS products stays on the calling thread: waking the pool costs
 // more than the second core gives). In a block, activation rows go 2 at a time against the 4
 // weight rows (8 float32 accumulators of 8 lanes, summed across lanes at the end of K). With
-// one or two rows the weights are widened as they are loaded; with more, the block's 4 rows are
-// widened once into a float32 buffer (4 x K floats, in L1 for K up to ~1500) that every pair
-// of rows then reads. Each step prefetches the next block's rows (a cache line per row): one row
+// one or two rows the weights are widened as they are loaded; with 3 to PANEL_ROWS - 1, the
+// block's 4 rows are widened once into a float32 buffer (4 x K floats, in L1 for K up to ~1500)
+// that every pair of rows then reads. Each step prefetches the next block's rows (a cache line per row): one row
 // streamed the weights at 4.2 GB/s without it, at about 10 with it (docs/results.md, "Dense
 // layers on a native bfloat16 kernel"). K's last K % 8 channels and a last partial block of
 // weight rows run the scalar form.
+//
+// From PANEL_ROWS rows (prefill chunks, larger decode batches; at 6 rows the two layouts were
+// even, bench.cpu_gemm) the product is compute-bound and the layout above, a dot
+// product per (row, weight row) summed across lanes, loads two vectors per FMA. There the weight
+// goes through panels instead: PC = 16 weight rows widened and transposed into a float32 panel
+// [K][16] (64 KB at K = 1024, in L2), then PR = 6 activation rows at a time against it as outer
+// products: per channel, two panel vectors and six broadcast activations feed 12 FMAs into 12
+// accumulators (the register file's 16 less the operands), and the six rows' 16 outputs are
+// rounded to bfloat16 in vectors. Panels split over the intra-op pool; each panel is packed once
+// per call (a 1/M share of its products) and sweeps all M rows of x, from L2 or L3.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
@@ -39,6 +49,9 @@ namespace {
 
 constexpr int64_t NB = 4;                 // weight rows per block
 constexpr int64_t SERIAL_MACS = 1 << 18;  // below this, one thread (about 20 us of work)
+constexpr int64_t PR = 6;                 // panel form: activation rows per micro-block
+constexpr int64_t PC = 16;                // panel form: weight rows per panel (two vectors)
+constexpr int64_t PANEL_ROWS = 8;         // from this many rows, the panel form
 
 inline float bf16_float(uint16_t v) {
   const uint32_t u = uint32_t(v) << 16;
@@ -174,6 +187,115 @@ void blocks(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_t* w,
   }
 }
 
+// Weight rows [n0, n0 + PC) (rows from N on as zeros), widened to float32 and transposed:
+// panel[k * PC + j] = w[n0 + j, k]. 8 x 8 tiles go through registers (unpack, shuffle, lane
+// permute); K's last K % 8 channels one at a time.
+void pack_panel(const uint16_t* w, int64_t K, int64_t N, int64_t n0, float* panel) {
+  const int64_t K8 = K & ~int64_t(7);
+  for (int64_t j0 = 0; j0 < PC; j0 += 8) {
+    if (n0 + j0 + 8 <= N) {
+      for (int64_t k = 0; k < K8; k += 8) {
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) r[j] = widen(w + (n0 + j0 + j) * K + k);
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+        const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+        const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+        const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+        float* out = panel + k * PC + j0;  // channel k + i's 8 weights at out + i * PC
+        _mm256_storeu_ps(out + 0 * PC, _mm256_permute2f128_ps(u0, u4, 0x20));
+        _mm256_storeu_ps(out + 1 * PC, _mm256_permute2f128_ps(u1, u5, 0x20));
+        _mm256_storeu_ps(out + 2 * PC, _mm256_permute2f128_ps(u2, u6, 0x20));
+        _mm256_storeu_ps(out + 3 * PC, _mm256_permute2f128_ps(u3, u7, 0x20));
+        _mm256_storeu_ps(out + 4 * PC, _mm256_permute2f128_ps(u0, u4, 0x31));
+        _mm256_storeu_ps(out + 5 * PC, _mm256_permute2f128_ps(u1, u5, 0x31));
+        _mm256_storeu_ps(out + 6 * PC, _mm256_permute2f128_ps(u2, u6, 0x31));
+        _mm256_storeu_ps(out + 7 * PC, _mm256_permute2f128_ps(u3, u7, 0x31));
+      }
+      for (int64_t k = K8; k < K; ++k)
+        for (int64_t j = 0; j < 8; ++j)
+          panel[k * PC + j0 + j] = bf16_float(w[(n0 + j0 + j) * K + k]);
+    } else {
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < 8; ++j)
+          panel[k * PC + j0 + j] = n0 + j0 + j < N ? bf16_float(w[(n0 + j0 + j) * K + k]) : 0.0f;
+    }
+  }
+}
+
+// 8 float32 to bfloat16, rounded to nearest even as at::BFloat16 does (a NaN stays a NaN).
+inline __m128i to_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                                                 lsb), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  // 32-bit lanes to 16: packus works within 128-bit halves, so pack the halves together
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// R (1..PR) activation rows (x, row stride K) against a packed panel: y[r, n0 + j] for the
+// panel's first `cols` weight rows, bias added (b: the panel's 16 bias values as float32).
+template <int R>
+void micro(const float* x, int64_t K, const float* panel, const float* b, int64_t cols,
+           int64_t N, int64_t n0, at::BFloat16* y) {
+  __m256 c0[R], c1[R];
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(panel + k * PC), b1 = _mm256_loadu_ps(panel + k * PC + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * K + k);
+      c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
+      c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+    }
+  }
+  const __m256 bias0 = _mm256_loadu_ps(b), bias1 = _mm256_loadu_ps(b + 8);
+  for (int r = 0; r < R; ++r) {
+    const __m128i h0 = to_bf16(_mm256_add_ps(c0[r], bias0));
+    const __m128i h1 = to_bf16(_mm256_add_ps(c1[r], bias1));
+    uint16_t* out = reinterpret_cast<uint16_t*>(y + r * N + n0);
+    if (cols == PC) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), h0);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8), h1);
+    } else {
+      alignas(16) uint16_t tmp[PC];
+      _mm_store_si128(reinterpret_cast<__m128i*>(tmp), h0);
+      _mm_store_si128(reinterpret_cast<__m128i*>(tmp + 8), h1);
+      std::memcpy(out, tmp, cols * sizeof(uint16_t));
+    }
+  }
+}
+
+// Panels [p0, p1) (weight rows p * PC ..), all M rows of y.
+void panels(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_t* w,
+            const uint16_t* bias, int64_t p0, int64_t p1, at::BFloat16* y) {
+  std::vector<float> panel(K * PC);
+  float b[PC];
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t n0 = p * PC, cols = std::min(PC, N - n0);
+    pack_panel(w, K, N, n0, panel.data());
+    for (int64_t j = 0; j < PC; ++j) b[j] = bias && j < cols ? bf16_float(bias[n0 + j]) : 0.0f;
+    int64_t m = 0;
+    for (; m + PR <= M; m += PR)
+      micro<PR>(xf + m * K, K, panel.data(), b, cols, N, n0, y + m * N);
+    const float* x = xf + m * K;
+    at::BFloat16* ym = y + m * N;
+    switch (M - m) {
+      case 1: micro<1>(x, K, panel.data(), b, cols, N, n0, ym); break;
+      case 2: micro<2>(x, K, panel.data(), b, cols, N, n0, ym); break;
+      case 3: micro<3>(x, K, panel.data(), b, cols, N, n0, ym); break;
+      case 4: micro<4>(x, K, panel.data(), b, cols, N, n0, ym); break;
+      case 5: micro<5>(x, K, panel.data(), b, cols, N, n0, ym); break;
+      default: break;
+    }
+  }
+}
+
 }  // namespace wide
 
 #pragma GCC pop_options
@@ -224,7 +346,14 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   const int64_t block_macs = std::max<int64_t>(NB * K * M, 1);
   const int64_t grain = M * N * K < SERIAL_MACS ? std::max<int64_t>(n_blocks, 1)
                                                 : std::max<int64_t>(1, SERIAL_MACS / block_macs);
-  if (has_avx2()) {
+  if (has_avx2() && M >= PANEL_ROWS) {
+    const int64_t n_panels = (N + PC - 1) / PC;
+    const int64_t panel_grain = M * N * K < SERIAL_MACS
+        ? n_panels : std::max<int64_t>(1, SERIAL_MACS / std::max<int64_t>(PC * K * M, 1));
+    at::parallel_for(0, n_panels, panel_grain, [&](int64_t p0, int64_t p1) {
+      wide::panels(xp, M, K, N, wp, bias_ptr, p0, p1, yp);
+    });
+  } else if (has_avx2()) {
     at::parallel_for(0, n_blocks, grain, [&](int64_t b0, int64_t b1) {
       wide::blocks(xp, M, K, N, wp, bias_ptr, b0, b1, yp);
     });

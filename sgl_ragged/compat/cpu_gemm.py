@@ -6,18 +6,17 @@ the bfloat16 lm_head (`LogitsProcessor._compute_lm_head`). Where the CPU has nei
 AVX512-BF16, torch converts both operands inside its product and reaches a fifth of its float32
 speed (AMD EPYC with AVX2, one thread, a 256-token chunk through SmolLM2's dense layers: 11.1 s
 in bfloat16, 2.1 s converting to float32 first; docs/results.md, "Dense layers in float32 on
-CPUs without bfloat16 dot products"). The AROUND hooks here route such a call one of two ways,
-both the same float32 sums of the same products that torch's bfloat16 product accumulates, in
-another order, rounded to bfloat16 once:
+CPUs without bfloat16 dot products"). The AROUND hooks here send such a call to the native
+kernel (cuda_ext/linear.cpp): float32 sums of the same products that torch's bfloat16 product
+accumulates, in another order, rounded to bfloat16 once. It reads the weight as bfloat16 and
+widens it in registers (decode batches: converting the weight to float32 first costs more than
+the product), and from 8 rows multiplies float32 panels of it as outer products (prefill chunks:
+x1.2-1.3 over converting both operands to float32 for torch's product at 256-512 rows;
+docs/results.md, "Prefill's dense layers on the native kernel"). A weight or bias that is not
+contiguous goes the float32 way (`linear`).
 
-- fewer than NATIVE_ROWS rows (decode batches): the native kernel (cuda_ext/linear.cpp), which
-  reads the weight as bfloat16 and widens it in registers: converting the weight to float32
-  first costs more than the product at these sizes;
-- from there on (prefill chunks): activations and weights converted to float32 and multiplied by
-  torch (`linear`).
-
-Without the native extension built, calls below FLOAT32_ROWS stay as SGLang makes them and the
-float32 route starts at FLOAT32_ROWS (session 23's form).
+Without the native extension built, calls below FLOAT32_ROWS stay as SGLang makes them and
+larger ones are converted to float32 (session 23's form, RAGGED_CPU_GEMM=float32).
 
 The plugin installs the hooks in every SGLang process of the environment, so a stock server there
 (any --attention-backend) multiplies the same way as a ragged one: the benchmarks compare KV
@@ -39,19 +38,14 @@ from sgl_ragged.native import cpu_flags
 
 __all__ = ["cpu_flags", "apply", "compute_lm_head", "linear", "route", "routes", "validate"]
 
-NATIVE_ROWS = 128
-"""Calls with fewer rows take the native kernel (python -m bench.cpu_gemm on an AMD EPYC with
-AVX2, a model step of SmolLM2's dense layers at 2 threads, weights streamed from memory; the
-figures are in docs/results.md, "Dense layers on a native bfloat16 kernel")."""
-
 FLOAT32_ROWS = 16
 """Without the native kernel, calls with at least this many rows convert to float32 (2 threads:
 x0.38 at 1 row, x1.03 at 8, x1.67 at 16, x2.45 at 32, x4.45 at 256)."""
 
 CHOICES = {
-    "auto": "native below NATIVE_ROWS rows and float32 above where the CPU has neither amx_bf16 "
-            "nor avx512_bf16, else torch's bfloat16 product",
-    "native": "native below NATIVE_ROWS rows and float32 above, on any CPU",
+    "auto": "the native kernel where the CPU has neither amx_bf16 nor avx512_bf16, else "
+            "torch's bfloat16 product",
+    "native": "the native kernel, on any CPU",
     "float32": "float32 from FLOAT32_ROWS rows, torch's bfloat16 product below",
     "bfloat16": "torch's bfloat16 product throughout (SGLang's own calls)",
 }
@@ -66,9 +60,8 @@ def _choice() -> str:
 
 
 def routes() -> str:
-    """How this process multiplies bfloat16 dense layers on the CPU: 'native' (the native kernel
-    below NATIVE_ROWS rows, float32 above), 'float32' (float32 from FLOAT32_ROWS rows) or
-    'bfloat16' (torch's product). Raises ValueError for a bad RAGGED_CPU_GEMM, or for
+    """How this process multiplies bfloat16 dense layers on the CPU: 'native' (the native
+    kernel), 'float32' (float32 from FLOAT32_ROWS rows) or 'bfloat16' (torch's product). Raises ValueError for a bad RAGGED_CPU_GEMM, or for
     RAGGED_CPU_GEMM=native where the native extension is not built."""
     choice = _choice()
     if choice == "auto":
@@ -104,12 +97,12 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> s
             and x.shape[-1] == weight.shape[1]
             and (bias is None or (bias.dtype == torch.bfloat16 and bias.dim() == 1))):
         return None
-    rows = x.numel() // max(x.shape[-1], 1)
     mode = _routes_here()
     if mode == "native":
-        if rows < NATIVE_ROWS and weight.is_contiguous() and (bias is None or bias.is_contiguous()):
+        if weight.is_contiguous() and (bias is None or bias.is_contiguous()):
             return "native"
         return "float32"
+    rows = x.numel() // max(x.shape[-1], 1)
     if mode == "float32" and rows >= FLOAT32_ROWS:
         return "float32"
     return None

@@ -171,20 +171,21 @@ def _routes_taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return taken
 
 
-def test_native_route_below_native_rows_and_float32_from_there(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_route_at_every_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode batches and prefill chunks alike (the kernel's two layouts: below and from 8
+    rows)."""
     monkeypatch.setenv("RAGGED_CPU_GEMM", "native")
     taken = _routes_taken(monkeypatch)
     layer = _Layer(40, 64)
     with torch.no_grad():
         layer.weight.div_(8)
     gen = torch.Generator().manual_seed(5)
-    for rows in (1, 2, 7, cpu_gemm.NATIVE_ROWS - 1, cpu_gemm.NATIVE_ROWS):
+    for rows in (1, 2, 7, 8, 127, 512):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         out, calls = _run(x, layer)
         assert calls == 0
         _assert_rounded(out, _reference(x, layer.weight, None))
-    assert taken == ["native"] * 4 + ["float32"]
+    assert taken == ["native"] * 6
     # a non-contiguous weight (a transposed view) goes to float32, never to the kernel
     taken.clear()
     view = torch.nn.Module()

@@ -1,6 +1,7 @@
 """The native bfloat16 linear kernel (cuda_ext/linear.cpp) against a float64 reference on fresh
-random inputs: every shape class its blocking has (one row, row pairs, an odd row, more than 64
-rows, K not a multiple of 8 or 16, N not a multiple of 4), with and without bias, serial and
+random inputs: every shape class its two layouts have (below 8 rows: one row, row pairs, an odd
+row, K not a multiple of 8 or 16, N not a multiple of 4; from 8 rows, the panels: every M % 6
+tail, N % 16 in each half of a panel, K % 8 tails, K of 1), with and without bias, serial and
 split over threads, and its portable form (RAGGED_NATIVE_ISA=scalar) in a child process. Bad
 arguments get a message that names them. The extension must build here (as for the attention)."""
 
@@ -21,9 +22,11 @@ from sgl_ragged.attention_backend import ops
 BF16_ULP = 2.0**-7
 ROOT = Path(__file__).resolve().parents[2]
 
-SHAPES = [  # (M, K, N)
-    (1, 576, 960), (2, 576, 576), (3, 1536, 44), (5, 64, 7), (8, 100, 13), (1, 584, 8),
-    (1, 7, 5), (4, 15, 4), (65, 72, 30), (130, 200, 17), (17, 576, 3072),
+SHAPES = [  # (M, K, N); from 8 rows the panel layout (PANEL_ROWS, PR = 6 rows, PC = 16 columns)
+    (1, 576, 960), (2, 576, 576), (3, 1536, 44), (5, 64, 7), (7, 64, 40), (1, 584, 8),
+    (1, 7, 5), (4, 15, 4),
+    (8, 100, 13), (9, 1, 33), (10, 13, 5), (11, 40, 8), (12, 64, 16), (27, 96, 24),
+    (65, 72, 30), (130, 200, 17), (17, 576, 3072), (48, 1536, 576),
 ]
 
 
@@ -78,13 +81,19 @@ def test_leading_dims_and_strided_activations() -> None:
     assert lin(x[:0], w, b).shape == (0, 40)
 
 
-def test_special_values_pass_through() -> None:
-    x, w, _ = _case(3, 64, 8, False, seed=9)
+@pytest.mark.parametrize("rows", [4, 10])
+def test_special_values_pass_through(rows: int) -> None:
+    x, w, _ = _case(rows, 64, 20, False, seed=9)
     x[1, 5] = float("inf")
     x[2, 0] = float("nan")
+    x[3] = 2.0**100  # every term of output 0 (1) is +2^130 (-2^130): +inf (-inf) in any order
+    w[0], w[1] = 2.0**30, -(2.0**30)
     out = native.load().linear_bf16(x, w, None)
+    assert out[3, 0] == float("inf") and out[3, 1] == float("-inf")
     ref = F.linear(x.float(), w.float())
-    assert torch.equal(out[1].isinf() | out[1].isnan(), ref[1].isinf() | ref[1].isnan())
+    for r in (1, 3):
+        assert torch.equal(out[r].isinf() | out[r].isnan(), ref[r].isinf() | ref[r].isnan())
+        assert torch.equal(out[r][ref[r].isinf()], ref[r][ref[r].isinf()].bfloat16())
     assert out[2].isnan().all()
     _assert_rounded(out[0], _reference(x[:1], w, None)[0])
 
@@ -118,7 +127,7 @@ def test_the_portable_form_in_a_child() -> None:
         "m = native.load()\n"
         "assert m.linear_isa() == 'scalar', m.linear_isa()\n"
         "g = torch.Generator().manual_seed(2)\n"
-        "for (M, K, N) in [(1, 576, 9), (5, 100, 13), (70, 64, 600)]:\n"
+        "for (M, K, N) in [(1, 576, 9), (5, 100, 13), (70, 64, 600), (9, 3, 17)]:\n"
         "    x = torch.randn(M, K, generator=g).bfloat16()\n"
         "    w = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16()\n"
         "    b = torch.randn(N, generator=g).bfloat16()\n"
