@@ -1,6 +1,7 @@
-"""Decode speed of one served configuration under each RAGGED_CPU_GEMM choice, side by side.
+"""Decode and prefill speed of one served configuration under each RAGGED_CPU_GEMM choice.
 
-    python -m bench.gemm_serving [--choices float32 auto] [--concurrency 1 8 16] --out results/gemm-serving
+    python -m bench.gemm_serving [--choices float32 auto] [--concurrency 1 8 16] \
+        [--prefill-tokens 2048] --out results/gemm-serving
 
 For every choice (compat/cpu_gemm.CHOICES: how a CPU server multiplies its bfloat16 dense layers
 and lm_head) the same server is started (default: the README's, SmolLM2-135M with
@@ -9,7 +10,11 @@ of `c` concurrent chat requests with distinct short prompts whose answers run to
 --max-tokens tokens (`min_tokens`), greedy. A round's decode rate is its output tokens over its
 wall time; TPOT is each request's time per output token after the first. The servers run one
 after the other on a quiet machine; the rounds of a choice alternate over concurrencies, medians
-over --repeats rounds. Ratios are against the first choice. Writes gemm_serving.json and
+over --repeats rounds. Then, with --prefill-tokens N (0: none), rounds of one request whose
+prompt is a distinct document of about N tokens (distinct from its first words, so the radix
+cache holds nothing of it but the chat template's system prompt) and a 2-token answer: the
+prefill rate is its prompt tokens (as the server counts them, less those it had cached) over its
+time to first token. Ratios are against the first choice. Writes gemm_serving.json and
 gemm_serving.md; each server's log beside them.
 """
 
@@ -41,7 +46,7 @@ def launch_args(model: str, args: argparse.Namespace) -> list[str]:
     return ["--model-path", model, "--device", "cpu", *served,
             "--max-total-tokens", str(args.max_total_tokens),
             "--max-running-requests", str(max(args.concurrency)), "--page-size", "16",
-            "--chunked-prefill-size", "512"]
+            "--chunked-prefill-size", "512", "--enable-cache-report"]
 
 
 async def one_round(base_url: str, concurrency: int, max_tokens: int, seed: int) -> dict[str, Any]:
@@ -70,6 +75,46 @@ def _payload(seed: int, i: int, max_tokens: int) -> dict[str, Any]:
                              f"(request {seed}-{i})"}], max_tokens)
     payload["min_tokens"] = max_tokens
     return payload
+
+
+WORDS = ("river", "stone", "window", "quiet", "market", "yellow", "engine", "garden", "winter",
+         "letter", "bridge", "candle", "forest", "silver", "harbor", "pocket", "thunder", "basket",
+         "mirror", "orchard", "ladder", "copper", "meadow", "signal", "lantern", "valley")
+
+
+def _document(seed: int, tokens: int) -> str:
+    """About `tokens` tokens of filler (a word with its leading space is one token in SmolLM2's
+    tokenizer, a full stop every 12 words one more), distinct per seed from the first words on."""
+    words, x = [f"Document {seed}:"], seed * 2654435761 + 1
+    for i in range(max(tokens * 12 // 13, 1)):
+        x = (x * 6364136223846793005 + 1442695040888963407) % 2**64
+        words.append(WORDS[(x >> 33) % len(WORDS)] + ("." if i % 12 == 11 else ""))
+    return " ".join(words)
+
+
+async def prefill_round(base_url: str, tokens: int, seed: int) -> dict[str, Any]:
+    """One request with a fresh document of about `tokens` tokens: its prefill rate."""
+    timeout = aiohttp.ClientTimeout(total=1800)
+    record = RequestRecord(session=0, turn=0, task="prefill", start=0.0)
+    payload = chat_payload([{"role": "user", "content": _document(seed, tokens)
+                             + "\nName the document's first word."}], 2)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        await stream_chat(http, base_url, payload, record, time.perf_counter())
+    if record.error or record.ttft is None:
+        raise RuntimeError(f"the prefill request failed: {record.error or 'no token came back'}")
+    fresh = record.prompt_tokens - record.cached_tokens
+    return {"prompt_tokens": record.prompt_tokens, "cached_tokens": record.cached_tokens,
+            "ttft_s": record.ttft, "prefill_tok_s": fresh / record.ttft}
+
+
+def measure_prefill(base_url: str, tokens: int, warmup: int, repeats: int) -> dict[str, float]:
+    """Median prefill rate and TTFT over `repeats` rounds after `warmup`, a new document each."""
+    rounds = [asyncio.run(prefill_round(base_url, tokens, seed=1000 + r))
+              for r in range(warmup + repeats)][warmup:]
+    return {"prefill_tok_s": statistics.median(x["prefill_tok_s"] for x in rounds),
+            "ttft_s": statistics.median(x["ttft_s"] for x in rounds),
+            "prompt_tokens": statistics.median(x["prompt_tokens"] for x in rounds),
+            "cached_tokens": max(x["cached_tokens"] for x in rounds), "rounds": len(rounds)}
 
 
 def measure(base_url: str, concurrency: list[int], max_tokens: int, warmup: int,
@@ -102,6 +147,18 @@ def markdown(report: dict[str, Any]) -> str:
             cells.append(f"{m['tok_s']:.1f} | {m['tpot_s'] * 1e3:.0f}")
         ratios = [f"x{report['choices'][c][str(conc)]['tok_s'] / base:.2f}" for c in choices[1:]]
         lines.append(f"| {conc} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    prefill = {c: report["choices"][c]["prefill"] for c in choices
+               if report["choices"][c].get("prefill")}
+    if prefill:
+        base = prefill.get(first)
+        lines += ["", "Prefill of a fresh document (chunks of the launch's --chunked-prefill-size), "
+                  f"medians of {report['repeats']} rounds:", "",
+                  "| choice | prompt tokens | cached | TTFT ms | prefill tok/s | vs " + first + " |",
+                  "|---|---|---|---|---|---|"]
+        for c, m in prefill.items():
+            ratio = f"x{m['prefill_tok_s'] / base['prefill_tok_s']:.2f}" if base else "-"
+            lines.append(f"| {c} | {m['prompt_tokens']:.0f} | {m['cached_tokens']} | "
+                         f"{m['ttft_s'] * 1e3:.0f} | {m['prefill_tok_s']:.0f} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -110,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--choices", nargs="+", default=["float32", "auto"], choices=list(CHOICES))
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prefill-tokens", type=int, default=2048,
+                   help="prompt length of the prefill rounds (0: no prefill rounds)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--model", help="model path (default: SmolLM2-135M-Instruct)")
@@ -119,8 +178,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-total-tokens", type=int, default=8192)
     p.add_argument("--out", type=Path, default=Path("results/gemm-serving"))
     args = p.parse_args(argv)
-    if min(args.concurrency) < 1 or args.repeats < 1 or args.max_tokens < 2:
-        p.error("--concurrency and --repeats must be at least 1, --max-tokens at least 2")
+    if min(args.concurrency) < 1 or args.repeats < 1 or args.max_tokens < 2 \
+            or args.prefill_tokens < 0:
+        p.error("--concurrency and --repeats must be at least 1, --max-tokens at least 2, "
+                "--prefill-tokens at least 0")
     from sgl_ragged.models.smollm2 import ensure_smollm2
     from sgl_ragged.testing.server import ServerProcess
 
@@ -129,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "served": f"ragged {args.precision}:{args.profile}" if args.profile else "torch_native",
         "launch_args": server_args, "max_tokens": args.max_tokens, "repeats": args.repeats,
-        "concurrency": args.concurrency, "choices": {}}
+        "concurrency": args.concurrency, "prefill_tokens": args.prefill_tokens, "choices": {}}
     for i, choice in enumerate(args.choices):
         print(f"[{i + 1}/{len(args.choices)}] RAGGED_CPU_GEMM={choice}: starting the server ...",
               flush=True)
@@ -138,7 +199,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"    measuring concurrency {args.concurrency} ...", flush=True)
             result = measure(srv.base_url, args.concurrency, args.max_tokens, args.warmup,
                              args.repeats)
-        report["choices"][choice] = {str(c): m for c, m in result.items()}
+            report["choices"][choice] = {str(c): m for c, m in result.items()}
+            if args.prefill_tokens:
+                print(f"    measuring the prefill of {args.prefill_tokens}-token prompts ...",
+                      flush=True)
+                report["choices"][choice]["prefill"] = measure_prefill(
+                    srv.base_url, args.prefill_tokens, args.warmup, args.repeats)
     (args.out / "gemm_serving.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)
     (args.out / "gemm_serving.md").write_text(table)

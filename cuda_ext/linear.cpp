@@ -335,8 +335,9 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   at::Tensor y = at::empty(out_shape, x.options());
-  const int64_t M = x.numel() / std::max<int64_t>(K, 1);
+  const int64_t M = y.numel() / std::max<int64_t>(N, 1);
   if (M == 0 || N == 0) return y;
+  if (K == 0) return bias_ptr ? y.copy_(bias->expand_as(y)) : y.zero_();  // empty sums
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());

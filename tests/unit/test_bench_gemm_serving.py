@@ -64,5 +64,57 @@ def test_the_launch_is_the_readme_server_or_stock() -> None:
     launch = gemm_serving.launch_args("/m", args)
     assert launch[launch.index("--attention-backend") + 1] == "ragged"
     assert launch[launch.index("--max-running-requests") + 1] == "16"
+    assert "--enable-cache-report" in launch  # the prefill rounds' cached tokens
     args.profile = ""
     assert "torch_native" in gemm_serving.launch_args("/m", args)
+
+
+def test_prefill_documents_are_distinct_from_the_first_words() -> None:
+    a, b = gemm_serving._document(1, 600), gemm_serving._document(2, 600)
+    assert a.split()[:2] != b.split()[:2]
+    assert a == gemm_serving._document(1, 600)  # the same seed, the same document
+    assert 500 <= len(a.split()) <= 600
+
+
+def test_a_prefill_round_counts_only_the_tokens_it_prefilled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[Any] = []
+
+    async def fake(http: Any, base_url: str, payload: Any, record: Any, t0: float) -> Any:
+        sent.append(payload)
+        record.prompt_tokens, record.cached_tokens = 2100, 100
+        record.first_token_at = record.start + 4.0
+        return record
+
+    monkeypatch.setattr(gemm_serving, "stream_chat", fake)
+    out = gemm_serving.measure_prefill("http://x", 2048, warmup=1, repeats=2)
+    assert out == {"prefill_tok_s": 500.0, "ttft_s": 4.0, "prompt_tokens": 2100,
+                   "cached_tokens": 100, "rounds": 2}
+    prompts = [p["messages"][0]["content"] for p in sent]
+    assert len(prompts) == 3 and len(set(prompts)) == 3  # a new document every round
+    assert all(p["max_tokens"] == 2 for p in sent)
+
+
+def test_a_failed_prefill_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def failing(http: Any, base_url: str, payload: Any, record: Any, t0: float) -> Any:
+        record.error = "HTTP 400: too long"
+        return record
+
+    monkeypatch.setattr(gemm_serving, "stream_chat", failing)
+    with pytest.raises(RuntimeError, match=r"the prefill request failed: HTTP 400: too long"):
+        asyncio.run(gemm_serving.prefill_round("http://127.0.0.1:9", 64, seed=0))
+
+
+def test_the_prefill_table() -> None:
+    decode = {"1": {"tok_s": 4.0, "tpot_s": 0.25}}
+    report = {"served": "ragged mixed:p.json", "max_tokens": 64, "repeats": 3,
+              "concurrency": [1],
+              "choices": {"float32": {**decode, "prefill": {"prompt_tokens": 2051.0,
+                                                            "cached_tokens": 30, "ttft_s": 4.0,
+                                                            "prefill_tok_s": 505.0}},
+                          "native": {**decode, "prefill": {"prompt_tokens": 2051.0,
+                                                           "cached_tokens": 30, "ttft_s": 2.0,
+                                                           "prefill_tok_s": 1010.0}}}}
+    table = gemm_serving.markdown(report)
+    assert "| float32 | 2051 | 30 | 4000 | 505 | x1.00 |" in table
+    assert "| native | 2051 | 30 | 2000 | 1010 | x2.00 |" in table

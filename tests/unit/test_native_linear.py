@@ -79,6 +79,10 @@ def test_leading_dims_and_strided_activations() -> None:
     strided = wide[:, ::2]  # not contiguous: the kernel copies it
     _assert_rounded(lin(strided, w, None), _reference(strided, w, None))
     assert lin(x[:0], w, b).shape == (0, 40)
+    # no input features: every sum is empty, so y is the bias (or zeros), as F.linear gives
+    empty_w = torch.empty(40, 0, dtype=torch.bfloat16)
+    assert torch.equal(lin(x[:, :0], empty_w, b), F.linear(x[:, :0], empty_w, b))
+    assert torch.equal(lin(x[:, :0], empty_w, None), torch.zeros(12, 40, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("rows", [4, 10])
