@@ -14,20 +14,20 @@
 // weight rows (8 float32 accumulators of 8 lanes, summed across lanes at the end of K). With
 // one or two rows the weights are widened as they are loaded; with 3 to PANEL_ROWS - 1, the
 // block's 4 rows are widened once into a float32 buffer (4 x K floats, in L1 for K up to ~1500)
-// that every pair of rows then reads. Each step prefetches the next block's rows (a cache line per row): one row
-// streamed the weights at 4.2 GB/s without it, at about 10 with it (docs/results.md, "Dense
-// layers on a native bfloat16 kernel"). K's last K % 8 channels and a last partial block of
-// weight rows run the scalar form.
+// that every pair of rows then reads. Each step prefetches the next block's rows (a cache line
+// per row): one row streamed the weights at 4.2 GB/s without it, at about 10 with it
+// (docs/results.md, "Dense layers on a native bfloat16 kernel"). K's last K % 8 channels and a
+// last partial block of weight rows run the scalar form.
 //
-// From PANEL_ROWS rows (prefill chunks, larger decode batches; at 6 rows the two layouts were
-// even, bench.cpu_gemm) the product is compute-bound and the layout above, a dot
-// product per (row, weight row) summed across lanes, loads two vectors per FMA. There the weight
-// goes through panels instead: PC = 16 weight rows widened and transposed into a float32 panel
-// [K][16] (64 KB at K = 1024, in L2), then PR = 6 activation rows at a time against it as outer
-// products: per channel, two panel vectors and six broadcast activations feed 12 FMAs into 12
-// accumulators (the register file's 16 less the operands), and the six rows' 16 outputs are
-// rounded to bfloat16 in vectors. Panels split over the intra-op pool; each panel is packed once
-// per call (a 1/M share of its products) and sweeps all M rows of x, from L2 or L3.
+// From PANEL_ROWS rows (prefill chunks, larger decode batches; at 6 rows the two layouts were even)
+// the product is compute-bound and the layout above, a dot product per (row, weight row) summed
+// across lanes, loads two vectors per FMA. There the weight goes through panels instead: PC = 16
+// weight rows widened and transposed into a float32 panel [K][16] (64 KB at K = 1024, in L2), then
+// PR = 6 activation rows at a time against it as outer products: per channel, two panel vectors and
+// six broadcast activations feed 12 FMAs into 12 accumulators (the register file's 16 less the
+// operands), and the six rows' 16 outputs are rounded to bfloat16 in vectors. Panels split over the
+// intra-op pool; each panel is packed once per call (a 1/M share of its products) and sweeps all M
+// rows of x, from L2 or L3.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
