@@ -46,14 +46,21 @@ def test_each_request_runs_to_length_with_its_own_prompt() -> None:
     assert a["messages"][0]["content"] != b["messages"][0]["content"]
 
 
-def test_a_failed_request_fails_the_round(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("rounds", "message"), [
+    (lambda: gemm_serving.one_round("http://127.0.0.1:9", 2, 8, seed=0),
+     r"2 of 2 requests failed: HTTP 500: boom"),
+    (lambda: gemm_serving.prefill_round("http://127.0.0.1:9", 64, seed=0),
+     r"the prefill request failed: HTTP 500: boom"),
+], ids=["decode", "prefill"])
+def test_a_failed_request_fails_the_round(rounds: Any, message: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
     async def failing(http: Any, base_url: str, payload: Any, record: Any, t0: float) -> Any:
         record.error = "HTTP 500: boom"
         return record
 
     monkeypatch.setattr(gemm_serving, "stream_chat", failing)
-    with pytest.raises(RuntimeError, match=r"2 of 2 requests failed: HTTP 500: boom"):
-        asyncio.run(gemm_serving.one_round("http://127.0.0.1:9", 2, 8, seed=0))
+    with pytest.raises(RuntimeError, match=message):
+        asyncio.run(rounds())
 
 
 def test_the_launch_is_the_readme_server_or_stock() -> None:
@@ -94,15 +101,6 @@ def test_a_prefill_round_counts_only_the_tokens_it_prefilled(
     assert len(prompts) == 3 and len(set(prompts)) == 3  # a new document every round
     assert all(p["max_tokens"] == 2 for p in sent)
 
-
-def test_a_failed_prefill_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def failing(http: Any, base_url: str, payload: Any, record: Any, t0: float) -> Any:
-        record.error = "HTTP 400: too long"
-        return record
-
-    monkeypatch.setattr(gemm_serving, "stream_chat", failing)
-    with pytest.raises(RuntimeError, match=r"the prefill request failed: HTTP 400: too long"):
-        asyncio.run(gemm_serving.prefill_round("http://127.0.0.1:9", 64, seed=0))
 
 
 def test_the_prefill_table() -> None:
