@@ -1,7 +1,7 @@
 """bfloat16 dense layers on the CPU: torch's bfloat16 product, compat/cpu_gemm's float32 one and
 the native kernel (cuda_ext/linear.cpp), in the same rounds.
 
-    python -m bench.cpu_gemm [--rows 1 2 4 8 16 32 64 128 256 512] [--threads 1 2] --out results/cpu-gemm
+    python -m bench.cpu_gemm [--rows 1 2 4 ... 256 512] [--threads 1 2] --out results/cpu-gemm
 
 The dense layers of the default model (SmolLM2-135M: hidden 576, intermediate 1536, 9 query and
 3 KV heads of 64, a 49152-token vocabulary), each multiplied as SGLang does (`F.linear` of
@@ -12,8 +12,9 @@ four products over 30 layers of distinct weights (212 MB, more than the caches h
 stream from memory as in a server); the lm_head (56 MB) is timed on its own. Each round times
 every variant once, in turn (alternating); medians over the repeats after warm-up. Row counts
 stand for a decode batch's requests or a prefill chunk's tokens. Writes cpu_gemm.json and
-cpu_gemm.md. compat/cpu_gemm.py's FLOAT32_ROWS and linear.cpp's PANEL_ROWS come from this
-table (the latter with PANEL_ROWS moved: the step at 6-8 rows in both layouts).
+cpu_gemm.md. compat/cpu_gemm.py's FLOAT32_ROWS comes from this table; linear.cpp's PANEL_ROWS
+from the same model step timed with the kernel built at both layouts (docs/results.md,
+"Prefill's dense layers on the native kernel").
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def markdown(results: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
+    parser.add_argument("--rows", type=int, nargs="+",
+                        default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)

@@ -34,6 +34,8 @@ from bench.client import RequestRecord, chat_payload, stream_chat
 from sgl_ragged.compat.cpu_gemm import CHOICES
 from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
 
+TIMEOUT = aiohttp.ClientTimeout(total=1800)  # one round: a decode round or a prefill
+
 TOPICS = ("a lighthouse", "the moon", "a violin", "rain in a city", "an old map", "a robot cook",
           "a mountain pass", "the first snow", "a desert well", "a paper boat", "a night train",
           "a clock tower", "a fox", "the sea in winter", "a library", "a garden at dawn")
@@ -51,10 +53,9 @@ def launch_args(model: str, args: argparse.Namespace) -> list[str]:
 
 async def one_round(base_url: str, concurrency: int, max_tokens: int, seed: int) -> dict[str, Any]:
     """`concurrency` requests at once; their decode rate and TPOTs."""
-    timeout = aiohttp.ClientTimeout(total=1800)
     records = [RequestRecord(session=i, turn=0, task="story", start=0.0)
                for i in range(concurrency)]
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
         t0 = time.perf_counter()
         done = await asyncio.gather(*(
             stream_chat(http, base_url, _payload(seed, i, max_tokens), record, t0)
@@ -94,11 +95,10 @@ def _document(seed: int, tokens: int) -> str:
 
 async def prefill_round(base_url: str, tokens: int, seed: int) -> dict[str, Any]:
     """One request with a fresh document of about `tokens` tokens: its prefill rate."""
-    timeout = aiohttp.ClientTimeout(total=1800)
     record = RequestRecord(session=0, turn=0, task="prefill", start=0.0)
     payload = chat_payload([{"role": "user", "content": _document(seed, tokens)
                              + "\nName the document's first word."}], 2)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
         await stream_chat(http, base_url, payload, record, time.perf_counter())
     if record.error or record.ttft is None:
         raise RuntimeError(f"the prefill request failed: {record.error or 'no token came back'}")
@@ -151,9 +151,9 @@ def markdown(report: dict[str, Any]) -> str:
                if report["choices"][c].get("prefill")}
     if prefill:
         base = prefill.get(first)
-        lines += ["", "Prefill of a fresh document (chunks of the launch's --chunked-prefill-size), "
-                  f"medians of {report['repeats']} rounds:", "",
-                  "| choice | prompt tokens | cached | TTFT ms | prefill tok/s | vs " + first + " |",
+        lines += ["", "Prefill of a fresh document (chunks of the launch's "
+                  f"--chunked-prefill-size), medians of {report['repeats']} rounds:", "",
+                  f"| choice | prompt tokens | cached | TTFT ms | prefill tok/s | vs {first} |",
                   "|---|---|---|---|---|---|"]
         for c, m in prefill.items():
             ratio = f"x{m['prefill_tok_s'] / base['prefill_tok_s']:.2f}" if base else "-"

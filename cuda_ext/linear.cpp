@@ -343,24 +343,24 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
 
-  const int64_t n_blocks = N / NB;
-  const int64_t block_macs = std::max<int64_t>(NB * K * M, 1);
-  const int64_t grain = M * N * K < SERIAL_MACS ? std::max<int64_t>(n_blocks, 1)
-                                                : std::max<int64_t>(1, SERIAL_MACS / block_macs);
+  // parallel_for's grain over `units` of `rows` weight rows each: all of them on the calling
+  // thread below SERIAL_MACS products in all, else about SERIAL_MACS products a task.
+  const auto grain = [&](int64_t units, int64_t rows) {
+    if (M * N * K < SERIAL_MACS) return std::max<int64_t>(units, 1);
+    return std::max<int64_t>(1, SERIAL_MACS / std::max<int64_t>(rows * K * M, 1));
+  };
+  const int64_t n_blocks = N / NB, n_panels = (N + PC - 1) / PC;
   if (has_avx2() && M >= PANEL_ROWS) {
-    const int64_t n_panels = (N + PC - 1) / PC;
-    const int64_t panel_grain = M * N * K < SERIAL_MACS
-        ? n_panels : std::max<int64_t>(1, SERIAL_MACS / std::max<int64_t>(PC * K * M, 1));
-    at::parallel_for(0, n_panels, panel_grain, [&](int64_t p0, int64_t p1) {
+    at::parallel_for(0, n_panels, grain(n_panels, PC), [&](int64_t p0, int64_t p1) {
       wide::panels(xp, M, K, N, wp, bias_ptr, p0, p1, yp);
     });
   } else if (has_avx2()) {
-    at::parallel_for(0, n_blocks, grain, [&](int64_t b0, int64_t b1) {
+    at::parallel_for(0, n_blocks, grain(n_blocks, NB), [&](int64_t b0, int64_t b1) {
       wide::blocks(xp, M, K, N, wp, bias_ptr, b0, b1, yp);
     });
     rows_scalar(xp, M, K, N, wp, bias_ptr, n_blocks * NB, N, yp);
   } else {
-    at::parallel_for(0, N, grain * NB, [&](int64_t n0, int64_t n1) {
+    at::parallel_for(0, N, grain(n_blocks, NB) * NB, [&](int64_t n0, int64_t n1) {
       rows_scalar(xp, M, K, N, wp, bias_ptr, n0, n1, yp);
     });
   }

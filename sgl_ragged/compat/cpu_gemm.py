@@ -61,8 +61,9 @@ def _choice() -> str:
 
 def routes() -> str:
     """How this process multiplies bfloat16 dense layers on the CPU: 'native' (the native
-    kernel), 'float32' (float32 from FLOAT32_ROWS rows) or 'bfloat16' (torch's product). Raises ValueError for a bad RAGGED_CPU_GEMM, or for
-    RAGGED_CPU_GEMM=native where the native extension is not built."""
+    kernel), 'float32' (float32 from FLOAT32_ROWS rows) or 'bfloat16' (torch's product). Raises
+    ValueError for a bad RAGGED_CPU_GEMM, or for RAGGED_CPU_GEMM=native where the native
+    extension is not built."""
     choice = _choice()
     if choice == "auto":
         if {"amx_bf16", "avx512_bf16"} & cpu_flags():
