@@ -3,7 +3,10 @@
 The extension is compiled with torch.utils.cpp_extension.load into a cache directory outside the
 clone, ~/.cache/sgl-ragged/native-<hash> (RAGGED_CACHE moves the root), keyed by the
 sources, the compiler flags and the torch version: a checkout that changes nothing reuses it, an
-edit of cuda_ext/ builds a fresh one. The compiler's output goes to build.log in that directory.
+edit of cuda_ext/ builds a fresh one. A build reads cuda_ext/ once into a snapshot (src/ of the
+build), hashes that snapshot, compiles it in a temporary directory and renames the directory into
+place: an edit made while the compiler runs cannot leave a cache directory whose shared object is
+not its hash's sources. The compiler's output goes to build.log in that directory.
 `python -m sgl_ragged.native build` builds it (scripts/env.sh runs it after installing the
 checkout); `load()` returns the module, `available()` says whether it loads, `reason()` why not.
 """
@@ -15,6 +18,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,17 +41,32 @@ class NativeUnavailableError(RuntimeError):
     """The native kernels are not built here (or failed to build)."""
 
 
+def cache_root() -> Path:
+    return Path(os.environ.get("RAGGED_CACHE", Path.home() / ".cache" / "sgl-ragged"))
+
+
 def cache_dir() -> Path:
     """~/.cache/sgl-ragged/native-<hash of sources, flags, torch version>; torch's version is
     read from its version.py, not imported (env.sh's up-to-date check stays fast)."""
-    root = Path(os.environ.get("RAGGED_CACHE", Path.home() / ".cache" / "sgl-ragged"))
+    return _dir_of(_snapshot())
+
+
+def _snapshot() -> dict[str, bytes]:
+    """cuda_ext/'s sources and headers, each file read once."""
+    missing = [n for n in (*SOURCES, *HEADERS) if not (SOURCE_DIR / n).is_file()]
+    if missing:
+        raise NativeUnavailableError(f"native kernel sources missing in {SOURCE_DIR}: {missing}")
+    return {name: (SOURCE_DIR / name).read_bytes() for name in (*SOURCES, *HEADERS)}
+
+
+def _dir_of(snapshot: dict[str, bytes]) -> Path:
     digest = hashlib.sha256()
-    for name in (*SOURCES, *HEADERS):
+    for name, text in snapshot.items():
         digest.update(name.encode())
-        digest.update((SOURCE_DIR / name).read_bytes())
+        digest.update(text)
     digest.update(" ".join((*CFLAGS, *LDFLAGS)).encode())
     digest.update(_torch_version_file().read_bytes())
-    return root / f"native-{digest.hexdigest()[:12]}"
+    return cache_root() / f"native-{digest.hexdigest()[:12]}"
 
 
 def _torch_version_file() -> Path:
@@ -67,29 +86,64 @@ def log_path() -> Path:
 
 
 def build(verbose: bool = False) -> ModuleType:
-    """Compile (or reuse) the extension; raises NativeUnavailableError naming the log on failure."""
-    missing = [n for n in (*SOURCES, *HEADERS) if not (SOURCE_DIR / n).is_file()]
-    if missing:
-        raise NativeUnavailableError(f"native kernel sources missing in {SOURCE_DIR}: {missing}")
-    out = cache_dir()
-    out.mkdir(parents=True, exist_ok=True)
+    """Compile (or reuse) the extension; raises NativeUnavailableError naming the log on failure.
+
+    The snapshot of cuda_ext/ is compiled in native-<hash>.<pid>.tmp, which is renamed to
+    native-<hash> when the compiler is done (a failed build too: its build.log is what the error
+    names; the next build replaces it). Where another process finished the same build first, its
+    directory stays and this one's is dropped."""
+    snapshot = _snapshot()
+    out = _dir_of(snapshot)
+    if (out / STAMP).is_file():
+        try:
+            module = _load_built(out)
+        except (OSError, ImportError):
+            pass  # a broken cached build: build it again
+        else:
+            if verbose:
+                print((out / "build.log").read_text())
+            return module
+    staging = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    src = staging / "src"
+    src.mkdir(parents=True)
+    for name, text in snapshot.items():
+        (src / name).write_bytes(text)
+    log = staging / "build.log"
     try:
-        with _output_to(log_path()):
+        with _output_to(log):
             from torch.utils import cpp_extension  # warns about CUDA on import: into the log
 
             module = cpp_extension.load(
-                name=NAME, sources=[str(SOURCE_DIR / n) for n in SOURCES],
+                name=NAME, sources=[str(src / n) for n in SOURCES],
                 extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-                build_directory=str(out), verbose=True)
+                build_directory=str(staging), verbose=True)
     except Exception as e:  # the compiler's errors are in the log
-        with log_path().open("a") as log:
-            log.write(f"\n{type(e).__name__}: {e}\n")
+        with log.open("a") as f:
+            f.write(f"\n{type(e).__name__}: {e}\n")
+        _move_into_place(staging, out)
         raise NativeUnavailableError(
-            f"the native kernels (cuda_ext/) failed to build (compiler log: {log_path()})") from e
-    (out / STAMP).write_text(module.__file__ + "\n")
+            f"the native kernels (cuda_ext/) failed to build (compiler log: {out / 'build.log'})"
+        ) from e
+    (staging / STAMP).write_text(Path(module.__file__).name + "\n")
+    _move_into_place(staging, out)
     if verbose:
-        print(log_path().read_text())
+        print((out / "build.log").read_text())
     return module
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """Rename `staging` to `out`, replacing a failed or broken build there; a complete build
+    there (another process's) is kept and `staging` dropped (this process has loaded its own
+    shared object already: the mapping outlives the file)."""
+    if (out / STAMP).is_file() and (staging / STAMP).is_file():
+        shutil.rmtree(staging, ignore_errors=True)
+        return
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        os.rename(staging, out)
+    except OSError:  # another process renamed its build in between
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -112,13 +166,14 @@ def _output_to(path: Path) -> Iterator[None]:
                 os.close(fd)
 
 
-def _load_built() -> ModuleType:
-    """The cached build's shared object, imported directly (no compiler, no ninja)."""
+def _load_built(out: Path) -> ModuleType:
+    """The cached build's shared object, imported directly (no compiler, no ninja). The stamp
+    names it relative to the directory (builds before session 26 wrote an absolute path)."""
     import importlib.machinery
 
     import torch  # noqa: F401  (the extension links against libtorch)
 
-    path = (cache_dir() / STAMP).read_text().strip()
+    path = str(out / (out / STAMP).read_text().strip())
     loader = importlib.machinery.ExtensionFileLoader(NAME, path)
     spec = importlib.util.spec_from_file_location(NAME, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
@@ -129,14 +184,9 @@ def _load_built() -> ModuleType:
 @functools.cache
 def _load() -> ModuleType | NativeUnavailableError:
     try:
-        return _load_built() if is_built() else build()
+        return build()  # the cached build where there is one (a broken one is rebuilt)
     except NativeUnavailableError as e:
         return e
-    except (OSError, ImportError) as e:  # a stale or broken cached build: rebuild it
-        try:
-            return build()
-        except NativeUnavailableError as again:
-            return NativeUnavailableError(f"{again} (loading the cached build: {e})")
 
 
 def load() -> ModuleType:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from sgl_ragged import native
 
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sgl-ragged: {e}", file=sys.stderr)
         return 1
     print(f"sgl-ragged native kernels: built in {native.cache_dir()} "
-          f"({module.__file__}, ISA {module.isa()})")
+          f"({Path(module.__file__).name}, ISA {module.isa()})")
     return 0
 
 

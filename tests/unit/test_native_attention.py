@@ -650,6 +650,77 @@ def test_a_failed_build_names_its_compiler_log(monkeypatch, tmp_path):
     assert log.is_file() and log.parent.parent == tmp_path and "false" in log.read_text()
 
 
+class FakeCompiler:
+    """torch's cpp_extension.load as the build calls it: 'compiles' the sources it is given into
+    a file holding their text, and first runs `during` (an edit while the compiler runs)."""
+
+    def __init__(self, during=lambda: None):
+        self.during = during
+
+    def __call__(self, name, sources, extra_cflags, extra_ldflags, build_directory, verbose):
+        self.during()
+        so = Path(build_directory) / f"{name}.so"
+        so.write_bytes(b"".join(Path(s).read_bytes() for s in sources))
+        return type("Module", (), {"__file__": str(so)})
+
+
+@pytest.fixture
+def fake_build(monkeypatch, tmp_path):
+    """A copy of cuda_ext/ as the sources and an empty cache, both under tmp_path."""
+    from torch.utils import cpp_extension
+
+    src = tmp_path / "cuda_ext"
+    src.mkdir()
+    for name in (*native.SOURCES, *native.HEADERS):
+        (src / name).write_bytes((native.SOURCE_DIR / name).read_bytes())
+    monkeypatch.setattr(native, "SOURCE_DIR", src)
+    monkeypatch.setenv("RAGGED_CACHE", str(tmp_path / "cache"))
+    compiler = FakeCompiler()
+    monkeypatch.setattr(cpp_extension, "load", compiler)
+    return src, compiler
+
+
+def test_an_edit_during_the_build_cannot_stale_the_cache(fake_build):
+    """The cache directory is named by the sources that were compiled: an edit made while the
+    compiler runs leaves the built directory under the old sources' hash and the new sources
+    unbuilt (session 25 once found a native-<hash> holding another revision's .so)."""
+    src, compiler = fake_build
+    before = native.cache_dir()
+    compiled = b"".join((src / n).read_bytes() for n in native.SOURCES)
+    compiler.during = lambda: (src / "linear.cpp").write_text("// edited mid-build\n")
+    module = native.build()
+    assert Path(module.__file__).parent.name.startswith(before.name)  # loaded from staging
+    assert (before / "sgl_ragged_native.so").read_bytes() == compiled
+    assert (before / native.STAMP).read_text().strip() == "sgl_ragged_native.so"
+    assert (before / "src" / "linear.cpp").read_bytes() != (src / "linear.cpp").read_bytes()
+    assert native.cache_dir() != before and not native.is_built()
+    assert [p.name for p in before.parent.iterdir()] == [before.name]  # no staging left
+
+
+def test_a_failed_build_is_replaced_and_a_finished_one_kept(fake_build, monkeypatch):
+    """A failed build leaves its log where the error says and no stamp; the next build replaces
+    it. A build that finds another process's finished build in place keeps that one."""
+    src, compiler = fake_build
+
+    def fail():
+        raise RuntimeError("g++: fatal error")
+
+    compiler.during = fail
+    with pytest.raises(native.NativeUnavailableError, match="compiler log: .*build.log"):
+        native.build()
+    assert "g++: fatal error" in native.log_path().read_text() and not native.is_built()
+    compiler.during = lambda: None
+    native.build()
+    assert native.is_built() and "fatal" not in native.log_path().read_text()
+    out = native.cache_dir()
+    (out / "theirs").write_text("kept")  # another process's finished build, and ours:
+    staging = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    staging.mkdir()
+    (staging / native.STAMP).write_text("sgl_ragged_native.so\n")
+    native._move_into_place(staging, out)
+    assert (out / "theirs").is_file() and not staging.exists()
+
+
 # Window statistics shapes: the tests' page, serving pages (P = 64, head_dim 64 / 128, G = 3 / 4:
 # whole and split row blocks of the AVX-512 form), a page not in whole 16-key tiles with G = 8
 # (row blocks of 3, 3 and 2) and head_dim 48.
