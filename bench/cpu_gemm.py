@@ -12,9 +12,10 @@ four products over 30 layers of distinct weights (212 MB, more than the caches h
 stream from memory as in a server); the lm_head (56 MB) is timed on its own. Each round times
 every variant once, in turn (alternating); medians over the repeats after warm-up. Row counts
 stand for a decode batch's requests or a prefill chunk's tokens. Writes cpu_gemm.json and
-cpu_gemm.md. compat/cpu_gemm.py's FLOAT32_ROWS comes from this table; linear.cpp's PANEL_ROWS
-from the same model step timed with the kernel built at both layouts (docs/results.md,
-"Prefill's dense layers on the native kernel").
+cpu_gemm.md. compat/cpu_gemm.py's FLOAT32_ROWS and linear.cpp's DOT_ROWS (where torch's
+bfloat16 product overtakes the dots on an AVX512-BF16 CPU) come from this table; linear.cpp's
+PANEL_ROWS from the same model step timed with the kernel built at both layouts
+(docs/results.md, "Prefill's dense layers on the native kernel").
 """
 
 from __future__ import annotations
@@ -104,9 +105,9 @@ def markdown(results: list[dict]) -> str:
     flags = native.cpu_flags()
     lines += ["", f"CPU: {torch.backends.cpu.get_cpu_capability()} in torch; "
               f"amx_bf16 {'amx_bf16' in flags}, avx512_bf16 {'avx512_bf16' in flags}; the native "
-              f"kernel's form: {native.load().linear_isa()}; RAGGED_CPU_GEMM=auto routes here: "
-              f"{cpu_gemm.routes()} (without the native kernel, float32 from "
-              f"{cpu_gemm.FLOAT32_ROWS} rows)."]
+              f"kernel's form: {native.load().linear_isa()} (vdpbf16ps dots below "
+              f"{native.load().linear_dot_rows()} rows); RAGGED_CPU_GEMM=auto routes here: "
+              f"{cpu_gemm.routes()} ({cpu_gemm.CHOICES['auto']})."]
     return "\n".join(lines) + "\n"
 
 
@@ -129,6 +130,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cpu_gemm.json").write_text(json.dumps(
         {"results": results, "native_isa": native.load().linear_isa(),
+         "native_dot_rows": native.load().linear_dot_rows(),
          "cpu_flags": sorted(native.cpu_flags() & {"avx2", "avx512f", "avx512_bf16",
                                                    "amx_bf16"})}, indent=2))
     table = markdown(results)

@@ -333,5 +333,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &ragged::linear_bf16, pybind11::arg("x"), pybind11::arg("weight"),
         pybind11::arg("bias") = pybind11::none(),
         "bf16(x @ weight^T + bias) in float32 sums, the weight read as bfloat16 (linear.cpp)");
-  m.def("linear_isa", &ragged::linear_isa, "The form linear_bf16 runs here: avx2 or scalar");
+  m.def("linear_isa", &ragged::linear_isa,
+        "The form linear_bf16 runs here: avx512_bf16 (below linear_dot_rows rows), avx2 or scalar");
+  m.def("linear_dot_rows", &ragged::linear_dot_rows,
+        "Below how many rows linear_bf16 runs vdpbf16ps dots here (0: it does not)");
 }

@@ -1,6 +1,8 @@
 // A dense layer's bfloat16 product for CPUs without bfloat16 dot products (AVX2 without
 // AVX512-BF16 or AMX), where torch converts inside its bfloat16 product at a fraction of its
-// float32 speed (sgl_ragged/compat/cpu_gemm.py, the hook that calls it).
+// float32 speed, and for decode batches on AVX512-BF16, where torch's bfloat16 product streams
+// the weights at two thirds of the speed of the dots below (sgl_ragged/compat/cpu_gemm.py, the
+// hook that calls it; docs/results.md, "Decode rows on vdpbf16ps").
 //
 // y[m, n] = bf16(sum_k x[m, k] w[n, k] + bias[n]): products and sums in float32, rounded to
 // bfloat16 once, as torch's bfloat16 product accumulates (in another order). The weight stays
@@ -52,6 +54,11 @@ constexpr int64_t SERIAL_MACS = 1 << 18;  // below this, one thread (about 20 us
 constexpr int64_t PR = 6;                 // panel form: activation rows per micro-block
 constexpr int64_t PC = 16;                // panel form: weight rows per panel (two vectors)
 constexpr int64_t PANEL_ROWS = 8;         // from this many rows, the panel form
+constexpr int64_t DOT_ROWS = 24;          // below this many rows on AVX512-BF16, vdpbf16ps dots
+// The dots stay on one thread below this many products: one core nearly saturates the weight
+// stream, and waking the pool for each of a step's 120 products cost more than the second core
+// gave (a Zen 5, SmolLM2's model step at 1 row: 9.4 ms split from 2^18 products, 7.7 from 2^22).
+constexpr int64_t DOT_SERIAL_MACS = int64_t(1) << 22;
 
 inline float bf16_float(uint16_t v) {
   const uint32_t u = uint32_t(v) << 16;
@@ -300,6 +307,112 @@ void panels(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_t* w,
 
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")
+
+// Decode rows on AVX512-BF16 (below DOT_ROWS rows): x stays bfloat16 and each 32-channel step
+// is one vdpbf16ps per (activation row, weight row) pair, the bfloat16 pairs' exact products added
+// into 16 float32 lanes. Blocks of DB weight rows against DR activation rows at a time (16
+// accumulators); a block's first pass of rows streams its weights from memory, prefetching the
+// next block's a cache line per row per step, and the later passes find them in L1. K's last
+// K % 32 channels load masked (zeros add nothing). A row's four lane sums come out of one hadd
+// tree. vdpbf16ps reads subnormal inputs as zero and flushes subnormal results (DAZ, FTZ):
+// values below 2^-126 that a float32 product would keep. Calls below DOT_SERIAL_MACS stay on
+// the calling thread.
+namespace dots {
+
+constexpr int64_t DR = 4;  // activation rows per pass
+constexpr int64_t DB = 4;  // weight rows per block
+
+inline __m512bh load_bh(const uint16_t* p) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
+}
+
+inline __m512bh load_bh(const uint16_t* p, __mmask32 mask) {
+  return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, p));
+}
+
+// R activation rows (x, row stride K) against B weight rows (w, row stride K), channels [0, K):
+// acc[r][j] the sums. PREFETCH: the weight rows after the block's DB (the next block) too.
+template <int R, int B, bool PREFETCH>
+inline void dot_block(const uint16_t* x, int64_t K, const uint16_t* w, float acc[DR][DB]) {
+  __m512 a[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < B; ++j) a[r][j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    if (PREFETCH)
+      for (int j = 0; j < B; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (DB + j) * K + k), _MM_HINT_T0);
+    __m512bh wv[B];
+    for (int j = 0; j < B; ++j) wv[j] = load_bh(w + j * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = load_bh(x + r * K + k);
+      for (int j = 0; j < B; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], xv, wv[j]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 mask = (__mmask32(1) << (K - k)) - 1;  // K - k < 32
+    __m512bh wv[B];
+    for (int j = 0; j < B; ++j) wv[j] = load_bh(w + j * K + k, mask);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = load_bh(x + r * K + k, mask);
+      for (int j = 0; j < B; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], xv, wv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if constexpr (B == 4) {  // four lane sums at once: halves added, then two rounds of hadd
+      __m256 h[4];
+      for (int j = 0; j < 4; ++j)
+        h[j] = _mm256_add_ps(_mm512_castps512_ps256(a[r][j]),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][j]), 1)));
+      const __m256 q = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
+      _mm_storeu_ps(acc[r], _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
+    } else {
+      for (int j = 0; j < B; ++j) acc[r][j] = _mm512_reduce_add_ps(a[r][j]);
+    }
+  }
+}
+
+// All M rows against B weight rows from n: rows DR at a time, the first pass with `prefetch`.
+template <int B>
+void rows_against(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint16_t* w,
+                  const uint16_t* bias, int64_t n, bool prefetch, at::BFloat16* y) {
+  float acc[DR][DB];
+  const uint16_t* wb = w + n * K;
+  for (int64_t m = 0; m < M; m += DR) {
+    const uint16_t* xm = x + m * K;
+    const bool pf = prefetch && m == 0;
+    switch (std::min(DR, M - m)) {
+      case 1: pf ? dot_block<1, B, true>(xm, K, wb, acc) : dot_block<1, B, false>(xm, K, wb, acc); break;
+      case 2: pf ? dot_block<2, B, true>(xm, K, wb, acc) : dot_block<2, B, false>(xm, K, wb, acc); break;
+      case 3: pf ? dot_block<3, B, true>(xm, K, wb, acc) : dot_block<3, B, false>(xm, K, wb, acc); break;
+      default: pf ? dot_block<4, B, true>(xm, K, wb, acc) : dot_block<4, B, false>(xm, K, wb, acc); break;
+    }
+    for (int64_t r = 0; r < std::min(DR, M - m); ++r)
+      for (int j = 0; j < B; ++j) {
+        const float b = bias ? bf16_float(bias[n + j]) : 0.0f;
+        y[(m + r) * N + n + j] = at::BFloat16(acc[r][j] + b);
+      }
+  }
+}
+
+// Weight blocks [b0, b1) (rows b * DB ..), all M rows of y; the caller runs the last N % DB rows.
+void blocks(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint16_t* w,
+            const uint16_t* bias, int64_t b0, int64_t b1, at::BFloat16* y) {
+  for (int64_t b = b0; b < b1; ++b)
+    rows_against<DB>(x, M, K, N, w, bias, b * DB, b + 1 < N / DB, y);
+}
+
+void tail(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint16_t* w,
+          const uint16_t* bias, int64_t n0, at::BFloat16* y) {
+  for (int64_t n = n0; n < N; ++n) rows_against<1>(x, M, K, N, w, bias, n, false, y);
+}
+
+}  // namespace dots
+
+#pragma GCC pop_options
+
 // AVX2 + FMA where the CPU has them, unless RAGGED_NATIVE_ISA=scalar asks for the portable
 // form (as it does of the attention: bindings.cpp).
 bool has_avx2() {
@@ -312,9 +425,25 @@ bool has_avx2() {
   return yes;
 }
 
+// AVX512-BF16 for the rows below DOT_ROWS where the CPU has it, unless RAGGED_NATIVE_ISA names
+// a lower variant (avx2, scalar).
+bool has_bf16_dots() {
+  static const bool yes = [] {
+    const char* want = std::getenv("RAGGED_NATIVE_ISA");
+    if (want && (std::string(want) == "avx2" || std::string(want) == "scalar")) return false;
+    return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  }();
+  return yes;
+}
+
 }  // namespace
 
-std::string linear_isa() { return has_avx2() ? "avx2" : "scalar"; }
+std::string linear_isa() {
+  return has_bf16_dots() ? "avx512_bf16" : has_avx2() ? "avx2" : "scalar";
+}
+
+int64_t linear_dot_rows() { return has_bf16_dots() ? DOT_ROWS : 0; }
 
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias) {
@@ -338,8 +467,6 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   const int64_t M = y.numel() / std::max<int64_t>(N, 1);
   if (M == 0 || N == 0) return y;
   if (K == 0) return bias_ptr ? y.copy_(bias->expand_as(y)) : y.zero_();  // empty sums
-  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
 
@@ -349,6 +476,20 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
     if (M * N * K < SERIAL_MACS) return std::max<int64_t>(units, 1);
     return std::max<int64_t>(1, SERIAL_MACS / std::max<int64_t>(rows * K * M, 1));
   };
+  if (has_bf16_dots() && M < DOT_ROWS) {  // x as it is, bfloat16
+    const at::Tensor xb = x.reshape({M, K}).contiguous();
+    const uint16_t* xq = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
+    const int64_t n_dot = N / dots::DB;
+    const int64_t g = M * N * K < DOT_SERIAL_MACS ? std::max<int64_t>(n_dot, 1)
+                                                   : grain(n_dot, dots::DB);
+    at::parallel_for(0, n_dot, g, [&](int64_t b0, int64_t b1) {
+      dots::blocks(xq, M, K, N, wp, bias_ptr, b0, b1, yp);
+    });
+    dots::tail(xq, M, K, N, wp, bias_ptr, n_dot * dots::DB, yp);
+    return y;
+  }
+  const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
   const int64_t n_blocks = N / NB, n_panels = (N + PC - 1) / PC;
   if (has_avx2() && M >= PANEL_ROWS) {
     at::parallel_for(0, n_panels, grain(n_panels, PC), [&](int64_t p0, int64_t p1) {

@@ -1,4 +1,4 @@
-// A dense layer's bfloat16 product on a CPU without bfloat16 dot products (linear.cpp).
+// A dense layer's bfloat16 product on the CPU (linear.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -12,7 +12,11 @@ namespace ragged {
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias);
 
-// Which form linear_bf16 runs here: "avx2" (AVX2 + FMA) or "scalar".
+// Which form linear_bf16 runs here: "avx512_bf16" (vdpbf16ps dots below linear_dot_rows() rows,
+// the AVX2 forms from there), "avx2" (AVX2 + FMA) or "scalar".
 std::string linear_isa();
+
+// Below how many rows linear_bf16 runs its AVX512-BF16 dots here (0: it does not).
+int64_t linear_dot_rows();
 
 }  // namespace ragged

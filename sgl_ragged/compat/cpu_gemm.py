@@ -15,6 +15,12 @@ x1.2-1.3 over converting both operands to float32 for torch's product at 256-512
 docs/results.md, "Prefill's dense layers on the native kernel"). A weight or bias that is not
 contiguous goes the float32 way (`linear`).
 
+On a CPU with AVX512-BF16 (and no AMX), torch's own bfloat16 product is fast from a few dozen
+rows but streams a decode batch's weights at about two thirds of the native kernel's vdpbf16ps
+dots (a Zen 5, 2 threads: x1.4 at 1-8 rows, x1.2 at 16; docs/results.md, "Decode rows on
+vdpbf16ps"), so there calls below the kernel's `linear_dot_rows()` go to the kernel and larger
+ones stay torch's.
+
 Without the native extension built, calls below FLOAT32_ROWS stay as SGLang makes them and
 larger ones are converted to float32 (session 23's form, RAGGED_CPU_GEMM=float32).
 
@@ -43,8 +49,9 @@ FLOAT32_ROWS = 16
 x0.38 at 1 row, x1.03 at 8, x1.67 at 16, x2.45 at 32, x4.45 at 256)."""
 
 CHOICES = {
-    "auto": "the native kernel where the CPU has neither amx_bf16 nor avx512_bf16, else "
-            "torch's bfloat16 product",
+    "auto": "the native kernel where the CPU has neither amx_bf16 nor avx512_bf16; with "
+            "avx512_bf16 and no amx_bf16 the native kernel for decode batches (below its "
+            "linear_dot_rows()) and torch's bfloat16 product from there; else torch's",
     "native": "the native kernel, on any CPU",
     "float32": "float32 from FLOAT32_ROWS rows, torch's bfloat16 product below",
     "bfloat16": "torch's bfloat16 product throughout (SGLang's own calls)",
@@ -61,13 +68,17 @@ def _choice() -> str:
 
 def routes() -> str:
     """How this process multiplies bfloat16 dense layers on the CPU: 'native' (the native
-    kernel), 'float32' (float32 from FLOAT32_ROWS rows) or 'bfloat16' (torch's product). Raises
+    kernel), 'decode' (the native kernel below its linear_dot_rows(), torch's product from
+    there), 'float32' (float32 from FLOAT32_ROWS rows) or 'bfloat16' (torch's product). Raises
     ValueError for a bad RAGGED_CPU_GEMM, or for RAGGED_CPU_GEMM=native where the native
     extension is not built."""
     choice = _choice()
     if choice == "auto":
-        if {"amx_bf16", "avx512_bf16"} & cpu_flags():
+        flags = cpu_flags()
+        if "amx_bf16" in flags:
             return "bfloat16"
+        if "avx512_bf16" in flags:
+            return "decode" if _native_ready() and _dot_rows() > 0 else "bfloat16"
         return "native" if _native_ready() else "float32"
     if choice == "native" and not _native_ready():
         raise ValueError("RAGGED_CPU_GEMM=native needs the native kernels: build them with "
@@ -81,6 +92,13 @@ def _native_ready() -> bool:
     """The native extension is built and loads. is_built first: a server never compiles it
     (scripts/env.sh builds it)."""
     return native.is_built() and native.available()
+
+
+@functools.cache
+def _dot_rows() -> int:
+    """Below how many rows the native kernel multiplies on vdpbf16ps here (0: not at all, as
+    under RAGGED_NATIVE_ISA=avx2)."""
+    return int(native.load().linear_dot_rows())
 
 
 def validate() -> None:
@@ -99,11 +117,12 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> s
             and (bias is None or (bias.dtype == torch.bfloat16 and bias.dim() == 1))):
         return None
     mode = _routes_here()
+    plain = weight.is_contiguous() and (bias is None or bias.is_contiguous())
     if mode == "native":
-        if weight.is_contiguous() and (bias is None or bias.is_contiguous()):
-            return "native"
-        return "float32"
+        return "native" if plain else "float32"
     rows = x.numel() // max(x.shape[-1], 1)
+    if mode == "decode":
+        return "native" if plain and rows < _dot_rows() else None
     if mode == "float32" and rows >= FLOAT32_ROWS:
         return "float32"
     return None

@@ -19,9 +19,12 @@ BF16_ULP = 2.0**-7  # bfloat16's relative spacing: 8 bits of significand
 @pytest.fixture(autouse=True)
 def _fresh_choice(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("RAGGED_CPU_GEMM", raising=False)
-    cpu_gemm._routes_here.cache_clear()
+    cached = (cpu_gemm._routes_here, cpu_gemm._dot_rows)  # before a test replaces them
+    for f in cached:
+        f.cache_clear()
     yield
-    cpu_gemm._routes_here.cache_clear()
+    for f in cached:
+        f.cache_clear()
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -98,20 +101,23 @@ def test_calls_it_leaves_to_sglang(case: str, monkeypatch: pytest.MonkeyPatch) -
     assert calls == 1
 
 
-@pytest.mark.parametrize(("flags", "fast"), [
-    (set(), True),  # no AVX at all: the scalar loops are slowest in bfloat16
-    ({"avx2", "fma", "f16c"}, True),
-    ({"avx512f", "avx512bw"}, True),
-    ({"avx512f", "avx512_bf16"}, False),
-    ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, False),
+@pytest.mark.parametrize(("flags", "dot_rows", "built_want", "unbuilt_want"), [
+    (set(), 0, "native", "float32"),  # no AVX at all: the scalar loops are slowest in bfloat16
+    ({"avx2", "fma", "f16c"}, 0, "native", "float32"),
+    ({"avx512f", "avx512bw"}, 0, "native", "float32"),
+    ({"avx512f", "avx512_bf16"}, 24, "decode", "bfloat16"),
+    ({"avx512f", "avx512_bf16"}, 0, "bfloat16", "bfloat16"),  # RAGGED_NATIVE_ISA=avx2
+    ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, 24, "bfloat16", "bfloat16"),
 ])
 @pytest.mark.parametrize("built", [True, False])
-def test_auto_routes_where_the_cpu_has_no_bfloat16_dots(
-        flags: set[str], fast: bool, built: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_routes_by_the_cpus_bfloat16_dots(
+        flags: set[str], dot_rows: int, built_want: str, unbuilt_want: str, built: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(cpu_gemm.native, "is_built", lambda: built)
     monkeypatch.setattr(cpu_gemm.native, "available", lambda: built)
-    want = ("native" if built else "float32") if fast else "bfloat16"
+    monkeypatch.setattr(cpu_gemm, "_dot_rows", lambda: dot_rows)
+    want = built_want if built else unbuilt_want
     assert cpu_gemm.routes() == want
     monkeypatch.setenv("RAGGED_CPU_GEMM", "auto")
     assert cpu_gemm.routes() == want
@@ -192,6 +198,36 @@ def test_native_route_at_every_row_count(monkeypatch: pytest.MonkeyPatch) -> Non
     view.weight = torch.randn(64, 40).bfloat16().t()
     out, calls = _run(torch.randn(3, 64).bfloat16(), view)
     assert calls == 0 and taken == ["float32"]
+
+
+def test_decode_route_below_the_kernels_dot_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto on an AVX512-BF16 CPU without AMX: decode batches (below linear_dot_rows()) to the
+    native kernel, larger calls and non-contiguous weights left to SGLang's bfloat16 product."""
+    from sgl_ragged import native
+
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(cpu_gemm, "_dot_rows", lambda: 24)
+    assert cpu_gemm.routes() == "decode"
+    taken = _routes_taken(monkeypatch)
+    layer = _Layer(40, 64)
+    with torch.no_grad():
+        layer.weight.div_(8)
+    gen = torch.Generator().manual_seed(6)
+    for rows, native_rows in ((1, True), (23, True), (24, False), (200, False)):
+        taken.clear()
+        x = torch.randn(rows, 64, generator=gen).bfloat16()
+        out, calls = _run(x, layer)
+        assert (calls, taken) == ((0, ["native"]) if native_rows else (1, []))
+        _assert_rounded(out, _reference(x, layer.weight, None))
+    view = torch.nn.Module()
+    view.weight = torch.randn(64, 40).bfloat16().t()
+    taken.clear()
+    _, calls = _run(torch.randn(3, 64).bfloat16(), view)
+    assert calls == 1 and taken == []
+    if native.is_built():  # the kernel says where its dots end on this CPU
+        monkeypatch.undo()
+        cpu_gemm._dot_rows.cache_clear()
+        assert cpu_gemm._dot_rows() == native.load().linear_dot_rows()
 
 
 class _Head(torch.nn.Module):

@@ -1,9 +1,11 @@
 """The native bfloat16 linear kernel (cuda_ext/linear.cpp) against a float64 reference on fresh
-random inputs: every shape class its two layouts have (below 8 rows: one row, row pairs, an odd
-row, K not a multiple of 8 or 16, N not a multiple of 4; from 8 rows, the panels: every M % 6
-tail, N % 16 in each half of a panel, K % 8 tails, K of 1), with and without bias, serial and
-split over threads, and its portable form (RAGGED_NATIVE_ISA=scalar) in a child process. Bad
-arguments get a message that names them. The extension must build here (as for the attention)."""
+random inputs: every shape class its layouts have (the AVX2 forms below 8 rows: one row, row
+pairs, an odd row, K not a multiple of 8 or 16, N not a multiple of 4; from 8 rows, the panels:
+every M % 6 tail, N % 16 in each half of a panel, K % 8 tails, K of 1; on AVX512-BF16, below
+linear_dot_rows() rows, the dots: every M % 4 tail, N % 4 tails, K % 32 tails), with and without
+bias, serial and split over threads, and the lower forms (RAGGED_NATIVE_ISA=avx2, scalar) in
+child processes on every shape. Bad arguments get a message that names them. The extension must
+build here (as for the attention)."""
 
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ from sgl_ragged.attention_backend import ops
 BF16_ULP = 2.0**-7
 ROOT = Path(__file__).resolve().parents[2]
 
-SHAPES = [  # (M, K, N); from 8 rows the panel layout (PANEL_ROWS, PR = 6 rows, PC = 16 columns)
+SHAPES = [  # (M, K, N); from 8 rows the panel layout (PANEL_ROWS, PR = 6 rows, PC = 16 columns),
+    # below 24 on AVX512-BF16 the dots (DOT_ROWS; DR = 4 rows, DB = 4 weight rows, 32 channels)
     (1, 576, 960), (2, 576, 576), (3, 1536, 44), (5, 64, 7), (7, 64, 40), (1, 584, 8),
     (1, 7, 5), (4, 15, 4),
     (8, 100, 13), (9, 1, 33), (10, 13, 5), (11, 40, 8), (12, 64, 16), (27, 96, 24),
     (65, 72, 30), (130, 200, 17), (17, 576, 3072), (48, 1536, 576),
+    (6, 33, 6), (23, 63, 1), (23, 1536, 49), (24, 40, 9), (25, 31, 18),
 ]
 
 
@@ -85,7 +89,7 @@ def test_leading_dims_and_strided_activations() -> None:
     assert torch.equal(lin(x[:, :0], empty_w, None), torch.zeros(12, 40, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("rows", [4, 10])
+@pytest.mark.parametrize("rows", [4, 10, 30])
 def test_special_values_pass_through(rows: int) -> None:
     x, w, _ = _case(rows, 64, 20, False, seed=9)
     x[1, 5] = float("inf")
@@ -116,30 +120,45 @@ def test_bad_arguments_say_what_is_wrong(args, message: str) -> None:
         native.load().linear_bf16(*args(x, w, b))
 
 
+def _forced_isa() -> str | None:
+    return os.environ.get("RAGGED_NATIVE_ISA") or None
+
+
 def test_the_form_this_cpu_runs() -> None:
     flags = native.cpu_flags()
-    want = "avx2" if {"avx2", "fma"} <= flags else "scalar"
+    forced = _forced_isa()
+    if forced == "scalar" or not {"avx2", "fma"} <= flags:
+        want, dot_rows = "scalar", 0
+    elif forced != "avx2" and {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags:
+        want, dot_rows = "avx512_bf16", 24
+    else:
+        want, dot_rows = "avx2", 0
     assert native.load().linear_isa() == want
+    assert native.load().linear_dot_rows() == dot_rows
 
 
-def test_the_portable_form_in_a_child() -> None:
-    """RAGGED_NATIVE_ISA=scalar: the portable loops, the same answers (the variant is chosen once
-    per process, so in a child)."""
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_the_lower_forms_in_a_child(isa: str) -> None:
+    """RAGGED_NATIVE_ISA=avx2 / scalar: the AVX2 layouts (on a CPU that would run the dots) and
+    the portable loops give the same answers on every shape (the form is chosen once per
+    process, so in a child)."""
+    if isa == "avx2" and not {"avx2", "fma"} <= native.cpu_flags():
+        pytest.skip("this CPU has no AVX2 + FMA")
     code = (
-        "import torch, torch.nn.functional as F\n"
+        "import sys, torch, torch.nn.functional as F\n"
         "from sgl_ragged import native\n"
         "m = native.load()\n"
-        "assert m.linear_isa() == 'scalar', m.linear_isa()\n"
+        f"assert m.linear_isa() == {isa!r} and m.linear_dot_rows() == 0, m.linear_isa()\n"
         "g = torch.Generator().manual_seed(2)\n"
-        "for (M, K, N) in [(1, 576, 9), (5, 100, 13), (70, 64, 600), (9, 3, 17)]:\n"
+        f"for (M, K, N) in {SHAPES!r}:\n"
         "    x = torch.randn(M, K, generator=g).bfloat16()\n"
         "    w = (torch.randn(N, K, generator=g) / K ** 0.5).bfloat16()\n"
         "    b = torch.randn(N, generator=g).bfloat16()\n"
         "    ref = F.linear(x.double(), w.double(), b.double())\n"
         "    err = (m.linear_bf16(x, w, b).double() - ref).abs()\n"
-        "    assert (err <= 2 ** -7 * ref.abs() + 1e-6).all(), err.max()\n"
+        "    assert (err <= 2 ** -7 * ref.abs() + 1e-6).all(), ((M, K, N), err.max())\n"
         "print('ok')\n")
-    env = {**os.environ, "RAGGED_NATIVE_ISA": "scalar", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "RAGGED_NATIVE_ISA": isa, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
