@@ -1,8 +1,8 @@
 // A dense layer's bfloat16 product for CPUs without bfloat16 dot products (AVX2 without
 // AVX512-BF16 or AMX), where torch converts inside its bfloat16 product at a fraction of its
 // float32 speed, and for decode batches on AVX512-BF16, where torch's bfloat16 product streams
-// the weights at two thirds of the speed of the dots below (sgl_ragged/compat/cpu_gemm.py, the
-// hook that calls it; docs/results.md, "Decode rows on vdpbf16ps").
+// the weights at half to two thirds of the speed of the dots below (sgl_ragged/compat/
+// cpu_gemm.py, the hook that calls it; docs/results.md, "Decode rows on vdpbf16ps").
 //
 // y[m, n] = bf16(sum_k x[m, k] w[n, k] + bias[n]): products and sums in float32, rounded to
 // bfloat16 once, as torch's bfloat16 product accumulates (in another order). The weight stays
@@ -363,14 +363,27 @@ inline void dot_block(const uint16_t* x, int64_t K, const uint16_t* w, float acc
   for (int r = 0; r < R; ++r) {
     if constexpr (B == 4) {  // four lane sums at once: halves added, then two rounds of hadd
       __m256 h[4];
-      for (int j = 0; j < 4; ++j)
-        h[j] = _mm256_add_ps(_mm512_castps512_ps256(a[r][j]),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][j]), 1)));
+      for (int j = 0; j < 4; ++j) {
+        const __m256d hi = _mm512_extractf64x4_pd(_mm512_castps_pd(a[r][j]), 1);
+        h[j] = _mm256_add_ps(_mm512_castps512_ps256(a[r][j]), _mm256_castpd_ps(hi));
+      }
       const __m256 q = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));
       _mm_storeu_ps(acc[r], _mm_add_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps(q, 1)));
     } else {
       for (int j = 0; j < B; ++j) acc[r][j] = _mm512_reduce_add_ps(a[r][j]);
     }
+  }
+}
+
+// Rows [m, m + rows) of x (rows <= DR) against B weight rows: dot_block for that row count.
+template <int B, bool PREFETCH>
+inline void pass(const uint16_t* xm, int64_t rows, int64_t K, const uint16_t* wb,
+                 float acc[DR][DB]) {
+  switch (rows) {
+    case 1: dot_block<1, B, PREFETCH>(xm, K, wb, acc); break;
+    case 2: dot_block<2, B, PREFETCH>(xm, K, wb, acc); break;
+    case 3: dot_block<3, B, PREFETCH>(xm, K, wb, acc); break;
+    default: dot_block<4, B, PREFETCH>(xm, K, wb, acc); break;
   }
 }
 
@@ -381,15 +394,12 @@ void rows_against(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint
   float acc[DR][DB];
   const uint16_t* wb = w + n * K;
   for (int64_t m = 0; m < M; m += DR) {
-    const uint16_t* xm = x + m * K;
-    const bool pf = prefetch && m == 0;
-    switch (std::min(DR, M - m)) {
-      case 1: pf ? dot_block<1, B, true>(xm, K, wb, acc) : dot_block<1, B, false>(xm, K, wb, acc); break;
-      case 2: pf ? dot_block<2, B, true>(xm, K, wb, acc) : dot_block<2, B, false>(xm, K, wb, acc); break;
-      case 3: pf ? dot_block<3, B, true>(xm, K, wb, acc) : dot_block<3, B, false>(xm, K, wb, acc); break;
-      default: pf ? dot_block<4, B, true>(xm, K, wb, acc) : dot_block<4, B, false>(xm, K, wb, acc); break;
-    }
-    for (int64_t r = 0; r < std::min(DR, M - m); ++r)
+    const int64_t rows = std::min(DR, M - m);
+    if (prefetch && m == 0)
+      pass<B, true>(x + m * K, rows, K, wb, acc);
+    else
+      pass<B, false>(x + m * K, rows, K, wb, acc);
+    for (int64_t r = 0; r < rows; ++r)
       for (int j = 0; j < B; ++j) {
         const float b = bias ? bf16_float(bias[n + j]) : 0.0f;
         y[(m + r) * N + n + j] = at::BFloat16(acc[r][j] + b);

@@ -16,8 +16,8 @@ docs/results.md, "Prefill's dense layers on the native kernel"). A weight or bia
 contiguous goes the float32 way (`linear`).
 
 On a CPU with AVX512-BF16 (and no AMX), torch's own bfloat16 product is fast from a few dozen
-rows but streams a decode batch's weights at about two thirds of the native kernel's vdpbf16ps
-dots (a Zen 5, 2 threads: x1.4 at 1-8 rows, x1.2 at 16; docs/results.md, "Decode rows on
+rows but streams a decode batch's weights at half to two thirds of the speed of the native
+kernel's vdpbf16ps dots (a Zen 5, 2 threads: x1.4-1.9 at 1-8 rows, x1.2 at 16; docs/results.md, "Decode rows on
 vdpbf16ps"), so there calls below the kernel's `linear_dot_rows()` go to the kernel and larger
 ones stay torch's.
 
