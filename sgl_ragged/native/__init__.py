@@ -91,7 +91,7 @@ def build(verbose: bool = False) -> ModuleType:
     The snapshot of cuda_ext/ is compiled in native-<hash>.<pid>.tmp, which is renamed to
     native-<hash> when the compiler is done (a failed build too: its build.log is what the error
     names; the next build replaces it). Where another process finished the same build first, its
-    directory stays and this one's is dropped."""
+    directory stays and this one's is dropped; staging directories of killed builds go first."""
     snapshot = _snapshot()
     out = _dir_of(snapshot)
     if (out / STAMP).is_file():
@@ -103,6 +103,7 @@ def build(verbose: bool = False) -> ModuleType:
             if verbose:
                 print((out / "build.log").read_text())
             return module
+    _drop_abandoned(out.parent)
     staging = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     src = staging / "src"
@@ -130,6 +131,14 @@ def build(verbose: bool = False) -> ModuleType:
     if verbose:
         print((out / "build.log").read_text())
     return module
+
+
+def _drop_abandoned(root: Path) -> None:
+    """Remove the staging directories of builds whose process is gone (killed mid-compile)."""
+    for staging in root.glob("native-*.*.tmp"):
+        pid = staging.name.split(".")[-2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def _move_into_place(staging: Path, out: Path) -> None:

@@ -695,6 +695,17 @@ def test_an_edit_during_the_build_cannot_stale_the_cache(fake_build):
     assert (before / "src" / "linear.cpp").read_bytes() != (src / "linear.cpp").read_bytes()
     assert native.cache_dir() != before and not native.is_built()
     assert [p.name for p in before.parent.iterdir()] == [before.name]  # no staging left
+    # a build killed mid-compile left its staging directory: the next build removes it, and
+    # leaves a live process's alone
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    abandoned = before.with_name(f"native-0123456789ab.{dead}.tmp")
+    running = before.with_name(f"native-0123456789ab.{os.getppid()}.tmp")
+    abandoned.mkdir()
+    running.mkdir()
+    compiler.during = lambda: None
+    native.build()
+    assert not abandoned.exists() and running.is_dir()
 
 
 def test_a_failed_build_is_replaced_and_a_finished_one_kept(fake_build, monkeypatch):
