@@ -1,4 +1,5 @@
-"""bfloat16 dense layers on a CPU without bfloat16 dot products (AVX2, AVX-512 without BF16).
+"""bfloat16 dense layers on a CPU without bfloat16 dot products (AVX2, AVX-512 without BF16),
+and decode batches on one with AVX512-BF16 and no AMX.
 
 SGLang 0.5.23 multiplies a dense layer's bfloat16 activations and weights with `F.linear` on a
 CPU without AMX (`UnquantizedLinearMethod.apply`), and its logits with `torch.matmul` against
@@ -17,9 +18,9 @@ contiguous goes the float32 way (`linear`).
 
 On a CPU with AVX512-BF16 (and no AMX), torch's own bfloat16 product is fast from a few dozen
 rows but streams a decode batch's weights at half to two thirds of the speed of the native
-kernel's vdpbf16ps dots (a Zen 5, 2 threads: x1.4-1.9 at 1-8 rows, x1.2 at 16; docs/results.md, "Decode rows on
-vdpbf16ps"), so there calls below the kernel's `linear_dot_rows()` go to the kernel and larger
-ones stay torch's.
+kernel's vdpbf16ps dots (a Zen 5, 2 threads: x1.4-1.9 at 1-8 rows, x1.2 at 16; docs/results.md,
+"Decode rows on vdpbf16ps"), so there calls below the kernel's `linear_dot_rows()` go to the
+kernel and larger ones stay torch's.
 
 Without the native extension built, calls below FLOAT32_ROWS stay as SGLang makes them and
 larger ones are converted to float32 (session 23's form, RAGGED_CPU_GEMM=float32).
