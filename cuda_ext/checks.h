@@ -1,10 +1,17 @@
-// Argument checks shared by the bindings (bindings.cpp, tails.cpp): a message that names the
-// entry point, the argument and what it must be.
+// What the bindings (bindings.cpp, tails.cpp, linear.cpp) share: argument checks with a message
+// that names the entry point, the argument and what it must be, and the ISA variant chosen.
 #pragma once
 
 #include <torch/extension.h>
 
+#include <string>
+
 namespace ragged {
+
+// The ISA variant the attention runs (bindings.cpp: the best this CPU supports, or
+// RAGGED_NATIVE_ISA's); window_stats takes its AVX-512 form on avx512 and amx, linear_bf16 its
+// dots there and its AVX2 forms on every variant but scalar.
+std::string isa_name();
 
 inline void check_cpu_tensor(const char* who, const at::Tensor& t, const char* name,
                              at::ScalarType dtype, int64_t dim) {

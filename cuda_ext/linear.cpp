@@ -37,7 +37,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -423,27 +422,16 @@ void tail(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint16_t* w,
 
 #pragma GCC pop_options
 
-// AVX2 + FMA where the CPU has them, unless RAGGED_NATIVE_ISA=scalar asks for the portable
-// form (as it does of the attention: bindings.cpp).
+// The forms follow the attention's ISA variant (bindings.cpp's one choice: the best this CPU
+// runs, or RAGGED_NATIVE_ISA's, an unknown value refused): AVX2 + FMA on every variant but
+// scalar, and the vdpbf16ps dots on avx512 and amx (AVX-512 F/BW/VL with BF16).
 bool has_avx2() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    const char* want = std::getenv("RAGGED_NATIVE_ISA");
-    if (want && std::string(want) == "scalar") return false;
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
+  static const bool yes = isa_name() != "scalar";
   return yes;
 }
 
-// AVX512-BF16 for the rows below DOT_ROWS where the CPU has it, unless RAGGED_NATIVE_ISA names
-// a lower variant (avx2, scalar).
 bool has_bf16_dots() {
-  static const bool yes = [] {
-    const char* want = std::getenv("RAGGED_NATIVE_ISA");
-    if (want && (std::string(want) == "avx2" || std::string(want) == "scalar")) return false;
-    return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-  }();
+  static const bool yes = isa_name() == "avx512" || isa_name() == "amx";
   return yes;
 }
 
@@ -481,17 +469,15 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
 
   // parallel_for's grain over `units` of `rows` weight rows each: all of them on the calling
-  // thread below SERIAL_MACS products in all, else about SERIAL_MACS products a task.
-  const auto grain = [&](int64_t units, int64_t rows) {
-    if (M * N * K < SERIAL_MACS) return std::max<int64_t>(units, 1);
+  // thread below `serial` products in all, else about SERIAL_MACS products a task.
+  const auto grain = [&](int64_t units, int64_t rows, int64_t serial = SERIAL_MACS) {
+    if (M * N * K < serial) return std::max<int64_t>(units, 1);
     return std::max<int64_t>(1, SERIAL_MACS / std::max<int64_t>(rows * K * M, 1));
   };
   if (has_bf16_dots() && M < DOT_ROWS) {  // x as it is, bfloat16
     const at::Tensor xb = x.reshape({M, K}).contiguous();
     const uint16_t* xq = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-    const int64_t n_dot = N / dots::DB;
-    const int64_t g = M * N * K < DOT_SERIAL_MACS ? std::max<int64_t>(n_dot, 1)
-                                                   : grain(n_dot, dots::DB);
+    const int64_t n_dot = N / dots::DB, g = grain(n_dot, dots::DB, DOT_SERIAL_MACS);
     at::parallel_for(0, n_dot, g, [&](int64_t b0, int64_t b1) {
       dots::blocks(xq, M, K, N, wp, bias_ptr, b0, b1, yp);
     });

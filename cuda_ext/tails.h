@@ -17,10 +17,6 @@ std::vector<at::Tensor> window_stats(const at::Tensor& q, const at::Tensor& lse,
                                      const at::Tensor& q_sq_sum, const at::Tensor& q_count,
                                      int64_t layer, double scale);
 
-// The ISA variant the attention runs (bindings.cpp: the best this CPU supports, or
-// RAGGED_NATIVE_ISA's); window_stats takes its AVX-512 form on avx512 and amx.
-std::string isa_name();
-
 // dst[slots[i]] = src[rows[i]] (zeros where rows[i] < 0).
 void copy_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,
                const at::Tensor& rows);

@@ -532,9 +532,15 @@ def test_forced_isa_variants_agree():
                                        **tol, msg=lambda m, k=key, i=isa: f"{i} {k}: {m}")
 
 
-def test_unknown_isa_is_refused():
+LINEAR_ISA_SCRIPT = ("from sgl_ragged import native\n"
+                     "print(native.load().linear_isa())\n")
+
+
+@pytest.mark.parametrize("script", [ISA_SCRIPT, LINEAR_ISA_SCRIPT], ids=["attention", "linear"])
+def test_unknown_isa_is_refused(script: str):
+    """By the attention and by linear_bf16 alike: both follow bindings.cpp's one choice."""
     env = {**os.environ, "RAGGED_NATIVE_ISA": "sse9"}
-    done = subprocess.run([sys.executable, "-c", ISA_SCRIPT], cwd=REPO, env=env, text=True,
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, text=True,
                           capture_output=True, timeout=600)
     assert done.returncode != 0 and "RAGGED_NATIVE_ISA=sse9 is not one this CPU runs" in done.stderr
 
