@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+from sgl_ragged.models.smollm2 import default_cache_dir  # $RAGGED_CACHE or ~/.cache/sgl-ragged
+
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "cuda_ext"
 SOURCES = ("bindings.cpp", "isa_amx.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp",
            "quantize.cpp", "tails.cpp", "linear.cpp")
@@ -39,10 +41,6 @@ STAMP = "complete"  # written in the cache directory after a successful build
 
 class NativeUnavailableError(RuntimeError):
     """The native kernels are not built here (or failed to build)."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("RAGGED_CACHE", Path.home() / ".cache" / "sgl-ragged"))
 
 
 def cache_dir() -> Path:
@@ -66,7 +64,7 @@ def _dir_of(snapshot: dict[str, bytes]) -> Path:
         digest.update(text)
     digest.update(" ".join((*CFLAGS, *LDFLAGS)).encode())
     digest.update(_torch_version_file().read_bytes())
-    return cache_root() / f"native-{digest.hexdigest()[:12]}"
+    return default_cache_dir() / f"native-{digest.hexdigest()[:12]}"
 
 
 def _torch_version_file() -> Path:
@@ -86,23 +84,32 @@ def log_path() -> Path:
 
 
 def build(verbose: bool = False) -> ModuleType:
-    """Compile (or reuse) the extension; raises NativeUnavailableError naming the log on failure.
-
-    The snapshot of cuda_ext/ is compiled in native-<hash>.<pid>.tmp, which is renamed to
-    native-<hash> when the compiler is done (a failed build too: its build.log is what the error
-    names; the next build replaces it). Where another process finished the same build first, its
-    directory stays and this one's is dropped; staging directories of killed builds go first."""
+    """Compile (or reuse) the extension; raises NativeUnavailableError naming the log on failure."""
     snapshot = _snapshot()
     out = _dir_of(snapshot)
-    if (out / STAMP).is_file():
-        try:
-            module = _load_built(out)
-        except (OSError, ImportError):
-            pass  # a broken cached build: build it again
-        else:
-            if verbose:
-                print((out / "build.log").read_text())
-            return module
+    module = _cached(out)
+    if module is None:  # not built yet, or a broken build: compile it
+        module = _compile(snapshot, out)
+    if verbose:
+        print((out / "build.log").read_text())
+    return module
+
+
+def _cached(out: Path) -> ModuleType | None:
+    """The complete build in `out`, loaded; None where there is none or it does not load."""
+    if not (out / STAMP).is_file():
+        return None
+    try:
+        return _load_built(out)
+    except (OSError, ImportError):
+        return None
+
+
+def _compile(snapshot: dict[str, bytes], out: Path) -> ModuleType:
+    """Compile the snapshot of cuda_ext/ in native-<hash>.<pid>.tmp and rename that to `out` when
+    the compiler is done (a failed build too: its build.log is what the error names; the next
+    build replaces it). Where another process finished the same build first, its directory stays
+    and this one's is dropped; staging directories of killed builds go first."""
     _drop_abandoned(out.parent)
     staging = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
@@ -128,8 +135,6 @@ def build(verbose: bool = False) -> ModuleType:
         ) from e
     (staging / STAMP).write_text(Path(module.__file__).name + "\n")
     _move_into_place(staging, out)
-    if verbose:
-        print((out / "build.log").read_text())
     return module
 
 
