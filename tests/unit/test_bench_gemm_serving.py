@@ -102,7 +102,6 @@ def test_a_prefill_round_counts_only_the_tokens_it_prefilled(
     assert all(p["max_tokens"] == 2 for p in sent)
 
 
-
 def test_the_prefill_table() -> None:
     decode = {"1": {"tok_s": 4.0, "tpot_s": 0.25}}
     report = {"served": "ragged mixed:p.json", "max_tokens": 64, "repeats": 3,
