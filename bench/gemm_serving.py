@@ -1,10 +1,12 @@
 """Decode and prefill speed of one served configuration under each RAGGED_CPU_GEMM choice.
 
-    python -m bench.gemm_serving [--choices float32 auto] [--concurrency 1 8 16] \
+    python -m bench.gemm_serving [--choices float32 auto] [--ops auto] [--concurrency 1 8 16] \
         [--prefill-tokens 2048] --out results/gemm-serving
 
 For every choice (compat/cpu_gemm.CHOICES: how a CPU server multiplies its bfloat16 dense layers
-and lm_head) the same server is started (default: the README's, SmolLM2-135M with
+and lm_head), and with more than one --ops every pair of a choice and a RAGGED_CPU_OPS value
+(compat/cpu_ops.CHOICES: RMSNorm and the rotary embedding native or torch; labelled
+`choice ops=value`), the same server is started (default: the README's, SmolLM2-135M with
 `--attention-backend ragged` and the default profile and precision), warmed up, and sent rounds
 of `c` concurrent chat requests with distinct short prompts whose answers run to exactly
 --max-tokens tokens (`min_tokens`), greedy. A round's decode rate is its output tokens over its
@@ -31,6 +33,7 @@ from typing import Any
 import aiohttp
 
 from bench.client import RequestRecord, chat_payload, stream_chat
+from sgl_ragged.compat import cpu_ops
 from sgl_ragged.compat.cpu_gemm import CHOICES
 from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
 
@@ -134,7 +137,8 @@ def measure(base_url: str, concurrency: list[int], max_tokens: int, warmup: int,
 def markdown(report: dict[str, Any]) -> str:
     choices = list(report["choices"])
     first = choices[0]
-    lines = [f"Decode of `{report['served']}` on the CPU per RAGGED_CPU_GEMM choice, "
+    lines = [f"Decode of `{report['served']}` on the CPU per RAGGED_CPU_GEMM choice "
+             "(ops=: RAGGED_CPU_OPS), "
              f"{report['max_tokens']}-token answers, medians of {report['repeats']} rounds; ratios "
              f"against {first}.", "",
              "| concurrency | " + " | ".join(f"{c} tok/s | {c} TPOT ms" for c in choices)
@@ -162,9 +166,18 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def configurations(choices: list[str], ops: list[str]) -> dict[str, dict[str, str]]:
+    """Label -> server environment of every run: each RAGGED_CPU_GEMM choice, and with more than
+    one RAGGED_CPU_OPS value each pair (`auto ops=torch`), in the order given."""
+    return {(gemm if len(ops) == 1 else f"{gemm} ops={op}"):
+            {"RAGGED_CPU_GEMM": gemm, "RAGGED_CPU_OPS": op} for gemm in choices for op in ops}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--choices", nargs="+", default=["float32", "auto"], choices=list(CHOICES))
+    p.add_argument("--ops", nargs="+", default=["auto"], choices=list(cpu_ops.CHOICES),
+                   help="RAGGED_CPU_OPS values, each run with every choice (default: auto)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prefill-tokens", type=int, default=2048,
@@ -191,11 +204,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "served": f"ragged {args.precision}:{args.profile}" if args.profile else "torch_native",
         "launch_args": server_args, "max_tokens": args.max_tokens, "repeats": args.repeats,
         "concurrency": args.concurrency, "prefill_tokens": args.prefill_tokens, "choices": {}}
-    for i, choice in enumerate(args.choices):
-        print(f"[{i + 1}/{len(args.choices)}] RAGGED_CPU_GEMM={choice}: starting the server ...",
-              flush=True)
-        with ServerProcess(server_args, env={"RAGGED_CPU_GEMM": choice},
-                           log_path=args.out / f"server-{choice}.log", startup_timeout=900) as srv:
+    runs = configurations(args.choices, args.ops)
+    for i, (choice, env) in enumerate(runs.items()):
+        print(f"[{i + 1}/{len(runs)}] {' '.join(f'{k}={v}' for k, v in env.items())}: "
+              "starting the server ...", flush=True)
+        log = args.out / f"server-{choice.replace(' ops=', '-ops-')}.log"
+        with ServerProcess(server_args, env=env, log_path=log, startup_timeout=900) as srv:
             print(f"    measuring concurrency {args.concurrency} ...", flush=True)
             result = measure(srv.base_url, args.concurrency, args.max_tokens, args.warmup,
                              args.repeats)

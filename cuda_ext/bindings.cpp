@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "elementwise.h"
 #include "linear.h"
 #include "quantize.h"
 #include "ragged_attention.h"
@@ -337,4 +338,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The form linear_bf16 runs here: avx512_bf16 (below linear_dot_rows rows), avx2 or scalar");
   m.def("linear_dot_rows", &ragged::linear_dot_rows,
         "Below how many rows linear_bf16 runs vdpbf16ps dots here (0: it does not)");
+  m.def("rms_norm", &ragged::rms_norm, pybind11::arg("x"), pybind11::arg("residual"),
+        pybind11::arg("weight"), pybind11::arg("eps"),
+        "SGLang's RMSNorm.forward_native in one pass: [out] or [out, x + residual] (elementwise.cpp)");
+  m.def("rotary_embedding", &ragged::rotary_embedding, pybind11::arg("positions"),
+        pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("cos_sin_cache"),
+        pybind11::arg("head_size"), pybind11::arg("neox"),
+        "SGLang's RotaryEmbedding.forward_native in one pass, bit for bit: [query, key] (elementwise.cpp)");
 }

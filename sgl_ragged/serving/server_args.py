@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from sgl_ragged.attention_backend.registry import triton_refuses
-from sgl_ragged.compat import cpu_gemm
+from sgl_ragged.compat import cpu_gemm, cpu_ops
 from sgl_ragged.config import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_PAGE_SIZE,
@@ -128,7 +128,8 @@ def _graph_config(graph_config: Any, decode: bool) -> Any:
 def validate_ragged_args(server_args: Any, previous: Any) -> None:
     """Resolution hook around handle_other_validations: checks needing final values."""
     previous(server_args)
-    cpu_gemm.validate()  # RAGGED_CPU_GEMM is read by every server of the environment
+    cpu_gemm.validate()  # RAGGED_CPU_GEMM and RAGGED_CPU_OPS are read by every server of
+    cpu_ops.validate()  # the environment
     if not is_active():
         return
     from sglang.srt.arg_groups.model_override_base import resolving_view

@@ -40,6 +40,15 @@ def test_the_table_and_its_ratios() -> None:
     assert "ratios against float32" in table
 
 
+def test_configurations_pair_the_choices_with_the_ops() -> None:
+    assert gemm_serving.configurations(["float32", "auto"], ["auto"]) == {
+        "float32": {"RAGGED_CPU_GEMM": "float32", "RAGGED_CPU_OPS": "auto"},
+        "auto": {"RAGGED_CPU_GEMM": "auto", "RAGGED_CPU_OPS": "auto"}}
+    runs = gemm_serving.configurations(["auto"], ["torch", "auto"])
+    assert list(runs) == ["auto ops=torch", "auto ops=auto"]
+    assert runs["auto ops=torch"] == {"RAGGED_CPU_GEMM": "auto", "RAGGED_CPU_OPS": "torch"}
+
+
 def test_each_request_runs_to_length_with_its_own_prompt() -> None:
     a, b = (gemm_serving._payload(7, i, 32) for i in (0, 1))
     assert a["min_tokens"] == a["max_tokens"] == 32 and a["temperature"] == 0 and a["stream"]

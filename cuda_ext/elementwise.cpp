@@ -1,0 +1,211 @@
+// RMSNorm and rotary embedding of a decoder layer on the CPU (elementwise.h), for the hooks in
+// sgl_ragged/compat/cpu_ops.py. SGLang's CPU path without sgl-kernel's AMX ops runs their torch
+// forms, a dozen small ops each: 16-20 us an RMSNorm and 40-45 us a rotary embedding at 1-8 rows
+// on a Zen 5, about a tenth of a decode step of SmolLM2-135M at one request. One pass here.
+//
+// Numerics follow those torch forms. The rotary embedding is bit for bit: cos and sin are cast
+// to the tensors' dtype, and every product, difference and sum is rounded to it, as each torch op
+// rounds its output. RMSNorm differs only in the order of the sum of squares (torch's vectorized
+// reduction against 16 partial sums here), so its output may differ from torch's by one unit in
+// the last place of the dtype, rarely; the residual it returns is exact. Plain C++ at the baseline
+// ISA, vectorized by the compiler: no FMA, so nothing contracts a product into a sum that torch
+// rounds in between.
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "elementwise.h"
+
+namespace ragged {
+namespace {
+
+constexpr int64_t SERIAL_ELEMENTS = 1 << 15;  // a call below this many outputs stays serial
+constexpr int64_t LANES = 16;                  // partial sums of the sum of squares
+
+// Calls f with a value of the C++ type of dtype (float, bfloat16 or float16).
+template <typename F>
+void with_type(at::ScalarType dtype, const char* who, const char* name, F&& f) {
+  switch (dtype) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default:
+      TORCH_CHECK(false, who, ": ", name, " must be float32, bfloat16 or float16, got ", dtype);
+  }
+}
+
+// float rounded to T and back: what a torch op in dtype T stores.
+template <typename T>
+inline float rounded(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+template <typename T, typename W>
+void norm_rows(const T* x, const T* res, const W* w, T* out, T* res_out, int64_t begin,
+               int64_t end, int64_t H, float eps, float* s) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* xr = x + r * H;
+    if (res) {
+      const T* rr = res + r * H;
+      T* ro = res_out + r * H;
+      for (int64_t i = 0; i < H; ++i) {
+        s[i] = static_cast<float>(xr[i]) + static_cast<float>(rr[i]);
+        ro[i] = static_cast<T>(s[i]);
+      }
+    } else {
+      for (int64_t i = 0; i < H; ++i) s[i] = static_cast<float>(xr[i]);
+    }
+    float part[LANES] = {};
+    int64_t i = 0;
+    for (; i + LANES <= H; i += LANES)
+      for (int64_t l = 0; l < LANES; ++l) part[l] += s[i + l] * s[i + l];
+    for (; i < H; ++i) part[i % LANES] += s[i] * s[i];
+    float sum = 0.0f;
+    for (int64_t l = 0; l < LANES; ++l) sum += part[l];
+    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + eps);
+    T* o = out + r * H;
+    for (int64_t j = 0; j < H; ++j) o[j] = static_cast<T>(s[j] * inv * static_cast<float>(w[j]));
+  }
+}
+
+// One tensor's heads at one token: src's heads [heads, head] (channels contiguous) into dst.
+template <typename T>
+inline void rotate_heads(const T* src, T* dst, int64_t heads, int64_t head, int64_t rot,
+                         const float* cos, const float* sin, bool neox) {
+  const int64_t half = rot / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const T* x = src + h * head;
+    T* o = dst + h * head;
+    for (int64_t j = 0; j < half; ++j) {
+      const int64_t ia = neox ? j : 2 * j, ib = neox ? j + half : 2 * j + 1;
+      const float a = static_cast<float>(x[ia]), b = static_cast<float>(x[ib]);
+      const float c = cos[j], s = sin[j];
+      o[ia] = static_cast<T>(rounded<T>(a * c) - rounded<T>(b * s));
+      o[ib] = static_cast<T>(rounded<T>(b * c) + rounded<T>(a * s));
+    }
+    for (int64_t j = rot; j < head; ++j) o[j] = x[j];
+  }
+}
+
+// Heads of a query or key tensor [T, heads * head] or [T, heads, head], and its row stride.
+struct HeadRows {
+  int64_t heads, stride;
+};
+
+HeadRows head_rows(const at::Tensor& t, const char* name, int64_t tokens, int64_t head) {
+  TORCH_CHECK(t.device().is_cpu(), "rotary_embedding: ", name, " must be on the CPU, got ",
+              t.device());
+  TORCH_CHECK((t.dim() == 2 || t.dim() == 3) && t.size(0) == tokens,
+              "rotary_embedding: ", name, " ", t.sizes(), " must be [T, heads * head_size] or "
+              "[T, heads, head_size] with T = ", tokens, " positions");
+  const int64_t width = t.dim() == 2 ? t.size(1) : t.size(1) * t.size(2);
+  TORCH_CHECK(width % head == 0 && (t.dim() == 2 || t.size(2) == head), "rotary_embedding: ",
+              name, " ", t.sizes(), " is not made of heads of head_size ", head);
+  const bool packed = t.stride(-1) == 1 && (t.dim() == 2 || t.stride(1) == head);
+  TORCH_CHECK(packed || t.numel() == 0, "rotary_embedding: ", name, " ", t.sizes(), " strides ",
+              t.strides(), ": a token's heads must be contiguous (its rows may be strided)");
+  return {width / head, t.stride(0)};
+}
+
+}  // namespace
+
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                 const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "rms_norm: x and weight must be "
+              "on the CPU, got ", x.device(), " and ", weight.device());
+  TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), "rms_norm: x ", x.sizes(), " must be "
+              "contiguous with at least one dim");
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous(),
+              "rms_norm: weight ", weight.sizes(), " must be a contiguous [", H, "] (x's last dim)");
+  if (residual) {
+    TORCH_CHECK(residual->device().is_cpu() && residual->scalar_type() == x.scalar_type() &&
+                    residual->sizes() == x.sizes() && residual->is_contiguous(),
+                "rms_norm: residual ", residual->sizes(), " ", residual->scalar_type(),
+                " must be contiguous, on the CPU, with x's shape ", x.sizes(), " and dtype ",
+                x.scalar_type());
+  }
+  at::Tensor out = at::empty_like(x);
+  at::Tensor res_out = residual ? at::empty_like(x) : at::Tensor();
+  const int64_t rows = H ? x.numel() / H : 0;
+  const float e = static_cast<float>(eps);
+  with_type(x.scalar_type(), "rms_norm", "x", [&](auto xt) {
+    using T = decltype(xt);
+    with_type(weight.scalar_type(), "rms_norm", "weight", [&](auto wt) {
+      using W = decltype(wt);
+      const T* xp = x.data_ptr<T>();
+      const T* rp = residual ? residual->data_ptr<T>() : nullptr;
+      T* rop = residual ? res_out.data_ptr<T>() : nullptr;
+      const W* wp = weight.data_ptr<W>();
+      T* op = out.data_ptr<T>();
+      const int64_t grain = std::max<int64_t>(1, SERIAL_ELEMENTS / std::max<int64_t>(H, 1));
+      at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e2) {
+        std::vector<float> s(H);
+        norm_rows<T, W>(xp, rp, wp, op, rop, b, e2, H, e, s.data());
+      });
+    });
+  });
+  if (residual) return {out, res_out};
+  return {out};
+}
+
+std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::Tensor& query,
+                                         const at::Tensor& key, const at::Tensor& cos_sin_cache,
+                                         int64_t head_size, bool neox) {
+  TORCH_CHECK(positions.device().is_cpu() && positions.scalar_type() == at::kLong &&
+                  positions.dim() == 1,
+              "rotary_embedding: positions must be a 1-dim int64 CPU tensor, got ",
+              positions.sizes(), " ", positions.scalar_type(), " on ", positions.device());
+  TORCH_CHECK(query.scalar_type() == key.scalar_type(), "rotary_embedding: query is ",
+              query.scalar_type(), " but key is ", key.scalar_type());
+  TORCH_CHECK(cos_sin_cache.device().is_cpu() && cos_sin_cache.dim() == 2 &&
+                  cos_sin_cache.is_contiguous(),
+              "rotary_embedding: cos_sin_cache ", cos_sin_cache.sizes(), " must be a contiguous "
+              "[max_position, rotary_dim] CPU tensor");
+  const int64_t rot = cos_sin_cache.size(1), max_pos = cos_sin_cache.size(0);
+  TORCH_CHECK(head_size > 0 && rot > 0 && rot % 2 == 0 && rot <= head_size, "rotary_embedding: "
+              "rotary_dim ", rot, " (cos_sin_cache's width) must be even, positive and at most "
+              "head_size ", head_size);
+  const int64_t T = positions.size(0);
+  const HeadRows q = head_rows(query, "query", T, head_size);
+  const HeadRows k = head_rows(key, "key", T, head_size);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "rotary_embedding: position ", pos[t],
+                " of token ", t, " is outside the cos_sin_cache's ", max_pos, " rows");
+  at::Tensor q_out = at::empty(query.sizes(), query.options());
+  at::Tensor k_out = at::empty(key.sizes(), key.options());
+  with_type(query.scalar_type(), "rotary_embedding", "query", [&](auto xt) {
+    using X = decltype(xt);
+    with_type(cos_sin_cache.scalar_type(), "rotary_embedding", "cos_sin_cache", [&](auto ct) {
+      using C = decltype(ct);
+      const C* cache = cos_sin_cache.data_ptr<C>();
+      const X* qp = query.data_ptr<X>();
+      const X* kp = key.data_ptr<X>();
+      X* qo = q_out.data_ptr<X>();
+      X* ko = k_out.data_ptr<X>();
+      const int64_t per_token = (q.heads + k.heads) * head_size;
+      const int64_t grain = std::max<int64_t>(1, SERIAL_ELEMENTS / std::max<int64_t>(per_token, 1));
+      at::parallel_for(0, T, grain, [&](int64_t b, int64_t e) {
+        std::vector<float> cs(rot);  // cos, sin of the token's position, in X's precision
+        for (int64_t t = b; t < e; ++t) {
+          const C* row = cache + pos[t] * rot;
+          for (int64_t j = 0; j < rot; ++j) cs[j] = rounded<X>(static_cast<float>(row[j]));
+          rotate_heads<X>(qp + t * q.stride, qo + t * q.heads * head_size, q.heads, head_size,
+                          rot, cs.data(), cs.data() + rot / 2, neox);
+          rotate_heads<X>(kp + t * k.stride, ko + t * k.heads * head_size, k.heads, head_size,
+                          rot, cs.data(), cs.data() + rot / 2, neox);
+        }
+      });
+    });
+  });
+  return {q_out, k_out};
+}
+
+}  // namespace ragged
