@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "elementwise.h"
@@ -25,7 +26,7 @@
 namespace ragged {
 namespace {
 
-constexpr int64_t SERIAL_ELEMENTS = 1 << 15;  // a call below this many outputs stays serial
+constexpr int64_t SERIAL_ELEMENTS = 1 << 17;  // a call below this many outputs stays serial
 constexpr int64_t LANES = 16;                  // partial sums of the sum of squares
 
 // Calls f with a value of the C++ type of dtype (float, bfloat16 or float16).
@@ -40,26 +41,59 @@ void with_type(at::ScalarType dtype, const char* who, const char* name, F&& f) {
   }
 }
 
+// A dtype's loads, stores and rounding as torch's ops do them. bfloat16 by its bits, branch-free
+// (the compiler vectorizes the loops; c10::BFloat16's conversion, with the same round-to-nearest-
+// even and NaN as 0x7FC0, does not vectorize); float16 by c10::Half; float32 as it is.
+template <typename T>
+struct Num {
+  using Store = T;
+  static float load(T v) { return static_cast<float>(v); }
+  static T store(float v) { return static_cast<T>(v); }
+};
+
+template <>
+struct Num<c10::BFloat16> {
+  using Store = uint16_t;
+  static float load(uint16_t h) {
+    const uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static uint16_t store(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return f != f ? uint16_t{0x7FC0} : static_cast<uint16_t>(r);
+  }
+};
+
 // float rounded to T and back: what a torch op in dtype T stores.
 template <typename T>
 inline float rounded(float v) {
-  return static_cast<float>(static_cast<T>(v));
+  return Num<T>::load(Num<T>::store(v));
 }
 
 template <typename T, typename W>
-void norm_rows(const T* x, const T* res, const W* w, T* out, T* res_out, int64_t begin,
+void norm_rows(const T* x_, const T* res_, const W* w, T* out_, T* res_out_, int64_t begin,
                int64_t end, int64_t H, float eps, float* s) {
+  using N = Num<T>;
+  using S = typename N::Store;
+  const S* x = reinterpret_cast<const S*>(x_);
+  const S* res = reinterpret_cast<const S*>(res_);
+  S* out = reinterpret_cast<S*>(out_);
+  S* res_out = reinterpret_cast<S*>(res_out_);
   for (int64_t r = begin; r < end; ++r) {
-    const T* xr = x + r * H;
+    const S* xr = x + r * H;
     if (res) {
-      const T* rr = res + r * H;
-      T* ro = res_out + r * H;
+      const S* rr = res + r * H;
+      S* ro = res_out + r * H;
       for (int64_t i = 0; i < H; ++i) {
-        s[i] = static_cast<float>(xr[i]) + static_cast<float>(rr[i]);
-        ro[i] = static_cast<T>(s[i]);
+        s[i] = N::load(xr[i]) + N::load(rr[i]);
+        ro[i] = N::store(s[i]);
       }
     } else {
-      for (int64_t i = 0; i < H; ++i) s[i] = static_cast<float>(xr[i]);
+      for (int64_t i = 0; i < H; ++i) s[i] = N::load(xr[i]);
     }
     float part[LANES] = {};
     int64_t i = 0;
@@ -69,25 +103,30 @@ void norm_rows(const T* x, const T* res, const W* w, T* out, T* res_out, int64_t
     float sum = 0.0f;
     for (int64_t l = 0; l < LANES; ++l) sum += part[l];
     const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + eps);
-    T* o = out + r * H;
-    for (int64_t j = 0; j < H; ++j) o[j] = static_cast<T>(s[j] * inv * static_cast<float>(w[j]));
+    S* o = out + r * H;
+    for (int64_t j = 0; j < H; ++j) o[j] = N::store(s[j] * inv * static_cast<float>(w[j]));
   }
 }
 
 // One tensor's heads at one token: src's heads [heads, head] (channels contiguous) into dst.
-template <typename T>
-inline void rotate_heads(const T* src, T* dst, int64_t heads, int64_t head, int64_t rot,
-                         const float* cos, const float* sin, bool neox) {
+// NEOX pairs channel j with j + rot / 2, GPT-J style 2j with 2j + 1.
+template <typename T, bool NEOX>
+void rotate_heads(const T* src_, T* dst_, int64_t heads, int64_t head, int64_t rot,
+                  const float* cos, const float* sin) {
+  using N = Num<T>;
+  using S = typename N::Store;
+  const S* src = reinterpret_cast<const S*>(src_);
+  S* dst = reinterpret_cast<S*>(dst_);
   const int64_t half = rot / 2;
   for (int64_t h = 0; h < heads; ++h) {
-    const T* x = src + h * head;
-    T* o = dst + h * head;
+    const S* x = src + h * head;
+    S* o = dst + h * head;
     for (int64_t j = 0; j < half; ++j) {
-      const int64_t ia = neox ? j : 2 * j, ib = neox ? j + half : 2 * j + 1;
-      const float a = static_cast<float>(x[ia]), b = static_cast<float>(x[ib]);
+      const int64_t ia = NEOX ? j : 2 * j, ib = NEOX ? j + half : 2 * j + 1;
+      const float a = N::load(x[ia]), b = N::load(x[ib]);
       const float c = cos[j], s = sin[j];
-      o[ia] = static_cast<T>(rounded<T>(a * c) - rounded<T>(b * s));
-      o[ib] = static_cast<T>(rounded<T>(b * c) + rounded<T>(a * s));
+      o[ia] = N::store(rounded<T>(a * c) - rounded<T>(b * s));
+      o[ib] = N::store(rounded<T>(b * c) + rounded<T>(a * s));
     }
     for (int64_t j = rot; j < head; ++j) o[j] = x[j];
   }
@@ -197,10 +236,11 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
         for (int64_t t = b; t < e; ++t) {
           const C* row = cache + pos[t] * rot;
           for (int64_t j = 0; j < rot; ++j) cs[j] = rounded<X>(static_cast<float>(row[j]));
-          rotate_heads<X>(qp + t * q.stride, qo + t * q.heads * head_size, q.heads, head_size,
-                          rot, cs.data(), cs.data() + rot / 2, neox);
-          rotate_heads<X>(kp + t * k.stride, ko + t * k.heads * head_size, k.heads, head_size,
-                          rot, cs.data(), cs.data() + rot / 2, neox);
+          const auto rotate = neox ? &rotate_heads<X, true> : &rotate_heads<X, false>;
+          rotate(qp + t * q.stride, qo + t * q.heads * head_size, q.heads, head_size, rot,
+                 cs.data(), cs.data() + rot / 2);
+          rotate(kp + t * k.stride, ko + t * k.heads * head_size, k.heads, head_size, rot,
+                 cs.data(), cs.data() + rot / 2);
         }
       });
     });

@@ -1,0 +1,140 @@
+"""A decoder layer's RMSNorm and rotary embedding on the CPU: SGLang's torch forms
+(`forward_native`) against one call of the native kernels (cuda_ext/elementwise.cpp,
+compat/cpu_ops.py's hooks), in the same rounds.
+
+    python -m bench.cpu_ops [--rows 1 8 16 64 512 2048] [--threads 2] --out results/cpu-ops
+
+The default model's shapes (SmolLM2-135M: hidden 576, 9 query and 3 KV heads of 64, neox-style
+rotary, bfloat16): RMSNorm with the residual added (twice a layer) and without (the model's
+last norm), and the rotary embedding of query and key taken as slices of a packed qkv, as the
+attention layer has them. A layer's share is two residual norms and one rotary embedding; a model
+step 30 layers of it plus one norm. Each round runs every op in both forms 20 times, in turn
+(alternating); medians of a call over the repeats after warm-up. Row counts stand for a decode
+batch's requests or a prefill chunk's tokens. Writes cpu_ops.json and cpu_ops.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sgl_ragged import native
+from sgl_ragged.attention_backend import ops
+
+HIDDEN, HEADS, KV_HEADS, HEAD = 576, 9, 3, 64
+NUM_LAYERS = 30
+CALLS = 20  # calls per timing (a decode-sized call takes a few microseconds)
+OPS = ("add_rms_norm", "rms_norm", "rotary")
+
+
+def _cases(rows: int, gen: torch.Generator) -> dict[str, tuple[Callable[[], Any],
+                                                                Callable[[], Any]]]:
+    """op -> (SGLang's torch form, the native call) on fresh inputs of `rows` rows."""
+    from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.layers.rotary_embedding import get_rope
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+
+    m = native.load()
+    norm = RMSNorm(HIDDEN, eps=1e-5)
+    norm.weight.data = (1 + 0.1 * torch.randn(HIDDEN, generator=gen)).bfloat16()
+    x = torch.randn(rows, HIDDEN, generator=gen).bfloat16()
+    res = torch.randn(rows, HIDDEN, generator=gen).bfloat16()
+    rope = get_rope(HEAD, rotary_dim=HEAD, max_position=8192, base=100000, is_neox_style=True,
+                    dtype=torch.bfloat16)
+    rope.cos_sin_cache = rope.cos_sin_cache.bfloat16()  # as SGLang keeps it on the CPU
+    qkv = torch.randn(rows, (HEADS + 2 * KV_HEADS) * HEAD, generator=gen).bfloat16()
+    q, k, _ = qkv.split([HEADS * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD], dim=-1)
+    pos = torch.randint(0, 8192, (rows,), generator=gen)
+    w, eps, cache = norm.weight.data, norm.variance_epsilon, rope.cos_sin_cache
+    return {
+        "add_rms_norm": (lambda: RMSNorm.forward_native(norm, x, res),
+                         lambda: m.rms_norm(x, res, w, eps)),
+        "rms_norm": (lambda: RMSNorm.forward_native(norm, x), lambda: m.rms_norm(x, None, w, eps)),
+        "rotary": (lambda: RotaryEmbedding.forward_native(rope, pos, q, k),
+                   lambda: m.rotary_embedding(pos, q, k, cache, HEAD, True)),
+    }
+
+
+def _time(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    return (time.perf_counter() - t0) / CALLS
+
+
+def measure(rows: list[int], threads: list[int], warmup: int, repeats: int,
+            progress: Callable[[str], None] = lambda line: None) -> list[dict]:
+    """Median seconds of a call of each op in both forms per (threads, rows), and a model
+    step's share (NUM_LAYERS x (2 add_rms_norm + rotary) + rms_norm)."""
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for t in threads:
+        with ops.intra_op_threads(t):
+            for n in rows:
+                progress(f"{t} thread(s), {n} rows")
+                cases = _cases(n, gen)
+                times: dict[str, list[float]] = {f"{op}_{form}": [] for op in OPS
+                                                 for form in ("torch", "native")}
+                for round_ in range(warmup + repeats):
+                    for op, (torch_form, native_form) in cases.items():
+                        a, b = _time(torch_form), _time(native_form)
+                        if round_ >= warmup:
+                            times[f"{op}_torch"].append(a)
+                            times[f"{op}_native"].append(b)
+                r: dict[str, Any] = {"threads": t, "rows": n,
+                                     **{f"{k}_s": statistics.median(v) for k, v in times.items()}}
+                for form in ("torch", "native"):
+                    r[f"step_{form}_s"] = (NUM_LAYERS * (2 * r[f"add_rms_norm_{form}_s"]
+                                                         + r[f"rotary_{form}_s"])
+                                           + r[f"rms_norm_{form}_s"])
+                results.append(r)
+    return results
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["RMSNorm and the rotary embedding of SmolLM2-135M on the CPU: SGLang's torch forms "
+             "against one native call (cuda_ext/elementwise.cpp); microseconds a call, "
+             f"alternating rounds, medians; a model step's share is {NUM_LAYERS} x (2 residual "
+             "norms + 1 rotary) + 1 norm.", "",
+             "| threads | rows | add+norm torch | native | norm torch | native | rotary torch | "
+             "native | step share torch ms | native ms | torch / native |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        cells = [f"{r[f'{op}_{form}_s'] * 1e6:.1f}" for op in OPS for form in ("torch", "native")]
+        a, b = r["step_torch_s"] * 1e3, r["step_native_s"] * 1e3
+        lines.append(f"| {r['threads']} | {r['rows']} | " + " | ".join(cells)
+                     + f" | {a:.2f} | {b:.2f} | x{a / b:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 64, 512, 2048])
+    parser.add_argument("--threads", type=int, nargs="+", default=[2])
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=Path("results/cpu-ops"))
+    args = parser.parse_args()
+    if min(args.rows) < 1 or min(args.threads) < 1 or args.repeats < 1 or args.warmup < 0:
+        parser.error("--rows, --threads and --repeats must be at least 1, --warmup at least 0")
+    native.load()  # builds it if needed, before the clock runs
+    total = len(args.rows) * len(args.threads)
+    done = iter(range(1, total + 1))
+    results = measure(args.rows, args.threads, args.warmup, args.repeats,
+                      progress=lambda line: print(f"[{next(done)}/{total}] {line} ...", flush=True))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cpu_ops.json").write_text(json.dumps({"results": results}, indent=2))
+    table = markdown(results)
+    (args.out / "cpu_ops.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
