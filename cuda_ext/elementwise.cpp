@@ -7,9 +7,9 @@
 // to the tensors' dtype, and every product, difference and sum is rounded to it, as each torch op
 // rounds its output. RMSNorm differs only in the order of the sum of squares (torch's vectorized
 // reduction against 16 partial sums here), so its output may differ from torch's by one unit in
-// the last place of the dtype, rarely; the residual it returns is exact. Plain C++ at the baseline
-// ISA, vectorized by the compiler: no FMA, so nothing contracts a product into a sum that torch
-// rounds in between.
+// the last place of a 16-bit dtype, rarely (float32: a few units, often); the residual it returns
+// is exact. Plain C++ at the baseline ISA, vectorized by the compiler: no FMA, so nothing
+// contracts a product into a sum that torch rounds in between.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
