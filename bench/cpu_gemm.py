@@ -20,16 +20,14 @@ PANEL_ROWS from the same model step timed with the kernel built at both layouts
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from bench import cpu_sweep
 from sgl_ragged import native
 from sgl_ragged.attention_backend import ops
 from sgl_ragged.compat import cpu_gemm
@@ -112,31 +110,14 @@ def markdown(results: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+",
-                        default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path("results/cpu-gemm"))
-    args = parser.parse_args()
-    if min(args.rows) < 1 or min(args.threads) < 1 or args.repeats < 1 or args.warmup < 0:
-        parser.error("--rows, --threads and --repeats must be at least 1, --warmup at least 0")
-    native.load()  # builds it if needed, before the clock runs
-    total = len(args.rows) * len(args.threads)
-    done = iter(range(1, total + 1))
-    results = measure(args.rows, args.threads, args.warmup, args.repeats,
-                      progress=lambda line: print(f"[{next(done)}/{total}] {line} ...", flush=True))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cpu_gemm.json").write_text(json.dumps(
-        {"results": results, "native_isa": native.load().linear_isa(),
-         "native_dot_rows": native.load().linear_dot_rows(),
-         "cpu_flags": sorted(native.cpu_flags() & {"avx2", "avx512f", "avx512_bf16",
-                                                   "amx_bf16"})}, indent=2))
-    table = markdown(results)
-    (args.out / "cpu_gemm.md").write_text(table)
-    print(table)
-
+    args = cpu_sweep.parse(__doc__, rows=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512], threads=[1, 2],
+                           warmup=1, repeats=5, out="results/cpu-gemm")
+    results = cpu_sweep.sweep(args, measure)
+    cpu_sweep.write(args.out, "cpu_gemm", {
+        "results": results, "native_isa": native.load().linear_isa(),
+        "native_dot_rows": native.load().linear_dot_rows(),
+        "cpu_flags": sorted(native.cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})},
+        markdown(results))
 
 if __name__ == "__main__":
     main()

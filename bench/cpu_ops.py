@@ -15,16 +15,14 @@ batch's requests or a prefill chunk's tokens. Writes cpu_ops.json and cpu_ops.md
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from bench import cpu_sweep
 from sgl_ragged import native
 from sgl_ragged.attention_backend import ops
 
@@ -115,26 +113,10 @@ def markdown(results: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 64, 512, 2048])
-    parser.add_argument("--threads", type=int, nargs="+", default=[2])
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=Path("results/cpu-ops"))
-    args = parser.parse_args()
-    if min(args.rows) < 1 or min(args.threads) < 1 or args.repeats < 1 or args.warmup < 0:
-        parser.error("--rows, --threads and --repeats must be at least 1, --warmup at least 0")
-    native.load()  # builds it if needed, before the clock runs
-    total = len(args.rows) * len(args.threads)
-    done = iter(range(1, total + 1))
-    results = measure(args.rows, args.threads, args.warmup, args.repeats,
-                      progress=lambda line: print(f"[{next(done)}/{total}] {line} ...", flush=True))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cpu_ops.json").write_text(json.dumps({"results": results}, indent=2))
-    table = markdown(results)
-    (args.out / "cpu_ops.md").write_text(table)
-    print(table)
-
+    args = cpu_sweep.parse(__doc__, rows=[1, 8, 16, 64, 512, 2048], threads=[2], warmup=2,
+                           repeats=15, out="results/cpu-ops")
+    results = cpu_sweep.sweep(args, measure)
+    cpu_sweep.write(args.out, "cpu_ops", {"results": results}, markdown(results))
 
 if __name__ == "__main__":
     main()

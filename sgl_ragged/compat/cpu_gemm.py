@@ -34,13 +34,13 @@ them on CPUs whose flags show neither amx_bf16 nor avx512_bf16.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from sgl_ragged import native
+from sgl_ragged.compat import env_choice
 from sgl_ragged.native import cpu_flags
 
 __all__ = ["cpu_flags", "apply", "compute_lm_head", "linear", "route", "routes", "validate"]
@@ -60,11 +60,7 @@ CHOICES = {
 
 
 def _choice() -> str:
-    choice = os.environ.get("RAGGED_CPU_GEMM", "auto") or "auto"
-    if choice not in CHOICES:
-        raise ValueError(f"RAGGED_CPU_GEMM={choice} is not a choice: set it to "
-                         + "; ".join(f"{k} ({v})" for k, v in CHOICES.items()))
-    return choice
+    return env_choice("RAGGED_CPU_GEMM", CHOICES)
 
 
 def routes() -> str:

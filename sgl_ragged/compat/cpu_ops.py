@@ -22,12 +22,12 @@ stock server there runs the same norms as a ragged one. RAGGED_CPU_OPS picks (CH
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
 from sgl_ragged import native
+from sgl_ragged.compat import env_choice
 
 __all__ = ["CHOICES", "choice", "enabled", "rms_norm_native", "rotary_native", "validate"]
 
@@ -40,11 +40,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def choice() -> str:
-    value = os.environ.get("RAGGED_CPU_OPS", "auto") or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"RAGGED_CPU_OPS={value} is not a choice: set it to "
-                         + "; ".join(f"{k} ({v})" for k, v in CHOICES.items()))
-    return value
+    return env_choice("RAGGED_CPU_OPS", CHOICES)
 
 
 def validate() -> None:
