@@ -28,7 +28,9 @@ def test_fork_join_branches_share_the_document(ragged_server):
         assert branch["answer"].strip()
         # the document (its complete pages, less the window) came from the cache
         assert branch["cached_tokens"] >= branch["prompt_tokens"] // PAGE * PAGE - 2 * PAGE > 0
-    assert out["cached_tokens"] >= out["branches"][0]["cached_tokens"]
+    # the summary shares only the document with the branches; a branch that ran after another
+    # one also found that branch's question prefix cached, so compare with the least of them
+    assert out["cached_tokens"] >= min(b["cached_tokens"] for b in out["branches"])
 
 
 def test_select_reuses_the_cached_document(ragged_server):
