@@ -10,7 +10,8 @@ namespace ragged {
 
 // The ISA variant the attention runs (bindings.cpp: the best this CPU supports, or
 // RAGGED_NATIVE_ISA's); window_stats takes its AVX-512 form on avx512 and amx, linear_bf16 its
-// dots there and its AVX2 forms on every variant but scalar.
+// dots there and its AVX2 forms on every variant but scalar, rms_norm and rotary_embedding their
+// loops at the variant's width.
 std::string isa_name();
 
 inline void check_cpu_tensor(const char* who, const at::Tensor& t, const char* name,

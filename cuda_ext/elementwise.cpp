@@ -8,8 +8,9 @@
 // rounds its output. RMSNorm differs only in the order of the sum of squares (torch's vectorized
 // reduction against 16 partial sums here), so its output may differ from torch's by one unit in
 // the last place of a 16-bit dtype, rarely (float32: a few units, often); the residual it returns
-// is exact. Plain C++ at the baseline ISA, vectorized by the compiler: no FMA, so nothing
-// contracts a product into a sum that torch rounds in between.
+// is exact. Plain C++ (elementwise_loops.inc) that the compiler vectorizes, built for AVX-512,
+// AVX2 and the baseline and run at the attention's ISA variant; contraction off at each, so no
+// FMA fuses a product into a sum that torch rounds in between.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -19,8 +20,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
+#include "checks.h"
 #include "elementwise.h"
 
 namespace ragged {
@@ -41,94 +44,60 @@ void with_type(at::ScalarType dtype, const char* who, const char* name, F&& f) {
   }
 }
 
-// A dtype's loads, stores and rounding as torch's ops do them. bfloat16 by its bits, branch-free
-// (the compiler vectorizes the loops; c10::BFloat16's conversion, with the same round-to-nearest-
-// even and NaN as 0x7FC0, does not vectorize); float16 by c10::Half; float32 as it is.
-template <typename T>
-struct Num {
-  using Store = T;
-  static float load(T v) { return static_cast<float>(v); }
-  static T store(float v) { return static_cast<T>(v); }
-};
+// The loops, once per instruction set: the compiler vectorizes them 16 floats wide on AVX-512,
+// 8 on AVX2, 4 at the baseline (SSE2). Contraction stays off at every width (FMA would fuse a
+// product into a sum that torch rounds in between; AVX-512F implies FMA to GCC).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,prefer-vector-width=512")
+#pragma GCC optimize("fp-contract=off")
+namespace avx512 {
+#include "elementwise_loops.inc"
+}  // namespace avx512
+#pragma GCC pop_options
 
-template <>
-struct Num<c10::BFloat16> {
-  using Store = uint16_t;
-  static float load(uint16_t h) {
-    const uint32_t u = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  static uint16_t store(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return f != f ? uint16_t{0x7FC0} : static_cast<uint16_t>(r);
-  }
-};
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c")
+#pragma GCC optimize("fp-contract=off")
+namespace avx2 {
+#include "elementwise_loops.inc"
+}  // namespace avx2
+#pragma GCC pop_options
 
-// float rounded to T and back: what a torch op in dtype T stores.
-template <typename T>
-inline float rounded(float v) {
-  return Num<T>::load(Num<T>::store(v));
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+namespace baseline {
+#include "elementwise_loops.inc"
+}  // namespace baseline
+#pragma GCC pop_options
+
+// Which of them runs: the ISA variant of the attention kernels (isa_name(): the CPU's, or a
+// lower one that RAGGED_NATIVE_ISA forces).
+enum class Width { kBaseline, kAvx2, kAvx512 };
+
+Width width() {
+  static const Width w = [] {
+    const std::string name = isa_name();
+    if (name == "avx512" || name == "amx") return Width::kAvx512;
+    return name == "avx2" ? Width::kAvx2 : Width::kBaseline;
+  }();
+  return w;
 }
 
 template <typename T, typename W>
-void norm_rows(const T* x_, const T* res_, const W* w, T* out_, T* res_out_, int64_t begin,
-               int64_t end, int64_t H, float eps, float* s) {
-  using N = Num<T>;
-  using S = typename N::Store;
-  const S* x = reinterpret_cast<const S*>(x_);
-  const S* res = reinterpret_cast<const S*>(res_);
-  S* out = reinterpret_cast<S*>(out_);
-  S* res_out = reinterpret_cast<S*>(res_out_);
-  for (int64_t r = begin; r < end; ++r) {
-    const S* xr = x + r * H;
-    if (res) {
-      const S* rr = res + r * H;
-      S* ro = res_out + r * H;
-      for (int64_t i = 0; i < H; ++i) {
-        s[i] = N::load(xr[i]) + N::load(rr[i]);
-        ro[i] = N::store(s[i]);
-      }
-    } else {
-      for (int64_t i = 0; i < H; ++i) s[i] = N::load(xr[i]);
-    }
-    float part[LANES] = {};
-    int64_t i = 0;
-    for (; i + LANES <= H; i += LANES)
-      for (int64_t l = 0; l < LANES; ++l) part[l] += s[i + l] * s[i + l];
-    for (; i < H; ++i) part[i % LANES] += s[i] * s[i];
-    float sum = 0.0f;
-    for (int64_t l = 0; l < LANES; ++l) sum += part[l];
-    const float inv = 1.0f / std::sqrt(sum / static_cast<float>(H) + eps);
-    S* o = out + r * H;
-    for (int64_t j = 0; j < H; ++j) o[j] = N::store(s[j] * inv * static_cast<float>(w[j]));
+auto norm_rows_at(Width w) {
+  switch (w) {
+    case Width::kAvx512: return &avx512::norm_rows<T, W>;
+    case Width::kAvx2: return &avx2::norm_rows<T, W>;
+    default: return &baseline::norm_rows<T, W>;
   }
 }
 
-// One tensor's heads at one token: src's heads [heads, head] (channels contiguous) into dst.
-// NEOX pairs channel j with j + rot / 2, GPT-J style 2j with 2j + 1.
-template <typename T, bool NEOX>
-void rotate_heads(const T* src_, T* dst_, int64_t heads, int64_t head, int64_t rot,
-                  const float* cos, const float* sin) {
-  using N = Num<T>;
-  using S = typename N::Store;
-  const S* src = reinterpret_cast<const S*>(src_);
-  S* dst = reinterpret_cast<S*>(dst_);
-  const int64_t half = rot / 2;
-  for (int64_t h = 0; h < heads; ++h) {
-    const S* x = src + h * head;
-    S* o = dst + h * head;
-    for (int64_t j = 0; j < half; ++j) {
-      const int64_t ia = NEOX ? j : 2 * j, ib = NEOX ? j + half : 2 * j + 1;
-      const float a = N::load(x[ia]), b = N::load(x[ib]);
-      const float c = cos[j], s = sin[j];
-      o[ia] = N::store(rounded<T>(a * c) - rounded<T>(b * s));
-      o[ib] = N::store(rounded<T>(b * c) + rounded<T>(a * s));
-    }
-    for (int64_t j = rot; j < head; ++j) o[j] = x[j];
+template <typename T>
+auto rotate_heads_at(Width w, bool neox) {
+  switch (w) {
+    case Width::kAvx512: return neox ? &avx512::rotate_heads<T, true> : &avx512::rotate_heads<T, false>;
+    case Width::kAvx2: return neox ? &avx2::rotate_heads<T, true> : &avx2::rotate_heads<T, false>;
+    default: return neox ? &baseline::rotate_heads<T, true> : &baseline::rotate_heads<T, false>;
   }
 }
 
@@ -183,10 +152,11 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const std::optional<at::Te
       T* rop = residual ? res_out.data_ptr<T>() : nullptr;
       const W* wp = weight.data_ptr<W>();
       T* op = out.data_ptr<T>();
+      const auto norm = norm_rows_at<T, W>(width());
       const int64_t grain = std::max<int64_t>(1, SERIAL_ELEMENTS / std::max<int64_t>(H, 1));
       at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e2) {
         std::vector<float> s(H);
-        norm_rows<T, W>(xp, rp, wp, op, rop, b, e2, H, e, s.data());
+        norm(xp, rp, wp, op, rop, b, e2, H, e, s.data());
       });
     });
   });
@@ -229,14 +199,14 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
       const X* kp = key.data_ptr<X>();
       X* qo = q_out.data_ptr<X>();
       X* ko = k_out.data_ptr<X>();
+      const auto rotate = rotate_heads_at<X>(width(), neox);
       const int64_t per_token = (q.heads + k.heads) * head_size;
       const int64_t grain = std::max<int64_t>(1, SERIAL_ELEMENTS / std::max<int64_t>(per_token, 1));
       at::parallel_for(0, T, grain, [&](int64_t b, int64_t e) {
         std::vector<float> cs(rot);  // cos, sin of the token's position, in X's precision
         for (int64_t t = b; t < e; ++t) {
           const C* row = cache + pos[t] * rot;
-          for (int64_t j = 0; j < rot; ++j) cs[j] = rounded<X>(static_cast<float>(row[j]));
-          const auto rotate = neox ? &rotate_heads<X, true> : &rotate_heads<X, false>;
+          for (int64_t j = 0; j < rot; ++j) cs[j] = baseline::rounded<X>(static_cast<float>(row[j]));
           rotate(qp + t * q.stride, qo + t * q.heads * head_size, q.heads, head_size, rot,
                  cs.data(), cs.data() + rot / 2);
           rotate(kp + t * k.stride, ko + t * k.heads * head_size, k.heads, head_size, rot,

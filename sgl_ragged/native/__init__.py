@@ -30,7 +30,7 @@ SOURCE_DIR = Path(__file__).resolve().parents[2] / "cuda_ext"
 SOURCES = ("bindings.cpp", "isa_amx.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp",
            "quantize.cpp", "tails.cpp", "linear.cpp", "elementwise.cpp")
 HEADERS = ("ragged_attention.h", "attention_body.inc", "quantize.h", "tails.h", "checks.h",
-           "linear.h", "elementwise.h")
+           "linear.h", "elementwise.h", "elementwise_loops.inc")
 CFLAGS = ("-O3", "-fopenmp")  # per-ISA flags are #pragma GCC target in isa_*.cpp
 LDFLAGS = ("-fopenmp",)
 NAME = "sgl_ragged_native"

@@ -4,7 +4,11 @@ calls the hooks must leave to SGLang."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +24,7 @@ from sgl_ragged import native  # noqa: E402
 from sgl_ragged.attention_backend import ops  # noqa: E402
 from sgl_ragged.compat import cpu_ops  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[2]
 # SGLang's torch forms as the class defines them (the hooks are installed only in servers).
 TORCH_NORM = RMSNorm.forward_native
 TORCH_ROPE = RotaryEmbedding.forward_native
@@ -147,6 +152,58 @@ def test_rotary_three_dim_heads() -> None:
                                          64, True)
     assert out[0].shape == (5, 4, 64)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+def _width_cases() -> list[tuple[str, tuple[Any, ...]]]:
+    """Inputs that reach every loop: tails of the 16 partial sums and of each vector width, rows
+    split over threads (700 x 576 outputs), every dtype pair, both rotary styles, partial
+    rotary dims and strided query / key rows."""
+    gen = torch.Generator().manual_seed(11)
+    cases: list[tuple[str, tuple[Any, ...]]] = []
+    for dtype in DTYPES:
+        for wdt in (torch.bfloat16, torch.float32, torch.float16):
+            for rows, hidden in ((1, 576), (5, 100), (37, 7), (700, 576)):
+                x = (3 * torch.randn(rows, hidden, generator=gen)).to(dtype)
+                res = torch.randn(rows, hidden, generator=gen).to(dtype)
+                w = (1 + 0.5 * torch.randn(hidden, generator=gen)).to(wdt)
+                cases += [("norm", (x, None, w, 1e-5)), ("norm", (x, res, w, 1e-6))]
+        for neox in (True, False):
+            for head, rot, tokens in ((64, 64, 300), (64, 32, 3), (80, 80, 1), (128, 64, 17)):
+                cache = torch.randn(4096, rot, generator=gen).to(dtype)
+                q, k = _qkv(tokens, 9, 3, head, dtype, seed=head + rot + tokens)
+                pos = torch.randint(0, 4096, (tokens,), generator=gen)
+                cases.append(("rope", (pos, q, k, cache, head, neox)))
+    return cases
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_every_width_gives_the_same_bits(isa: str, tmp_path: Path) -> None:
+    """The loops are built for AVX-512, AVX2 and the baseline and run at the attention's ISA
+    variant (RAGGED_NATIVE_ISA forces a lower one, once per process: so in a child). Every width
+    sums the squares in the same 16 partial sums and contracts nothing, so a lower one gives
+    this process's outputs bit for bit (which the tests above hold to SGLang's)."""
+    if isa == "avx2" and not {"avx2", "f16c"} <= native.cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    m = native.load()
+    cases = _width_cases()
+    outs = [m.rms_norm(*a) if kind == "norm" else m.rotary_embedding(*a) for kind, a in cases]
+    torch.save({"cases": cases, "outs": outs}, tmp_path / "cases.pt")
+    code = (
+        "import sys, torch\n"
+        "from sgl_ragged import native\n"
+        "m = native.load()\n"
+        f"assert m.isa() == {isa!r}, m.isa()\n"
+        "d = torch.load(sys.argv[1], weights_only=False)\n"
+        "for i, ((kind, a), want) in enumerate(zip(d['cases'], d['outs'])):\n"
+        "    got = m.rms_norm(*a) if kind == 'norm' else m.rotary_embedding(*a)\n"
+        "    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want)),"
+        " (i, kind, [t.shape for t in a if isinstance(t, torch.Tensor)])\n"
+        "print('ok', len(d['cases']))\n")
+    env = {**os.environ, "RAGGED_NATIVE_ISA": isa, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cases.pt")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["ok", str(len(cases))], \
+        done.stderr[-2000:]
 
 
 def test_kernels_refuse_bad_input() -> None:
