@@ -38,7 +38,7 @@ from sgl_ragged.kernels.batch import KernelBatch
 from sgl_ragged.mem_pool.storage import RaggedStorage
 
 _TAIL_PER_PAGE = ("page_req", "page_start", "prior_stage", "has_prior", "staged", "fresh",
-                  "new_row", "obs", "page_win_row", "page_sees", "page_saw", "page_win_pos",
+                  "new_row", "source_row", "obs", "page_win_row", "page_sees", "page_saw", "page_win_pos",
                   "n_staged", "held_stage")
 """TailBatch fields indexed by tail page m (capacity bs * (W + 1))."""
 
@@ -79,7 +79,7 @@ class DecodeGraphBuffers:
         self.tails = TailBatch(
             page_req=zeros(M), page_start=zeros(M), prior_stage=zeros(M),
             has_prior=zeros(M, dtype=b), staged=zeros(M, P, dtype=b), fresh=zeros(M, P, dtype=b),
-            new_row=zeros(M, P), obs=zeros(M, P, dtype=f32), page_win_row=zeros(M, 1),
+            new_row=zeros(M, P), source_row=zeros(M, P), obs=zeros(M, P, dtype=f32), page_win_row=zeros(M, 1),
             page_sees=zeros(M, 1, P, dtype=b), page_saw=zeros(M, 1, dtype=f32),
             page_win_pos=zeros(M, 1), n_staged=zeros(M), held_stage=zeros(M),
             seal_index=zeros(max_bs), seal_pages=zeros(max_bs), stay_index=zeros(M),

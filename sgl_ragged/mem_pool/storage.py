@@ -341,13 +341,15 @@ class RaggedStorage:
         if selection.keep is not None:
             self.write_full_rows(layer, pages, k_tok, v_tok, selection.keep)
             return
+        k_rows, v_rows = _token_rows(k_tok), _token_rows(v_tok)  # [N * P * H, D]
         for g, t in enumerate(self.layout.tiers[layer]):
-            heads = self.head_span[layer][g]
-            hi_idx, lo_idx = tier_tokens(selection, heads, t)  # [N, H_p, *]
-            k_g, v_g = k_tok[:, :, heads], v_tok[:, :, heads]  # [N, P, H_p, D]
-            self.write_group(layer, g, pages, _gather_tokens(k_g, hi_idx), _gather_tokens(v_g, hi_idx))
+            heads = self.head_index[layer][g]
+            hi_idx, lo_idx = tier_tokens(selection, self.head_span[layer][g], t)  # [N, H_p, *]
+            rows = _row_index(k_tok.shape, heads, hi_idx)
+            self.write_group(layer, g, pages, _take(k_rows, rows), _take(v_rows, rows))
             if t.lo:
-                self.write_low(layer, g, pages, _gather_tokens(k_g, lo_idx), _gather_tokens(v_g, lo_idx))
+                rows = _row_index(k_tok.shape, heads, lo_idx)
+                self.write_low(layer, g, pages, _take(k_rows, rows), _take(v_rows, rows))
 
     def write_group(self, layer: int, group: int, pages: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> None:
@@ -476,10 +478,19 @@ def _write_tier(tier: QuantTier, q: QuantTier, pages: torch.Tensor) -> None:
         dst[pages] = src
 
 
-def _gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """x [N, P, H, D], idx [N, H, k] token offsets per head -> [N, k, H, D]."""
-    index = idx.transpose(1, 2).unsqueeze(-1).expand(-1, -1, -1, x.shape[-1])
-    return torch.gather(x, 1, index)
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [N, P, H, D] as [N * P * H, D]: one row per (page, token, head), for `_row_index`."""
+    return x.contiguous().view(-1, x.shape[-1])
+
+
+def _row_index(shape: torch.Size, heads: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The rows of `_token_rows` of an [N, P, H, D] tensor that hold token idx[n, j, i] of head
+    heads[j] of page n (idx [N, H_p, k] token offsets per head), as [N, k, H_p]: `_take` of them
+    is the selected tokens [N, k, H_p, D]. (On a CPU, index_select of whole rows costs about half
+    of a torch.gather whose index is expanded over D.)"""
+    N, P, H, _ = shape
+    page = torch.arange(N, device=idx.device).view(N, 1, 1)
+    return ((page * P + idx) * H + heads.view(1, -1, 1)).transpose(1, 2)
 
 
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
