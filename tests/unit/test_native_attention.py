@@ -370,6 +370,22 @@ def test_prefill_chunks_on_amx_tiles(precision, head_dim, gqa):
     torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, False))
 
 
+@pytest.mark.parametrize("precision", ["bf16", "int4"])
+@pytest.mark.parametrize("poison", [False, True])
+def test_long_chunks_take_several_tail_pages_a_unit(precision, poison):
+    """bfloat16 chunks of 10 and 6 tail pages: the tiles attend up to unit_keys / P (4 of 64
+    tokens) consecutive tail pages a unit, with causal limits across their boundaries, a short
+    last unit, query blocks of 75 positions and every item's key range split over the pool
+    (serial_pairs 0), so units start mid-tail; NaN past what the batch owns stays out."""
+    shape = Shape(page_size=64, head_dim=64, kv_heads=2, gqa=3)
+    specs = [Spec(sealed=2, staged=20, q_len=600, seal=8), Spec(sealed=0, staged=0, q_len=333, seal=4)]
+    _, _, plans, outs, bound = twin_forward(specs, False, 31, shape, torch.bfloat16, precision,
+                                            gap=2 if poison else 1, poison=poison)
+    rows = rows_of(plans)
+    assert torch.isfinite(outs[0][rows]).all()
+    torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, False))
+
+
 @pytest.mark.parametrize("precision", ["bf16", "int4", "int2"])
 @pytest.mark.parametrize("head_dim", [16, 48])
 def test_amx_tiles_at_head_dims_below_a_tile_row(precision, head_dim):
