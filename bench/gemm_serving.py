@@ -1,6 +1,6 @@
 """Decode and prefill speed of one served configuration under each RAGGED_CPU_GEMM choice.
 
-    python -m bench.gemm_serving [--choices float32 auto] [--ops auto] [--concurrency 1 8 16] \
+    python -m bench.gemm_serving [--choices bfloat16 auto] [--ops auto] [--concurrency 1 8 16] \
         [--prefill-tokens 2048] --out results/gemm-serving
 
 For every choice (compat/cpu_gemm.CHOICES: how a CPU server multiplies its bfloat16 dense layers
@@ -16,7 +16,8 @@ over --repeats rounds. Then, with --prefill-tokens N (0: none), rounds of one re
 prompt is a distinct document of about N tokens (distinct from its first words, so the radix
 cache holds nothing of it but the chat template's system prompt) and a 2-token answer: the
 prefill rate is its prompt tokens (as the server counts them, less those it had cached) over its
-time to first token. Ratios are against the first choice. Writes gemm_serving.json and
+time to first token. Ratios are against the first choice; without --choices, the route `auto`
+replaces on this CPU (`default_choices`) and `auto`. Writes gemm_serving.json and
 gemm_serving.md; each server's log beside them.
 """
 
@@ -33,6 +34,7 @@ from typing import Any
 import aiohttp
 
 from bench.client import RequestRecord, chat_payload, stream_chat
+from sgl_ragged import native
 from sgl_ragged.compat import cpu_ops
 from sgl_ragged.compat.cpu_gemm import CHOICES
 from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
@@ -166,6 +168,13 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def default_choices(flags: frozenset[str]) -> list[str]:
+    """What `auto` replaces on a CPU with these flags, then `auto`: torch's bfloat16 product
+    where the CPU multiplies bfloat16 (AVX512-BF16 or AMX), else session 23's float32 route."""
+    fast_bf16 = bool({"avx512_bf16", "amx_bf16"} & flags)
+    return ["bfloat16" if fast_bf16 else "float32", "auto"]
+
+
 def configurations(choices: list[str], ops: list[str]) -> dict[str, dict[str, str]]:
     """Label -> server environment of every run: each RAGGED_CPU_GEMM choice, and with more than
     one RAGGED_CPU_OPS value each pair (`auto ops=torch`), in the order given."""
@@ -175,7 +184,9 @@ def configurations(choices: list[str], ops: list[str]) -> dict[str, dict[str, st
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--choices", nargs="+", default=["float32", "auto"], choices=list(CHOICES))
+    p.add_argument("--choices", nargs="+", choices=list(CHOICES),
+                   help="RAGGED_CPU_GEMM values, the first the reference (default: what auto "
+                        "replaces on this CPU, then auto)")
     p.add_argument("--ops", nargs="+", default=["auto"], choices=list(cpu_ops.CHOICES),
                    help="RAGGED_CPU_OPS values, each run with every choice (default: auto)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
@@ -204,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "served": f"ragged {args.precision}:{args.profile}" if args.profile else "torch_native",
         "launch_args": server_args, "max_tokens": args.max_tokens, "repeats": args.repeats,
         "concurrency": args.concurrency, "prefill_tokens": args.prefill_tokens, "choices": {}}
-    runs = configurations(args.choices, args.ops)
+    runs = configurations(args.choices or default_choices(native.cpu_flags()), args.ops)
     for i, (choice, env) in enumerate(runs.items()):
         print(f"[{i + 1}/{len(runs)}] {' '.join(f'{k}={v}' for k, v in env.items())}: "
               "starting the server ...", flush=True)

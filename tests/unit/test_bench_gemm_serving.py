@@ -124,3 +124,11 @@ def test_the_prefill_table() -> None:
     table = gemm_serving.markdown(report)
     assert "| float32 | 2051 | 30 | 4000 | 505 | x1.00 |" in table
     assert "| native | 2051 | 30 | 2000 | 1010 | x2.00 |" in table
+
+
+def test_the_default_reference_is_what_auto_replaces() -> None:
+    assert gemm_serving.default_choices(frozenset({"avx2", "avx512f", "avx512_bf16"})) == \
+        ["bfloat16", "auto"]
+    assert gemm_serving.default_choices(frozenset({"avx2", "amx_bf16"})) == ["bfloat16", "auto"]
+    assert gemm_serving.default_choices(frozenset({"avx2", "fma", "avx512f"})) == ["float32", "auto"]
+    assert gemm_serving.default_choices(frozenset()) == ["float32", "auto"]
