@@ -112,8 +112,8 @@ void page_head(const Shapes& s, int64_t m, int64_t h, const T* q, const float* l
 
 namespace wide {
 
-// exp(x) on 16 lanes: attention_body.inc's exp16 (exp_approx's reduction and degree-7
-// polynomial, relative error < 2e-7; x clamped to [-87, 88]).
+// exp(x) on 16 lanes: exp_approx's reduction and degree-7 polynomial (relative error < 2e-7;
+// x clamped to [-87, 88]). attention_body.inc's exp16 is the degree-5 form.
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),

@@ -293,6 +293,38 @@ def test_matches_reference_bfloat16(precision, decode):
     torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, decode))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", [1, 2, 3, 5, 6, 7, 8])
+def test_dense_bfloat16_keys_of_decode_rows(head_dim, gqa):
+    """Decode rows of a bfloat16 storage: on AVX-512 the dense keys' logits (sealed hi slots,
+    tail pages) are vdpbf16ps products of the query as stored and the key (attention_body.inc,
+    bf16_logit_rows: rows in blocks of 4, then a block of 3, 2 or 1; head sizes 64 and 128),
+    the softmax scale applied after. Each product of two bfloat16 numbers is exact in float32,
+    so the logits differ from the float32 twin's only in summation order and the one rounding
+    of the scale: the float32 lse within 2e-5 + 1e-5 |lse| (the float loops' bound) and the
+    outputs within bf16_tol. Random pages of 16 and 64 tokens, several per unit."""
+    for page in (16, 64):
+        shape = Shape(page_size=page, head_dim=head_dim, kv_heads=2, gqa=gqa)
+        specs = random_specs(random.Random(gqa * 10 + page), 4, True, page=page, max_sealed=4)
+        mine, twin, plans, outs, bound = twin_forward(specs, True, 50 + gqa, shape, torch.bfloat16,
+                                                      "bf16")
+        rows = rows_of(plans)
+        torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, True))
+        q, k, v = random_qkv(plans, torch.Generator().manual_seed(50 + gqa), "cpu",
+                             torch.bfloat16, shape)
+        impl = NativeAttention(mine, extend_on_batched=False)
+        batch = impl.prepare(BatchPlan(requests=list(plans)))
+        k_pages, v_pages = tail_pages(mine, 1, batch.tails, k, v)
+        _, lse = impl.module.attend(q, k_pages, v_pages, mine.rows_k[1], mine.rows_v[1],
+                                    impl.low[1], impl.high[1], impl.formats[1], impl.head_map[1],
+                                    batch.requests, batch.sealed_off, batch.sealed_pages,
+                                    head_dim**-0.5, 0)
+        for p in plans:
+            at = slice(p.q_start, p.q_start + p.q_len)
+            want = reference_lse(twin, 1, p, q[at].float(), k[at].float(), head_dim**-0.5)
+            torch.testing.assert_close(lse[at], want, atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 @pytest.mark.parametrize("precision", ["int8", "int4", "int2", "int8+int4", "int8+int2"])
 @pytest.mark.parametrize("head_dim,page,heads", [(64, 16, 2), (128, 16, 2), (192, 16, 2),
