@@ -138,12 +138,12 @@ inline int64_t vnni_workspace_floats(const Params& p) {
 
 // Floats of per-thread workspace one item needs (scaled queries, logits, a unit's keys
 // transposed and values converted, per-page parameters, softmax state, AVX-512 partial dots,
-// the bfloat16 queries as stored [R, D], a unit's value segments [Pp] of 3 x 8 bytes).
+// the bfloat16 queries as stored [R, D], a unit's value segments [Pp] of 4 x 8 bytes).
 inline int64_t workspace_floats(const Params& p) {
   const int64_t R = p.q_block * p.group_size, D = p.head_dim, Pp = padded_page(p);
   return 2 * R * D + R * Pp + 2 * Pp * D + 2 * (D > Pp ? D : Pp) + 4 * R +
          R * kKeyTile * kKeyTile + D + vnni_workspace_floats(p) + (R * D / 2 + 16) +
-         (6 * Pp + 16) + tile_workspace_floats(p);
+         (8 * Pp + 16) + tile_workspace_floats(p);
 }
 
 // Runs items [begin, end): partial outputs o_part [., R, D] (normalized) and lse_part [., R]

@@ -300,8 +300,8 @@ def test_dense_bfloat16_keys_of_decode_rows(head_dim, gqa):
     tail pages) are vdpbf16ps products of the query as stored and the key (attention_body.inc,
     bf16_logit_rows: rows in blocks of 4, then a block of 3, 2 or 1; head sizes 64 and 128),
     the softmax scale applied after, and the values are accumulated from where they are stored
-    (accumulate_segments: one segment a page of the unit). Each product of two bfloat16 numbers is exact in float32,
-    so the logits differ from the float32 twin's only in summation order and the one rounding
+    (accumulate_rows over ValueRows segments, one a page of the unit). Each product of two
+    bfloat16 numbers is exact in float32, so the logits differ from the float32 twin's only in summation order and the one rounding
     of the scale: the float32 lse within 2e-5 + 1e-5 |lse| (the float loops' bound) and the
     outputs within bf16_tol. Random pages of 16 and 64 tokens, several per unit."""
     for page in (16, 64):
