@@ -328,9 +328,10 @@ def test_dense_bfloat16_keys_of_decode_rows(head_dim, gqa):
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 @pytest.mark.parametrize("precision", ["int8", "int4", "int2", "int8+int4", "int8+int2"])
-@pytest.mark.parametrize("head_dim,page,heads", [(64, 16, 2), (128, 16, 2), (192, 16, 2),
-                                                 (256, 16, 2), (64, 64, 3)])
-def test_integer_tiers_of_bfloat16_storages(precision, head_dim, page, heads, decode):
+@pytest.mark.parametrize("head_dim,page,heads,per_group", [
+    (64, 16, 2, 2), (128, 16, 2, 2), (192, 16, 2, 2), (256, 16, 2, 2), (64, 64, 3, 3),
+    (64, 64, 3, 1), (128, 64, 2, 1)])
+def test_integer_tiers_of_bfloat16_storages(precision, head_dim, page, heads, per_group, decode):
     """Integer tiers of a bfloat16 storage: on AVX-512 and AVX2 the key codes are dotted as
     integers (VNNI, or vpmaddwd on AVX2 at head sizes 64-256, 192 included: attention_body.inc,
     q' rounded to 16-bit integers per row; decode rounds p' too, and
@@ -341,12 +342,15 @@ def test_integer_tiers_of_bfloat16_storages(precision, head_dim, page, heads, de
     sum_c code_c (here up to 3e-5 of |lse| ~ 46, against 1e-5 absolute on the float loops), far
     below the error of the bfloat16 query's own rounding (2^-9 relative). The last shape is the
     server's (SmolLM2: 64-token pages, the 3 KV heads of a uniform profile in one group; other
-    scratch offsets)."""
+    scratch offsets), and with one KV head a group, as per-head precision (`mixed`) serves it:
+    each page's value scales then lie contiguous and are read in whole vectors, the page's last
+    slots apart."""
     shape = Shape(page_size=page, head_dim=head_dim, kv_heads=heads, gqa=3)
     specs = random_specs(random.Random(head_dim), 4, decode, page=page, max_sealed=4)
     for layer in (1, 0):  # a layer whose random budgets leave a quantized tier
         mine, twin, plans, outs, bound = twin_forward(specs, decode, 41, shape, torch.bfloat16,
-                                                      precision, layer=layer, heads_per_group=heads)
+                                                      precision, layer=layer,
+                                                      heads_per_group=per_group)
         if any(t.lo or (t.hi and mine.layout.high is not None) for t in mine.layout.tiers[layer]):
             break
     else:
