@@ -13,6 +13,9 @@ precision's storage alternately, one forward each per round, so both ratios (bat
 and native / the first precision's native) compare runs of the same rounds; --baseline adds
 another build of the kernels (`python -m bench.native_baseline --rev R`) to the same rounds,
 for before/after figures of a kernel change, and --no-batched leaves batched torch out.
+--cached-rows adds the native kernels on the same batch with every request's sealed pages
+pointed at its first one (the same work, its rows in cache), in the same rounds: 1 - cached /
+native is the share of the step spent waiting on memory.
 
 With --precision, the comparison is instead batched attention over drop-only rows vs rows with
 a low-precision tier (docs/architecture.md, "Row tiers") of the same profile: the same KV bytes per page,
@@ -31,6 +34,7 @@ Writes cpu_attention.json and cpu_attention.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -134,14 +138,23 @@ def forward_step(impl: AttentionImpl, plans: list[RequestPlan], qkv: tuple, scal
     return step
 
 
+def cached_plans(plans: list[RequestPlan]) -> list[RequestPlan]:
+    """The same batch with each request's sealed pages all its first one: the same work on rows
+    that stay in cache (what a step waits on memory is the difference)."""
+    return [dataclasses.replace(p, sealed_pages=p.sealed_pages[:1].expand_as(p.sealed_pages))
+            for p in plans]
+
+
 def measure_native(profile: BudgetProfile, batch: int, context: int, decode: bool,
                    precisions: list[str], warmup: int, repeats: int,
-                   baseline: ModuleType | None = None, batched: bool = True) -> list[dict]:
+                   baseline: ModuleType | None = None, batched: bool = True,
+                   cached: bool = False) -> list[dict]:
     """Batched torch vs the native kernels on one batch, on a storage of each precision,
     every (precision, implementation) pair timed in the same alternating rounds, so the
     ratios between precisions (int4 / drop) see the same machine state (`baseline`: another
     build of the kernels, timed alongside as "baseline"; `batched` False: the native kernels
-    alone, or against the baseline)."""
+    alone, or against the baseline; `cached`: the native kernels on cached_plans too, as
+    "cached")."""
     scale = profile.model.head_dim**-0.5
     results, steps, outs = [], {}, {}
     per_group = baseline is not None and "arg6: torch.Tensor" not in baseline.attend.__doc__
@@ -160,6 +173,9 @@ def measure_native(profile: BudgetProfile, batch: int, context: int, decode: boo
             step = forward_step(impl, plans, (q, k, v), scale, decode, profile.num_layers)
             outs[precision, name] = step()
             steps[precision, name] = step
+            if cached and name == "native":
+                steps[precision, "cached"] = forward_step(impl, cached_plans(plans), (q, k, v),
+                                                          scale, decode, profile.num_layers)
     seconds = timed_alternating(steps, warmup, repeats)
     for result in results:
         precision = result["precision"]
@@ -215,13 +231,15 @@ def load_baseline(path: Path) -> ModuleType:
 def markdown_native(results: list[dict], profile_name: str) -> str:
     """One row per case; with a baseline build its time and baseline / native too, and for
     each case the native time relative to the first precision's (e.g. int4 / drop)."""
-    base = "baseline_s" in results[0]
+    base, cached = "baseline_s" in results[0], "cached_s" in results[0]
     lines = [f"Ragged attention per forward on the CPU, batched torch vs native kernels "
              f"({profile_name}; {torch.get_num_threads()} threads; alternating), medians.", "",
              "| phase | batch | context | rows | bytes/page | batched ms | native ms | "
              "batched / native | native / first rows |"
-             + (" baseline ms | baseline / native |" if base else "") + " max abs diff |",
-             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if base else "")]
+             + (" baseline ms | baseline / native |" if base else "")
+             + (" cached rows ms | memory share |" if cached else "") + " max abs diff |",
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if base else "")
+             + ("---|---|" if cached else "")]
     first: dict[tuple, float] = {}
     for r in results:
         key = (r["phase"], r["batch"], r["context"])
@@ -235,6 +253,8 @@ def markdown_native(results: list[dict], profile_name: str) -> str:
             line += f" {r['baseline_s'] * 1e3:.1f} | x{r['baseline_s'] / r['native_s']:.2f} |"
         elif base:
             line += " - | - |"
+        if cached:
+            line += f" {r['cached_s'] * 1e3:.1f} | {1 - r['cached_s'] / r['native_s']:.0%} |"
         lines.append(line + (f" {r['max_abs_diff']:.1e} |" if "max_abs_diff" in r else " - |"))
     return "\n".join(lines) + "\n"
 
@@ -319,10 +339,16 @@ def main() -> None:
     parser.add_argument("--no-batched", dest="batched", action="store_false",
                         help="with --native: leave out the batched torch column (its forwards "
                              "take most of a run; for comparing native builds with --baseline)")
+    parser.add_argument("--cached-rows", action="store_true",
+                        help="with --native: time the native kernels also with every request's "
+                             "sealed pages pointed at its first one (the same work on rows in "
+                             "cache): the memory share column is the step's wait on memory")
     parser.add_argument("--out", type=Path, default=Path("results/cpu_attention"))
     args = parser.parse_args()
     if not args.batched and not args.native:
         parser.error("--no-batched needs --native (it drops the batched column of that table)")
+    if args.cached_rows and not args.native:
+        parser.error("--cached-rows needs --native (it times the native kernels on cached rows)")
     profile = BudgetProfile.load(args.profile)
     if profile.model is None:
         parser.error(f"{args.profile} names no model; the shapes come from its model")
@@ -336,7 +362,7 @@ def main() -> None:
               f"context {context} ...", flush=True)
         if args.native:
             results += measure_native(profile, batch, context, decode, args.native, args.warmup,
-                                      args.repeats, baseline, args.batched)
+                                      args.repeats, baseline, args.batched, args.cached_rows)
         elif args.precision:
             results.append(measure_precision(profile, batch, context, decode, args.precision,
                                              args.warmup, args.repeats))

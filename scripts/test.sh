@@ -29,10 +29,16 @@ done
 stop_shards() { kill "${pids[@]}" 2>/dev/null || true; }
 trap stop_shards INT TERM
 
+# A shard's pytest result line ("N passed, ..."), else its last line: interpreter shutdown
+# warnings may follow the result.
+result_line() {
+  grep -E '[0-9]+ (passed|failed|errors?)|no tests ran' "$1" | tail -n 1 | grep . || tail -n 1 "$1"
+}
+
 start=$SECONDS
 rc=0
 RAGGED_TEST_SHARD=unit-a python -m pytest -q --durations=25 2>&1 | tee "$out/unit-a.log" || rc=$?
-summary=("unit-a: rc $rc after $(( (SECONDS - start) / 60 )) min, $(tail -n 1 "$out/unit-a.log")")
+summary=("unit-a: rc $rc after $(( (SECONDS - start) / 60 )) min, $(result_line "$out/unit-a.log")")
 # The others: each one's output as soon as it ends; meanwhile a progress line a minute (so a
 # run stopped from outside still shows where every shard was).
 left=${#shards[@]}
@@ -47,7 +53,7 @@ while [[ $left -gt 0 ]]; do
     echo
     echo "[test.sh] ===== shard ${shards[$i]} (rc $shard_rc, $(( (SECONDS - start) / 60 )) min) ====="
     cat "$out/${shards[$i]}.log"
-    summary+=("${shards[$i]}: rc $shard_rc after $(( (SECONDS - start) / 60 )) min, $(tail -n 1 "$out/${shards[$i]}.log")")
+    summary+=("${shards[$i]}: rc $shard_rc after $(( (SECONDS - start) / 60 )) min, $(result_line "$out/${shards[$i]}.log")")
     if [[ $rc -eq 0 ]]; then rc=$shard_rc; fi
   done
   if [[ $left -gt 0 ]]; then
