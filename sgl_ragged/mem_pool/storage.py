@@ -360,8 +360,8 @@ class RaggedStorage:
             if k.shape[1]:
                 _write_tier(self.high_rows[layer][group], quantize(self.layout.high, k, v), pages)
             return
-        self.rows_k[layer][group][pages] = k.to(self.dtype)
-        self.rows_v[layer][group][pages] = v.to(self.dtype)
+        self.rows_k[layer][group].index_copy_(0, pages, k.to(self.dtype))
+        self.rows_v[layer][group].index_copy_(0, pages, v.to(self.dtype))
 
     def write_low(self, layer: int, group: int, pages: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor) -> None:
@@ -475,7 +475,7 @@ def _span(heads: Sequence[int], index: torch.Tensor) -> slice | torch.Tensor:
 def _write_tier(tier: QuantTier, q: QuantTier, pages: torch.Tensor) -> None:
     """Store the quantized tiers q of N pages at these logical pages of `tier`."""
     for dst, src in zip(tier.tensors(), q.tensors(), strict=True):
-        dst[pages] = src
+        dst.index_copy_(0, pages, src)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
