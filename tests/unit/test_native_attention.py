@@ -340,7 +340,7 @@ def test_integer_tiers_of_bfloat16_storages(precision, head_dim, page, heads, pe
     loops or the dequantized keys). Outputs within bf16_tol of the float32 twin's reference; the
     float32 lse within 1e-3 + 1e-4 |lse|: the rounding moves a logit by at most 2^-16 max|q'|
     sum_c code_c (here up to 3e-5 of |lse| ~ 46, against 1e-5 absolute on the float loops), far
-    below the error of the bfloat16 query's own rounding (2^-9 relative). The last shape is the
+    below the error of the bfloat16 query's own rounding (2^-9 relative). (64, 64, 3, 3) is the
     server's (SmolLM2: 64-token pages, the 3 KV heads of a uniform profile in one group; other
     scratch offsets), and with one KV head a group, as per-head precision (`mixed`) serves it:
     each page's value scales then lie contiguous and are read in whole vectors, the page's last
