@@ -9,10 +9,12 @@ leaving its window, layer by layer (RaggedStorage.seal): the staging statistics 
 row writer (`write_sealed`: per group the kept tokens gathered, the quantized tiers through
 the quantizer, every tier written at the pages). Each step is timed apart, summed over the
 layers, as the server runs it (one intra-op thread, `ops.intra_op_threads`); every precision of
-the profile is timed in the same alternating rounds. `--index-heads` adds the row writer with
-each group's KV heads taken through an index tensor (a copy) instead of a slice where they are
-adjacent (a view): the difference session 16 measured. Medians over repetitions after warm-up;
-writes seal.json and seal.md.
+the profile is timed in the same alternating rounds, with each row writer the storage has here
+(`--writers`: `native`, cuda_ext/seal.cpp's one call a layer, what a CPU server runs where the
+kernels are built, and `torch`, the per-group torch ops). `--index-heads` adds the torch writer
+with each group's KV heads taken through an index tensor (a copy) instead of a slice where they
+are adjacent (a view): the difference session 16 measured. Medians over repetitions after
+warm-up; writes seal.json and seal.md.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from pathlib import Path
 import torch
 
 from bench.cpu_attention import CHUNK, DEFAULT_PROFILE, PAGE, build_case
+from sgl_ragged import native
 from sgl_ragged.attention_backend import ops
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.profile import BudgetProfile
 
 STEPS = ("stats", "select", "write")
+WRITERS = ("native", "torch")  # RaggedStorage.native_rows True / False
 
 
 def seal_steps(storage: RaggedStorage, num_pages: int) -> dict[str, float]:
@@ -56,31 +60,38 @@ def seal_steps(storage: RaggedStorage, num_pages: int) -> dict[str, float]:
 
 
 def measure(profile: BudgetProfile, precisions: list[str], num_pages: int, warmup: int,
-            repeats: int, index_heads: bool = False) -> list[dict]:
-    """Median seconds per step of each precision's seal (and with `index_heads`, of the row
-    writer on index tensors too), all in the same alternating rounds."""
-    # (precision, heads, storage, the head_span its row writer indexes with)
-    variants: list[tuple[str, str, RaggedStorage, list]] = []
+            repeats: int, index_heads: bool = False,
+            writers: tuple[str, ...] = WRITERS) -> list[dict]:
+    """Median seconds per step of each precision's seal with each row writer (and with
+    `index_heads`, of the torch writer on index tensors too), all in the same alternating
+    rounds."""
+    # (precision, writer, heads, storage, the head_span the torch writer indexes with)
+    variants: list[tuple[str, str, str, RaggedStorage, list]] = []
     batch = -(-num_pages // (CHUNK // PAGE))  # prefill cases stage CHUNK / PAGE pages a request
     for precision in precisions:
         storage, _, _ = build_case(profile, batch, 1024, False, precision)
-        variants.append((precision, "slices", storage, storage.head_span))
+        if "native" in writers and not storage.native_rows:
+            raise RuntimeError(f"the native row writer is not built here ({native.reason()}); "
+                               "run scripts/env.sh, or pass --writers torch")
+        for writer in writers:
+            variants.append((precision, writer, "slices", storage, storage.head_span))
         if index_heads:
-            variants.append((precision, "indices", storage, storage.head_index))
+            variants.append((precision, "torch", "indices", storage, storage.head_index))
     samples: dict[int, list[dict[str, float]]] = {i: [] for i in range(len(variants))}
     with ops.intra_op_threads(1):
         for round_ in range(warmup + repeats):
-            for i, (_, _, storage, spans) in enumerate(variants):
+            for i, (_, writer, _, storage, spans) in enumerate(variants):
                 storage.head_span = spans
+                storage.native_rows = writer == "native"
                 seconds = seal_steps(storage, num_pages)
                 if round_ >= warmup:
                     samples[i].append(seconds)
-    for _, heads, storage, spans in variants:
+    for _, _, heads, storage, spans in variants:
         if heads == "slices":
             storage.head_span = spans
     results = []
-    for i, (precision, heads, storage, _) in enumerate(variants):
-        result = {"precision": precision, "heads": heads, "pages": num_pages,
+    for i, (precision, writer, heads, storage, _) in enumerate(variants):
+        result = {"precision": precision, "writer": writer, "heads": heads, "pages": num_pages,
                   "layers": storage.layout.num_layers}
         for step in STEPS:
             result[f"{step}_s"] = statistics.median(s[step] for s in samples[i])
@@ -92,11 +103,16 @@ def measure(profile: BudgetProfile, precisions: list[str], num_pages: int, warmu
 def markdown(results: list[dict], profile_name: str) -> str:
     lines = [f"One seal of {results[0]['pages']} pages in each of {results[0]['layers']} layers "
              f"({profile_name}; one intra-op thread; alternating), medians, ms.", "",
-             "| rows | heads | stats | select | write | total |", "|---|---|---|---|---|---|"]
+             "| rows | writer | heads | stats | select | write | total | write vs torch |",
+             "|---|---|---|---|---|---|---|---|"]
+    torch_write = {r["precision"]: r["write_s"] for r in results
+                   if r["writer"] == "torch" and r["heads"] == "slices"}
     for r in results:
-        lines.append(f"| {r['precision']} | {r['heads']} | {r['stats_s'] * 1e3:.1f} | "
-                     f"{r['select_s'] * 1e3:.1f} | {r['write_s'] * 1e3:.1f} | "
-                     f"{r['total_s'] * 1e3:.1f} |")
+        ratio = torch_write.get(r["precision"])
+        ratio = f"x{ratio / r['write_s']:.1f}" if ratio and r["write_s"] > 0 else "-"
+        lines.append(f"| {r['precision']} | {r['writer']} | {r['heads']} | "
+                     f"{r['stats_s'] * 1e3:.1f} | {r['select_s'] * 1e3:.1f} | "
+                     f"{r['write_s'] * 1e3:.1f} | {r['total_s'] * 1e3:.1f} | {ratio} |")
     return "\n".join(lines) + "\n"
 
 
@@ -109,8 +125,10 @@ def main() -> None:
                         help="pages per seal (a 256-token prefill chunk seals 4 of 64 tokens)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--writers", nargs="+", choices=WRITERS, default=list(WRITERS),
+                        help="row writers to time side by side (native: cuda_ext/seal.cpp)")
     parser.add_argument("--index-heads", action="store_true",
-                        help="also time the row writer with every group's KV heads indexed")
+                        help="also time the torch writer with every group's KV heads indexed")
     parser.add_argument("--out", type=Path, default=Path("results/seal"))
     args = parser.parse_args()
     if args.pages < 1:
@@ -123,7 +141,7 @@ def main() -> None:
           f"{args.warmup} + {args.repeats} rounds of {len(args.precision)} precision(s) ...",
           flush=True)
     results = measure(profile, args.precision, args.pages, args.warmup, args.repeats,
-                      args.index_heads)
+                      args.index_heads, tuple(args.writers))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "seal.json").write_text(json.dumps(
         {"profile": str(args.profile), "results": results}, indent=2))

@@ -21,6 +21,7 @@
 #include "linear.h"
 #include "quantize.h"
 #include "ragged_attention.h"
+#include "seal.h"
 #include "tails.h"
 
 namespace ragged {
@@ -331,6 +332,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &ragged::isa_name, "The ISA variant in use (RAGGED_NATIVE_ISA forces a lower one)");
   m.def("quantize_low", &ragged::quantize_low,
         "Pages' low-tier codes and parameters (mem_pool/quant.py _quantize, bit for bit)");
+  m.def("seal_rows", &ragged::seal_rows,
+        "One layer's sealed rows as the torch row writer writes them, in one call (seal.cpp)");
   m.def("linear_bf16", &ragged::linear_bf16, pybind11::arg("x"), pybind11::arg("weight"),
         pybind11::arg("bias") = pybind11::none(),
         "bf16(x @ weight^T + bias) in float32 sums, the weight read as bfloat16 (linear.cpp)");

@@ -98,17 +98,76 @@ void pack_token(const uint8_t* codes, uint8_t* out, int64_t D, int64_t bits) {
 
 }  // namespace
 
+void quantize_tokens(const float* const* x, int64_t T, int64_t D, int64_t bits, bool is_float,
+                     bool per_channel, uint8_t* codes, int64_t code_stride, c10::Half* scale,
+                     c10::Half* zero, int64_t param_stride, QuantScratch& scratch) {
+  const int64_t levels = (int64_t(1) << bits) - 1;
+  const float inf = std::numeric_limits<float>::infinity();
+  scratch.resize(T, D);
+  float* zf = scratch.zf.data();
+  float* safe = scratch.safe.data();
+  auto keep = [&](int64_t g, const Params& p, int64_t slot) {
+    zf[g] = p.zf;
+    safe[g] = p.safe;
+    scale[slot] = p.scale;
+    if (zero) zero[slot] = p.zero;
+  };
+  // 1. Parameters: per channel over the tokens (keys), or per token over the channels.
+  if (per_channel) {
+    float* lo = scratch.lo.data();
+    float* hi = scratch.hi.data();
+    float* amax = scratch.amax.data();
+    std::fill(lo, lo + D, inf);
+    std::fill(hi, hi + D, -inf);
+    std::fill(amax, amax + D, 0.f);
+    for (int64_t t = 0; t < T; ++t) channel_extrema(x[t], lo, hi, amax, D);
+    for (int64_t c = 0; c < D; ++c)
+      keep(c, is_float ? float_params(amax[c]) : integer_params(lo[c], hi[c], levels), c);
+  } else {
+    for (int64_t t = 0; t < T; ++t) {
+      const float* xt = x[t];
+      float l = inf, u = -inf, a = 0.f;
+      for (int64_t c = 0; c < D; ++c) {
+        l = std::min(l, xt[c]);
+        u = std::max(u, xt[c]);
+        a = std::max(a, std::fabs(xt[c]));
+      }
+      keep(t, is_float ? float_params(a) : integer_params(l, u, levels), t * param_stride);
+    }
+  }
+  // 2. Each token's codes, packed.
+  uint8_t* row = scratch.row.data();
+  for (int64_t t = 0; t < T; ++t) {
+    const float* z = per_channel ? zf : zf + t;
+    const float* s = per_channel ? safe : safe + t;
+    if (is_float)
+      float_codes(x[t], s, row, D, !per_channel);
+    else
+      integer_codes(x[t], z, s, row, D, static_cast<float>(levels), !per_channel);
+    uint8_t* out = codes + t * code_stride;
+    if (bits == 8)
+      std::copy(row, row + D, out);
+    else
+      pack_token(row, out, D, bits);
+  }
+}
+
+void check_format(const char* who, int64_t bits, bool is_float, int64_t head_dim) {
+  TORCH_CHECK(is_float ? bits == 8 : (bits == 2 || bits == 4 || bits == 8), who,
+              ": bits must be 2, 4 or 8 (fp8: 8), got ", bits);
+  TORCH_CHECK(head_dim % (8 / bits) == 0, who, ": head_dim ", head_dim, " is not a multiple of ",
+              8 / bits);
+}
+
 std::vector<torch::Tensor> quantize_low(const torch::Tensor& x, int64_t bits, bool is_float,
                                         bool per_channel) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.is_contiguous() &&
                   x.dim() == 4,
               "quantize_low: x must be a contiguous float32 CPU tensor [N, T, H, D], got ",
               x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(is_float ? bits == 8 : (bits == 2 || bits == 4 || bits == 8),
-              "quantize_low: bits must be 2, 4 or 8 (fp8: 8), got ", bits);
   const int64_t N = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3);
-  TORCH_CHECK(D % (8 / bits) == 0, "quantize_low: head_dim ", D, " is not a multiple of ", 8 / bits);
-  const int64_t nbytes = D * bits / 8, levels = (int64_t(1) << bits) - 1;
+  check_format("quantize_low", bits, is_float, D);
+  const int64_t nbytes = D * bits / 8;
   auto codes = torch::empty({N, T, H, nbytes}, x.options().dtype(torch::kUInt8));
   auto half = x.options().dtype(torch::kFloat16);
   auto scale = per_channel ? torch::empty({N, H, D}, half) : torch::empty({N, T, H}, half);
@@ -117,53 +176,16 @@ std::vector<torch::Tensor> quantize_low(const torch::Tensor& x, int64_t bits, bo
   uint8_t* cs = codes.data_ptr<uint8_t>();
   auto* ss = reinterpret_cast<c10::Half*>(scale.data_ptr<at::Half>());
   auto* zs = is_float ? nullptr : reinterpret_cast<c10::Half*>(zero.data_ptr<at::Half>());
-  const float inf = std::numeric_limits<float>::infinity();
-  std::vector<float> lo(D), hi(D), amax(D), zf(std::max(T, D)), safe(std::max(T, D));
-  std::vector<uint8_t> row(D);
+  QuantScratch scratch;
+  std::vector<const float*> rows(T);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < H; ++h) {
-      const float* base = xs + (n * T * H + h) * D;  // token t at base + t * H * D
-      auto keep = [&](int64_t g, const Params& p, int64_t slot) {
-        zf[g] = p.zf;
-        safe[g] = p.safe;
-        ss[slot] = p.scale;
-        if (zs) zs[slot] = p.zero;
-      };
-      // 1. Parameters: per channel over the tokens (keys), or per token over the channels.
-      if (per_channel) {
-        std::fill(lo.begin(), lo.end(), inf);
-        std::fill(hi.begin(), hi.end(), -inf);
-        std::fill(amax.begin(), amax.end(), 0.f);
-        for (int64_t t = 0; t < T; ++t) channel_extrema(base + t * H * D, lo.data(), hi.data(), amax.data(), D);
-        for (int64_t c = 0; c < D; ++c)
-          keep(c, is_float ? float_params(amax[c]) : integer_params(lo[c], hi[c], levels), (n * H + h) * D + c);
-      } else {
-        for (int64_t t = 0; t < T; ++t) {
-          const float* x = base + t * H * D;
-          float l = inf, u = -inf, a = 0.f;
-          for (int64_t c = 0; c < D; ++c) {
-            l = std::min(l, x[c]);
-            u = std::max(u, x[c]);
-            a = std::max(a, std::fabs(x[c]));
-          }
-          keep(t, is_float ? float_params(a) : integer_params(l, u, levels), (n * T + t) * H + h);
-        }
-      }
-      // 2. Each token's codes, packed.
-      for (int64_t t = 0; t < T; ++t) {
-        const float* x = base + t * H * D;
-        const float* z = per_channel ? zf.data() : zf.data() + t;
-        const float* s = per_channel ? safe.data() : safe.data() + t;
-        if (is_float)
-          float_codes(x, s, row.data(), D, !per_channel);
-        else
-          integer_codes(x, z, s, row.data(), D, static_cast<float>(levels), !per_channel);
-        uint8_t* out = cs + ((n * T + t) * H + h) * nbytes;
-        if (bits == 8)
-          std::copy(row.begin(), row.end(), out);
-        else
-          pack_token(row.data(), out, D, bits);
-      }
+      for (int64_t t = 0; t < T; ++t) rows[t] = xs + ((n * T + t) * H + h) * D;
+      // keys: [N, H, D] at (n, h); values: [N, T, H] at (n, t, h), t strided by H
+      const int64_t at = per_channel ? (n * H + h) * D : n * T * H + h;
+      quantize_tokens(rows.data(), T, D, bits, is_float, per_channel,
+                      cs + (n * T * H + h) * nbytes, H * nbytes, ss + at, zs ? zs + at : nullptr,
+                      H, scratch);
     }
   return {codes, scale, zero};
 }

@@ -105,13 +105,14 @@ Quantizer = Callable[[LowPrecision, torch.Tensor, int],
 
 def _quantizer(device: torch.device) -> Quantizer:
     """The native kernels' quantizer on the CPU where they are built, else torch's."""
-    module = _native_module() if device.type == "cpu" else None
+    module = native_kernels() if device.type == "cpu" else None
     return _quantize if module is None else functools.partial(_native_quantize, module)
 
 
 @functools.cache
-def _native_module() -> ModuleType | None:
-    """The built native kernels, or None (not built: never builds them from here)."""
+def native_kernels() -> ModuleType | None:
+    """The built native kernels, or None (not built: never builds them from here); the
+    quantizer and the storage's row writer (storage.py) run them on the CPU."""
     from sgl_ragged import native
 
     if not native.is_built():

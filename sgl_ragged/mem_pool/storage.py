@@ -18,8 +18,9 @@ Page 0 is SGLang's padding page; it is never handed out.
 The storage owns its writes: every path (the torch reference, the batched and native CPU
 paths, the Triton kernels, finish-time sealing) changes its tensors only through the write
 API below -- `stage_kv`, `stage_tokens`, `store_stats`, `write_obs` (staging), `seal` / `write_sealed` (rows,
-through the row writer: torch here, the sealing kernel once the Triton path installs it with
-`use_row_writer`), `mark_sealed`, `seal_staged`. The tensor fields (rows_k, rows_v, low_rows,
+through the row writer: the storage's own -- on the CPU the native kernels' `seal_rows` where
+they are built (cuda_ext/seal.cpp, one call a layer), else torch ops -- or the sealing kernel
+once the Triton path installs it with `use_row_writer`), `mark_sealed`, `seal_staged`. The tensor fields (rows_k, rows_v, low_rows,
 high_rows, row_keep, stage_k, stage_v, stats, and the CPU bookkeeping page_to_stage,
 stage_owner, sealed) are read-only outside this module: readers (attention, planning, the
 kernels' address tables) read them directly.
@@ -35,7 +36,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from sgl_ragged.mem_pool.layout import RaggedLayout
-from sgl_ragged.mem_pool.quant import QuantTier, dequantize, empty_tier, quantize
+from sgl_ragged.mem_pool.quant import QuantTier, dequantize, empty_tier, native_kernels, quantize
 from sgl_ragged.mem_pool.sealer import (
     DynamicRows,
     SealBatch,
@@ -66,7 +67,7 @@ class SealCounters:
 
 class RowWriter(Protocol):
     """Writes the sealed rows of N pages of one layer as a `Selection` says: the storage's own
-    torch writes (`RaggedStorage.write_sealed`'s default) or the Triton sealing kernel
+    writes (`RaggedStorage.write_sealed`'s default: native or torch) or the Triton sealing kernel
     (triton_impl.KernelRowWriter), installed with `RaggedStorage.use_row_writer`.
 
     pages: [N] int64 logical pages (-1: padding, writes nothing; only the kernel writer sees
@@ -164,7 +165,13 @@ class RaggedStorage:
         self.counters = SealCounters()  # counted by seal, count_sealed and mark_sealed
         # The one sealer of the server (its decisions; the storage writes what it selects).
         self.sealer = Sealer(layout, scorer, TierRows() if dynamic_rho is None else DynamicRows(dynamic_rho))
-        self._row_writer: RowWriter | None = None  # None: the torch writes (_write_rows)
+        self._row_writer: RowWriter | None = None  # None: the storage's own (_write_rows)
+        # native_rows: the storage's own writes of TierRows selections go through the native
+        # kernels' seal_rows (one call a layer; the same bits as the torch writes, which
+        # tests/unit/test_native_seal.py holds it to) on a CPU where they are built; False: the
+        # torch ops (tests and bench.seal compare the two).
+        self.native_rows = self.device.type == "cpu" and native_kernels() is not None
+        self._seal_args: dict[int, tuple[list[int], list[int], list[torch.Tensor | None]]] = {}
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.dtype, device=self.device)
@@ -336,10 +343,18 @@ class RaggedStorage:
 
     def _write_rows(self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor,
                     v_tok: torch.Tensor, selection: Selection) -> None:
-        """The torch row writer: per group, the selected tokens' K/V into the tiers' rows
-        (dynamic mode: whole pages into full rows, with the keep masks)."""
+        """The storage's own row writer: per group, the selected tokens' K/V into the tiers' rows,
+        in one native call (`native_rows`) or in torch ops (dynamic mode: whole pages into full
+        rows, with the keep masks, in torch)."""
         if selection.keep is not None:
             self.write_full_rows(layer, pages, k_tok, v_tok, selection.keep)
+            return
+        if self.native_rows:
+            heads, groups, tensors = self._native_seal_args(layer)
+            native_kernels().seal_rows(k_tok.contiguous(), v_tok.contiguous(),
+                                       selection.scores.float().contiguous(),
+                                       selection.sinks.contiguous(), pages.long(), heads, groups,
+                                       tensors)
             return
         k_rows, v_rows = _token_rows(k_tok), _token_rows(v_tok)  # [N * P * H, D]
         for g, t in enumerate(self.layout.tiers[layer]):
@@ -350,6 +365,28 @@ class RaggedStorage:
             if t.lo:
                 rows = _row_index(k_tok.shape, heads, lo_idx)
                 self.write_low(layer, g, pages, _take(k_rows, rows), _take(v_rows, rows))
+
+    def _native_seal_args(self, layer: int) -> tuple[list[int], list[int], list[torch.Tensor | None]]:
+        """seal_rows' description of one layer's groups (cuda_ext/seal.h): their KV heads,
+        7 integers a group (heads, hi, lo, high tier bits and is_float, low tier's) and 14
+        tensors (rows_k, rows_v, the high and the low tier's six fields), built once."""
+        if layer not in self._seal_args:
+            heads: list[int] = []
+            groups: list[int] = []
+            tensors: list[torch.Tensor | None] = []
+            for g, (members, t) in enumerate(zip(self.layout.groups[layer], self.layout.tiers[layer],
+                                                 strict=True)):
+                high, low = self.high_rows[layer][g], self.low_rows[layer][g]
+                fmts = [(self.layout.high, high), (self.layout.low_format(layer, g), low)]
+                heads += members
+                groups += [len(members), t.hi, t.lo]
+                for fmt, tier in fmts:
+                    groups += [0, 0] if tier is None else [fmt.bits, int(fmt.is_float)]
+                tensors += [self.rows_k[layer][g], self.rows_v[layer][g]]
+                for _, tier in fmts:
+                    tensors += [None] * 6 if tier is None else list(tier.fields())
+            self._seal_args[layer] = heads, groups, tensors
+        return self._seal_args[layer]
 
     def write_group(self, layer: int, group: int, pages: torch.Tensor, k: torch.Tensor,
                     v: torch.Tensor) -> None:

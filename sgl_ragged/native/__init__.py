@@ -28,8 +28,8 @@ from sgl_ragged.models.smollm2 import default_cache_dir  # $RAGGED_CACHE or ~/.c
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "cuda_ext"
 SOURCES = ("bindings.cpp", "isa_amx.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp",
-           "quantize.cpp", "tails.cpp", "linear.cpp", "elementwise.cpp")
-HEADERS = ("ragged_attention.h", "attention_body.inc", "quantize.h", "tails.h", "checks.h",
+           "quantize.cpp", "seal.cpp", "tails.cpp", "linear.cpp", "elementwise.cpp")
+HEADERS = ("ragged_attention.h", "attention_body.inc", "quantize.h", "seal.h", "tails.h", "checks.h",
            "linear.h", "elementwise.h", "elementwise_loops.inc")
 CFLAGS = ("-O3", "-fopenmp")  # per-ISA flags are #pragma GCC target in isa_*.cpp
 LDFLAGS = ("-fopenmp",)

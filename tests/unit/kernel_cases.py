@@ -62,13 +62,15 @@ def make_storage(profile: BudgetProfile, page_size: int, head_dim: int, num_page
 def random_storage(rng: random.Random, device: str, layers: int = 1, heads_per_group: int = 2,
                    num_pages: int = 48, num_stages: int = 24,
                    dtype: torch.dtype = torch.float32, shape: Shape = SMALL,
-                   precision: str = "bf16") -> RaggedStorage:
-    """Random per-head budgets, adjacent groups, rows and staging pages filled with noise
+                   precision: str = "bf16", head_order: Sequence[int] | None = None) -> RaggedStorage:
+    """Random per-head budgets, adjacent groups (or groups of consecutive heads of
+    `head_order`, a permutation of the KV heads), rows and staging pages filled with noise
     (`precision`: the rows' low tier, docs/architecture.md, "Row tiers", and with H+L their high tier, with
     random codes and parameters)."""
     H = shape.kv_heads
+    order = list(range(H)) if head_order is None else list(head_order)
     budgets = [[rng.choice(BUDGETS) for _ in range(H)] for _ in range(layers)]
-    groups = [tuple(tuple(range(s, s + heads_per_group)) for s in range(0, H, heads_per_group))
+    groups = [tuple(tuple(order[s:s + heads_per_group]) for s in range(0, H, heads_per_group))
               for _ in range(layers)]
     profile = BudgetProfile(model=None, budgets=budgets, groups=groups, source={"kind": "uniform"})
     if precision == "mixed":

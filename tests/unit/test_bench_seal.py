@@ -1,27 +1,40 @@
-"""bench.seal: every step of a seal is timed for every precision (and the indexed-heads row
-writer beside it), and one seal through the bench writes the rows the storage's own seal
-writes."""
+"""bench.seal: every step of a seal is timed for every precision and row writer (and the
+indexed-heads torch writer beside them), and one seal through the bench writes the rows the
+storage's own seal writes."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bench import seal
 from bench.cpu_attention import DEFAULT_PROFILE, build_case
+from sgl_ragged import native
 from sgl_ragged.mem_pool.sealer import SealBatch
 from sgl_ragged.profile import BudgetProfile
 
 
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.reason()}")
 def test_every_step_of_every_variant_is_timed():
     profile = BudgetProfile.load(DEFAULT_PROFILE)
     results = seal.measure(profile, ["bf16", "int4"], 5, warmup=0, repeats=1, index_heads=True)
-    assert [(r["precision"], r["heads"]) for r in results] == [
-        ("bf16", "slices"), ("bf16", "indices"), ("int4", "slices"), ("int4", "indices")]
+    assert [(r["precision"], r["writer"], r["heads"]) for r in results] == [
+        (p, w, h) for p in ("bf16", "int4")
+        for w, h in (("native", "slices"), ("torch", "slices"), ("torch", "indices"))]
     for r in results:
         assert r["pages"] == 5 and r["layers"] == profile.num_layers
         assert all(r[f"{step}_s"] > 0 for step in seal.STEPS)
         assert abs(r["total_s"] - sum(r[f"{step}_s"] for step in seal.STEPS)) < 1e-9
-    assert "| int4 | indices |" in seal.markdown(results, DEFAULT_PROFILE.name)
+    table = seal.markdown(results, DEFAULT_PROFILE.name)
+    assert "| int4 | torch | indices |" in table and "| int4 | native | slices |" in table
+
+
+def test_the_torch_writer_alone():
+    """--writers torch: the one writer a machine without the native kernels has."""
+    profile = BudgetProfile.load(DEFAULT_PROFILE)
+    results = seal.measure(profile, ["int4"], 2, warmup=0, repeats=1, writers=("torch",))
+    assert [(r["writer"], r["heads"]) for r in results] == [("torch", "slices")]
+    assert "| int4 | torch | slices |" in seal.markdown(results, DEFAULT_PROFILE.name)
 
 
 def test_a_timed_seal_writes_what_the_storage_seals():
