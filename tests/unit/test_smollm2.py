@@ -55,10 +55,14 @@ def test_serve_script_and_readme_serve_the_default():
     serve = (root / "scripts/serve.sh").read_text()
     assert f'DEFAULT_PROFILE="$RAGGED_ROOT/{smollm2.DEFAULT_PROFILE}"' in serve
     assert f"--ragged-precision {smollm2.DEFAULT_PRECISION}" in serve
+    # OpenMP workers spin before they sleep in the served default, unless the caller says
+    # otherwise (the README says how)
+    assert 'export GOMP_SPINCOUNT="${GOMP_SPINCOUNT:-3000}"' in serve
     readme = (root / "README.md").read_text()
     assert f"--ragged-profile {smollm2.DEFAULT_PROFILE}" in readme
     assert f"--ragged-precision {smollm2.DEFAULT_PRECISION}" in readme
-    assert f'"content":"{smollm2.README_QUESTION}"' in readme  # what its tests and bench.soak ask
+    assert f'"content":"{smollm2.README_QUESTION}"' in readme
+    assert "GOMP_SPINCOUNT=3000" in readme and "GOMP_SPINCOUNT=0" in readme  # what its tests and bench.soak ask
     profile = BudgetProfile.load(root / smollm2.DEFAULT_PROFILE)
     assert profile.tiers is not None and profile.tiers.precision == smollm2.DEFAULT_PRECISION
     assert (root / smollm2.DROP_ONLY_PROFILE).is_file()

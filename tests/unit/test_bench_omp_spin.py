@@ -1,0 +1,58 @@
+"""bench.omp_spin: its table (rates as rates, TPOT as a time whose ratio is inverted), its launch
+and its refusals; the rounds themselves need servers (the bench's own run)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench import omp_spin
+
+
+def _report(**overrides):
+    report = {"served": "ragged mixed:p.json", "max_tokens": 96, "repeats": 3,
+              "concurrency": [1, 8], "long_prompt": 1900, "long_concurrency": 8,
+              "contention": True,
+              "spins": {"0": {"short_1_tok_s": 50.0, "short_8_tok_s": 200.0,
+                              "long_tpot_s": 0.060, "contention_tok_s": 300.0},
+                        "3000": {"short_1_tok_s": 55.0, "short_8_tok_s": 240.0,
+                                 "long_tpot_s": 0.050, "contention_tok_s": 240.0}}}
+    report.update(overrides)
+    return report
+
+
+def test_table_rows_and_ratios():
+    table = omp_spin.markdown(_report())
+    assert "| spin 0 | spin 3000 | 3000 / 0 |" in table
+    assert "| short, 1 requests (tok/s) | 50.0 | 55.0 | x1.10 |" in table
+    assert "| short, 8 requests (tok/s) | 200.0 | 240.0 | x1.20 |" in table
+    # a shorter TPOT is faster: 60 ms -> 50 ms reads x1.20
+    assert "| 8 x 1900-token documents (TPOT ms) | 60.0 | 50.0 | x1.20 |" in table
+    assert "| two servers at once, 8 requests each (tok/s, summed) | 300.0 | 240.0 | x0.80 |" in table
+
+
+def test_table_leaves_out_rounds_not_run():
+    report = _report(long_prompt=0, contention=False)
+    for spin in report["spins"].values():
+        del spin["long_tpot_s"], spin["contention_tok_s"]
+    table = omp_spin.markdown(report)
+    assert "TPOT" not in table and "two servers" not in table
+    assert table.count("| short,") == 2
+
+
+def test_launch_serves_the_largest_batch():
+    args = argparse.Namespace(
+        profile="p.json", precision="mixed", max_total_tokens=40000, concurrency=[1, 8],
+        long_concurrency=12)
+    launch = omp_spin.launch_args("/m", args)
+    assert launch[launch.index("--max-running-requests") + 1] == "12"
+    assert launch[launch.index("--ragged-precision") + 1] == "mixed"
+
+
+@pytest.mark.parametrize("argv", [["--spins", "0", "0"], ["--spins", "-1"], ["--repeats", "0"],
+                                  ["--long-concurrency", "0"]])
+def test_bad_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        omp_spin.main(argv)
+    assert "error:" in capsys.readouterr().err
