@@ -114,8 +114,8 @@ void from_floats(const float* in, at::ScalarType type, char* dst, int64_t D) {
   }
 }
 
-// a before b in torch.sort(descending=True): NaN above everything, equal keys stay in order
-// (stable_sort).
+// a before b in torch.sort(descending=True): NaN above everything (equal keys keep their order:
+// the callers break ties by position).
 inline bool ranks_before(float a, float b) {
   return std::isnan(a) ? !std::isnan(b) : (!std::isnan(b) && a > b);
 }
@@ -244,8 +244,11 @@ void seal_rows(const at::Tensor& k_tok, const at::Tensor& v_tok, const at::Tenso
           for (int64_t t = 0; t < P; ++t)
             s.forced[t] = sink[n * P + t] ? std::numeric_limits<float>::infinity() : x[t];
           std::iota(s.order.begin(), s.order.end(), int64_t(0));
-          std::stable_sort(s.order.begin(), s.order.end(), [&](int64_t a, int64_t b) {
-            return ranks_before(s.forced[a], s.forced[b]);
+          // A stable sort's order as a total one (ties by position): std::sort allocates no
+          // buffer, as stable_sort does on every call.
+          std::sort(s.order.begin(), s.order.end(), [&](int64_t a, int64_t b) {
+            const float fa = s.forced[a], fb = s.forced[b];
+            return ranks_before(fa, fb) || (!ranks_before(fb, fa) && a < b);
           });
           // 2. The hi best, then the next lo, each in position order.
           std::copy(s.order.begin(), s.order.begin() + grp.hi, s.hi_tokens.begin());
