@@ -1,5 +1,6 @@
 """What the CPU microbenchmarks over row counts share (bench.cpu_gemm, bench.cpu_ops): their
-arguments, the sweep over (threads, rows) with progress, and the files they write."""
+arguments, the sweep over (threads, rows) with progress, and the files they write (`write`,
+which the served CPU benchmarks bench.gemm_serving and bench.omp_spin use too)."""
 
 from __future__ import annotations
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from typing import Any
 
 import aiohttp
 
+from bench import cpu_sweep
 from bench.client import RequestRecord, chat_payload, stream_chat
 from sgl_ragged import native
 from sgl_ragged.compat import cpu_ops
@@ -230,10 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       flush=True)
                 report["choices"][choice]["prefill"] = measure_prefill(
                     srv.base_url, args.prefill_tokens, args.warmup, args.repeats)
-    (args.out / "gemm_serving.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    (args.out / "gemm_serving.md").write_text(table)
-    print(table)
+    cpu_sweep.write(args.out, "gemm_serving", report, markdown(report))
     return report
 
 

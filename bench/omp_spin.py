@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import statistics
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from typing import Any
 
 import aiohttp
 
+from bench import cpu_sweep
 from bench.client import RequestRecord, chat_payload, stream_chat
 from bench.gemm_serving import TIMEOUT, _document, one_round
 from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
@@ -183,10 +183,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 servers[str(spin)].append(srv.base_url)
         print(f"measuring {args.warmup} + {args.repeats} rounds ...", flush=True)
         report["spins"] = measure(servers, args)
-    (args.out / "omp_spin.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    (args.out / "omp_spin.md").write_text(table)
-    print(table)
+    cpu_sweep.write(args.out, "omp_spin", report, markdown(report))
     return report
 
 
