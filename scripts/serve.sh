@@ -11,8 +11,9 @@
 # Drop-only rows instead (the calibrated SnapKV profile: fewer tokens, far less accurate):
 #   RAGGED_PROFILE=calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json \
 #     ./scripts/serve.sh --ragged-precision bf16    # later flags win
-# OpenMP's idle workers spin about 50 us (GOMP_SPINCOUNT=3000) before they sleep, where env.sh
-# (tests, benchmarks) has them sleep at once: a decode step runs ~180 parallel regions, and
+# OpenMP's idle workers spin some tens of microseconds (GOMP_SPINCOUNT=3000) before they sleep,
+# where env.sh (tests, benchmarks) has them sleep at once: a decode step of 8 requests runs
+# ~90 parallel regions (the dense layers' products, perf probe on GOMP_parallel), and
 # waking a sleeping worker for each cost a single server x1.01-1.22 decode tokens/s (docs/
 # results.md, "Sealing's row writer in one native call (session 31)"). On a machine shared with
 # other busy processes (two decoding servers on 2 cores: x0.76 with it) pass GOMP_SPINCOUNT=0.
