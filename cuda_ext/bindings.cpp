@@ -78,31 +78,12 @@ QuantRows quant_rows(const at::Tensor* t, LowFormat fmt, int64_t heads, int64_t 
   out.fmt = fmt;
   if (!t[0].defined() || t[0].numel() == 0) return out;
   TORCH_CHECK(fmt.bits, "native attention: ", at, "has codes but its format says 0 bits");
-  const int64_t cb = head_dim * fmt.bits / 8;
-  check_tensor(t[0], (at + "k_codes").c_str(), at::kByte, 4);
-  check_tensor(t[3], (at + "v_codes").c_str(), at::kByte, 4);
-  check_tensor(t[1], (at + "k_scale").c_str(), at::kHalf, 3);
-  check_tensor(t[4], (at + "v_scale").c_str(), at::kHalf, 3);
-  const int64_t pages = t[0].size(0), slots = t[0].size(1);
-  TORCH_CHECK(t[0].size(2) == heads && t[0].size(3) == cb && t[3].sizes() == t[0].sizes(),
-              "native attention: ", at, "code shapes ", t[0].sizes(), " / ", t[3].sizes(),
-              " are not [pages, slots, ", heads, ", ", cb, "] (", fmt.bits, "-bit codes)");
-  TORCH_CHECK(t[1].size(0) == pages && t[1].size(1) == heads && t[1].size(2) == head_dim &&
-                  t[4].size(0) == pages && t[4].size(1) == slots && t[4].size(2) == heads,
-              "native attention: ", at, "k_scale ", t[1].sizes(), " / v_scale ", t[4].sizes(),
-              " are not [", pages, ", ", heads, ", ", head_dim, "] / [", pages, ", ", slots,
-              ", ", heads, "]");
-  out.slots = slots;
+  out.slots = check_tier("native attention", t, fmt.bits, fmt.is_float, heads, head_dim, at).slots;
   out.k_codes = t[0].data_ptr<uint8_t>();
   out.v_codes = t[3].data_ptr<uint8_t>();
   out.k_scale = half_ptr(t[1]);
   out.v_scale = half_ptr(t[4]);
   if (!fmt.is_float) {
-    check_tensor(t[2], (at + "k_zero").c_str(), at::kHalf, 3);
-    check_tensor(t[5], (at + "v_zero").c_str(), at::kHalf, 3);
-    TORCH_CHECK(t[2].sizes() == t[1].sizes() && t[5].sizes() == t[4].sizes(),
-                "native attention: ", at, "zero points ", t[2].sizes(), " / ", t[5].sizes(),
-                " do not match the scales");
     out.k_zero = half_ptr(t[2]);
     out.v_zero = half_ptr(t[5]);
   }

@@ -44,42 +44,28 @@ struct Group {
 
 c10::Half* half_data(const at::Tensor& t) { return reinterpret_cast<c10::Half*>(t.data_ptr<at::Half>()); }
 
-const at::Tensor& need(const std::optional<at::Tensor>& t, const std::string& what) {
-  TORCH_CHECK(t.has_value() && t->defined(), kWho, ": ", what, " is missing");
-  return *t;
-}
-
-// Tier tensors t[0..5] (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) of `slots` slots
-// a page, checked against the format and the row shapes.
-Tier tier_of(const std::optional<at::Tensor>* t, int64_t bits, bool is_float, int64_t slots,
-             int64_t heads, int64_t D, int64_t num_pages, const std::string& at) {
+// A group's tier t[0..5] (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) in a `bits`-bit
+// format (0: the group has none), checked by check_tier and against the rows' pages and the
+// tier's `slots`.
+Tier tier_of(const at::Tensor* t, int64_t bits, bool is_float, int64_t slots, int64_t heads,
+             int64_t D, int64_t num_pages, const std::string& at) {
   Tier out;
   if (!bits) return out;
   check_format(kWho, bits, is_float, D);
+  const TierExtent got = check_tier(kWho, t, bits, is_float, heads, D, at);
+  TORCH_CHECK(got.pages == num_pages && got.slots == slots, kWho, ": ", at, "holds ", got.slots,
+              " slots of ", got.pages, " pages, expected ", slots, " of ", num_pages);
   out.bits = bits;
   out.is_float = is_float;
   out.slots = slots;
   out.code_bytes = D * bits / 8;
-  const char* names[6] = {"k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero"};
-  const std::vector<int64_t> shapes[6] = {{num_pages, slots, heads, out.code_bytes}, {num_pages, heads, D},
-                                          {num_pages, heads, D}, {num_pages, slots, heads, out.code_bytes},
-                                          {num_pages, slots, heads}, {num_pages, slots, heads}};
-  for (int i = 0; i < 6; ++i) {
-    if ((i == 2 || i == 5) && is_float) continue;
-    const std::string name = at + names[i];
-    const at::Tensor& x = need(t[i], name);
-    check_cpu_tensor(kWho, x, name.c_str(), i % 3 == 0 ? at::kByte : at::kHalf,
-                     static_cast<int64_t>(shapes[i].size()));
-    TORCH_CHECK(x.sizes() == at::IntArrayRef(shapes[i]), kWho, ": ", name, " is ", x.sizes(),
-                ", expected ", at::IntArrayRef(shapes[i]));
-  }
-  out.k_codes = t[0]->data_ptr<uint8_t>();
-  out.v_codes = t[3]->data_ptr<uint8_t>();
-  out.k_scale = half_data(*t[1]);
-  out.v_scale = half_data(*t[4]);
+  out.k_codes = t[0].data_ptr<uint8_t>();
+  out.v_codes = t[3].data_ptr<uint8_t>();
+  out.k_scale = half_data(t[1]);
+  out.v_scale = half_data(t[4]);
   if (!is_float) {
-    out.k_zero = half_data(*t[2]);
-    out.v_zero = half_data(*t[5]);
+    out.k_zero = half_data(t[2]);
+    out.v_zero = half_data(t[5]);
   }
   return out;
 }
@@ -157,7 +143,7 @@ void quantize_tier(const Tier& tier, const int64_t* tokens, int64_t n, const cha
 void seal_rows(const at::Tensor& k_tok, const at::Tensor& v_tok, const at::Tensor& scores,
                const at::Tensor& sinks, const at::Tensor& pages, const std::vector<int64_t>& heads,
                const std::vector<int64_t>& groups,
-               const std::vector<std::optional<at::Tensor>>& tensors) {
+               const std::vector<at::Tensor>& tensors) {
   const at::ScalarType src_type = k_tok.scalar_type();
   TORCH_CHECK(src_type == at::kFloat || src_type == at::kBFloat16 || src_type == at::kHalf, kWho,
               ": k_tok must be float32, bfloat16 or float16, got ", src_type);
@@ -185,7 +171,7 @@ void seal_rows(const at::Tensor& k_tok, const at::Tensor& v_tok, const at::Tenso
   int64_t num_pages = -1, first = 0;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t* info = groups.data() + 7 * g;
-    const std::optional<at::Tensor>* t = tensors.data() + 14 * g;
+    const at::Tensor* t = tensors.data() + 14 * g;
     const std::string at = "group " + std::to_string(g) + " ";
     Group& x = gs[g];
     x.first_head = first;
@@ -197,8 +183,8 @@ void seal_rows(const at::Tensor& k_tok, const at::Tensor& v_tok, const at::Tenso
                 "names ", x.heads, " heads past the ", heads.size(), " given");
     TORCH_CHECK(x.hi >= 0 && x.lo >= 0 && x.hi + x.lo <= P, kWho, ": ", at, "keeps ", x.hi, " + ",
                 x.lo, " tokens of a ", P, "-token page");
-    const at::Tensor& rk = need(t[0], at + "rows_k");
-    const at::Tensor& rv = need(t[1], at + "rows_v");
+    const at::Tensor& rk = t[0];
+    const at::Tensor& rv = t[1];
     if (g == 0) {
       row_type = rk.scalar_type();
       num_pages = rk.size(0);

@@ -4,7 +4,6 @@
 
 #include <torch/extension.h>
 
-#include <optional>
 #include <vector>
 
 namespace ragged {
@@ -20,10 +19,11 @@ namespace ragged {
 // heads, concatenated; groups: 7 integers a group (its head count, hi, lo, high tier bits and
 // is_float (0 0: dense), low tier bits and is_float (0 0: none)); tensors: 14 a group (rows_k,
 // rows_v, the high tier's k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, the low tier's
-// six), None where the group has no such tensor.
+// six), empty where the group has no such tier or its format no zero points (as attend takes
+// them).
 void seal_rows(const at::Tensor& k_tok, const at::Tensor& v_tok, const at::Tensor& scores,
                const at::Tensor& sinks, const at::Tensor& pages, const std::vector<int64_t>& heads,
                const std::vector<int64_t>& groups,
-               const std::vector<std::optional<at::Tensor>>& tensors);
+               const std::vector<at::Tensor>& tensors);
 
 }  // namespace ragged

@@ -171,7 +171,7 @@ class RaggedStorage:
         # tests/unit/test_native_seal.py holds it to) on a CPU where they are built; False: the
         # torch ops (tests and bench.seal compare the two).
         self.native_rows = self.device.type == "cpu" and native_kernels() is not None
-        self._seal_args: dict[int, tuple[list[int], list[int], list[torch.Tensor | None]]] = {}
+        self._seal_args: dict[int, tuple[list[int], list[int], list[torch.Tensor]]] = {}
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.dtype, device=self.device)
@@ -366,25 +366,27 @@ class RaggedStorage:
                 rows = _row_index(k_tok.shape, heads, lo_idx)
                 self.write_low(layer, g, pages, _take(k_rows, rows), _take(v_rows, rows))
 
-    def _native_seal_args(self, layer: int) -> tuple[list[int], list[int], list[torch.Tensor | None]]:
+    def _native_seal_args(self, layer: int) -> tuple[list[int], list[int], list[torch.Tensor]]:
         """seal_rows' description of one layer's groups (cuda_ext/seal.h): their KV heads,
         7 integers a group (heads, hi, lo, high tier bits and is_float, low tier's) and 14
-        tensors (rows_k, rows_v, the high and the low tier's six fields), built once."""
+        tensors (rows_k, rows_v, the high and the low tier's six fields, empty where there is
+        no such tier or field, as the native attention takes them), built once."""
         if layer not in self._seal_args:
+            empty = torch.empty(0, dtype=torch.uint8)
             heads: list[int] = []
             groups: list[int] = []
-            tensors: list[torch.Tensor | None] = []
+            tensors: list[torch.Tensor] = []
             for g, (members, t) in enumerate(zip(self.layout.groups[layer], self.layout.tiers[layer],
                                                  strict=True)):
-                high, low = self.high_rows[layer][g], self.low_rows[layer][g]
-                fmts = [(self.layout.high, high), (self.layout.low_format(layer, g), low)]
+                fmts = [(self.layout.high, self.high_rows[layer][g]),
+                        (self.layout.low_format(layer, g), self.low_rows[layer][g])]
                 heads += members
                 groups += [len(members), t.hi, t.lo]
+                tensors += [self.rows_k[layer][g], self.rows_v[layer][g]]
                 for fmt, tier in fmts:
                     groups += [0, 0] if tier is None else [fmt.bits, int(fmt.is_float)]
-                tensors += [self.rows_k[layer][g], self.rows_v[layer][g]]
-                for _, tier in fmts:
-                    tensors += [None] * 6 if tier is None else list(tier.fields())
+                    fields = (None,) * 6 if tier is None else tier.fields()
+                    tensors += [empty if x is None else x for x in fields]
             self._seal_args[layer] = heads, groups, tensors
         return self._seal_args[layer]
 
