@@ -88,7 +88,7 @@ WORDS = ("river", "stone", "window", "quiet", "market", "yellow", "engine", "gar
          "mirror", "orchard", "ladder", "copper", "meadow", "signal", "lantern", "valley")
 
 
-def _document(seed: int, tokens: int) -> str:
+def document(seed: int, tokens: int) -> str:
     """About `tokens` tokens of filler (a word with its leading space is one token in SmolLM2's
     tokenizer, a full stop every 12 words one more), distinct per seed from the first words on."""
     words, x = [f"Document {seed}:"], seed * 2654435761 + 1
@@ -101,7 +101,7 @@ def _document(seed: int, tokens: int) -> str:
 async def prefill_round(base_url: str, tokens: int, seed: int) -> dict[str, Any]:
     """One request with a fresh document of about `tokens` tokens: its prefill rate."""
     record = RequestRecord(session=0, turn=0, task="prefill", start=0.0)
-    payload = chat_payload([{"role": "user", "content": _document(seed, tokens)
+    payload = chat_payload([{"role": "user", "content": document(seed, tokens)
                              + "\nName the document's first word."}], 2)
     async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
         await stream_chat(http, base_url, payload, record, time.perf_counter())

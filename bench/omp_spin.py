@@ -38,7 +38,7 @@ import aiohttp
 
 from bench import cpu_sweep
 from bench.client import RequestRecord, chat_payload, stream_chat
-from bench.gemm_serving import TIMEOUT, _document, one_round
+from bench.gemm_serving import TIMEOUT, document, one_round
 from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
 
 
@@ -57,7 +57,7 @@ async def long_round(base_url: str, concurrency: int, prompt_tokens: int, max_to
                for i in range(concurrency)]
     payloads = []
     for i in range(concurrency):
-        payload = chat_payload([{"role": "user", "content": _document(seed * 100 + i, prompt_tokens)
+        payload = chat_payload([{"role": "user", "content": document(seed * 100 + i, prompt_tokens)
                                  + "\nSummarize the document."}], max_tokens)
         payload["min_tokens"] = max_tokens
         payloads.append(payload)

@@ -86,9 +86,9 @@ def test_the_launch_is_the_readme_server_or_stock() -> None:
 
 
 def test_prefill_documents_are_distinct_from_the_first_words() -> None:
-    a, b = gemm_serving._document(1, 600), gemm_serving._document(2, 600)
+    a, b = gemm_serving.document(1, 600), gemm_serving.document(2, 600)
     assert a.split()[:2] != b.split()[:2]
-    assert a == gemm_serving._document(1, 600)  # the same seed, the same document
+    assert a == gemm_serving.document(1, 600)  # the same seed, the same document
     assert 500 <= len(a.split()) <= 600
 
 
