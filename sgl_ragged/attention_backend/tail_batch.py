@@ -4,8 +4,11 @@
 `store_tails` then does one layer's staging and sealing for the whole batch with a fixed number
 of batched tensor ops and one sealing call -- no loop over requests. A forward whose sealed
 pages were all staged before it (decode) may instead stage in place (`stage_fresh`: only its new
-tokens' slots and the padding past each request's end are written; staged tokens stay as they
-are), the same staging state as `store_tails`' whole-page writes. It is the batched form of
+tokens' slots, and the padding of pages new to the staging; staged tokens stay as they are), the
+same staging state as `store_tails`' whole-page writes: a staging page holds zeros past its
+request's end from its first write on (both writers zero them there), and only that request
+writes it. (No reader looks past a request's end: the attention, the window statistics and
+sealing stop at its last token.) It is the batched form of
 `torch_ref.store_tail`, which stays the oracle; both write through the storage's write API
 (`RaggedStorage.seal`: its sealer selects, its row writer writes -- torch, or the sealing
 kernel on the Triton path; `stage_kv`, `store_stats`).
@@ -75,7 +78,7 @@ class TailBatch:
     page_stage: torch.Tensor | None = None  # [M] int64 that page: the one a sealed page held,
     # the one a staying page keeps
     write_slot: torch.Tensor | None = None  # [F] int64 staging slots (stage * P + i) of the
-    # fresh tokens and of the padding past each request's end
+    # fresh tokens, and of the padding of pages that held no staging page before
     write_row: torch.Tensor | None = None  # [F] int64 their rows of k/v (-1: padding, zeros)
 
 
@@ -140,7 +143,9 @@ def tail_batch(plans: Sequence[RequestPlan], page_size: int, device: torch.devic
 
 def _with_in_place(tails: TailBatch, P: int) -> TailBatch:
     """`stage_fresh`'s tables, if every page it seals was wholly staged before and every page
-    that stays keeps the staging page it held (else the tails as they are)."""
+    that stays keeps the staging page it held (else the tails as they are). A page that held
+    its staging page before holds zeros past its request's end already (module docstring):
+    only its fresh slots are written; a new one's padding is zeroed too."""
     seal, stay = tails.seal_index, tails.stay_index
     if not bool(tails.staged[seal].all()):
         return tails
@@ -150,7 +155,7 @@ def _with_in_place(tails: TailBatch, P: int) -> TailBatch:
     stages = tails.prior_stage.clone()
     stages[stay] = tails.stay_stage  # [M]
     slots = stages[:, None] * P + torch.arange(P, device=stages.device)  # [M, P]
-    written = ~tails.staged  # fresh or padding
+    written = tails.fresh | (~tails.staged & ~tails.has_prior[:, None])  # fresh, new padding
     rows = torch.where(tails.fresh, tails.new_row, -1)
     return replace(tails, in_place=True, page_stage=stages, write_slot=slots[written],
                    write_row=rows[written])
@@ -189,8 +194,8 @@ def stage_fresh(storage: RaggedStorage, layer: int, tails: TailBatch, k_new: tor
                 v_new: torch.Tensor, copy_rows: RowCopy | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`tail_pages` of an in-place forward (tails.in_place): this forward's tokens k_new,
-    v_new [N, H, D] into their staging slots and zeros into the slots past each request's end
-    (`RaggedStorage.stage_tokens`; staged tokens are not rewritten), then every tail page's K
+    v_new [N, H, D] into their staging slots and zeros past the end of pages new to the
+    staging (`RaggedStorage.stage_tokens`; staged tokens are not rewritten), then every tail page's K
     and V [M, P, H, D] read back from this layer's staging pages. `store_tails` with
     kv_staged=True then stores only the statistics. copy_rows: `stage_tokens`' row copy."""
     if not tails.in_place:

@@ -127,10 +127,13 @@ def _randomize_tier(tier: QuantTier, gen: torch.Generator) -> None:
 
 
 def random_plans(storage: RaggedStorage, specs: Sequence[Spec], rng: random.Random,
-                 gap: int = 0) -> list[RequestPlan]:
+                 gap: int = 0, twins: Sequence[RaggedStorage] = ()) -> list[RequestPlan]:
     """Plans with distinct random pages and staging pages; `gap` unused q rows between
     requests (rows no request owns). The first `spec.seal` tail pages are sealed, the others
-    stay staged; tail tokens carry random observation counts."""
+    stay staged; tail tokens carry random observation counts. The staging pages a request
+    held before hold zeros past its staged tokens, as in a server (tail_batch's docstring:
+    both staging writers zero them, and in-place forwards do not write them again); so do
+    the same pages of `twins` (storages compared with this one)."""
     pages = list(range(1, storage.num_pages))
     stages = list(range(storage.num_staging_pages))
     rng.shuffle(pages)
@@ -146,6 +149,9 @@ def random_plans(storage: RaggedStorage, specs: Sequence[Spec], rng: random.Rand
         held = [stages.pop() for _ in range(n_tail_pages)]  # [:n_prior] held before
         assert s.seal * page <= tail, "only complete pages can be sealed"
         tail_start = s.sealed * page
+        if s.staged % page:  # the last held page is partly staged
+            for stage in [t for st in (storage, *twins) for t in st.stage_k + st.stage_v]:
+                stage[held[n_prior - 1], s.staged % page:] = 0
         plans.append(RequestPlan(
             q_start=q_start, prefix=tail_start + s.staged, seq_len=tail_start + tail,
             tail_start=tail_start, sealed_pages=torch.tensor(sealed, dtype=torch.long, device=dev),
@@ -244,7 +250,7 @@ def compare_with_reference(make_impl: Callable[[RaggedStorage], AttentionImpl],
     impl_store, ref_store = (random_storage(random.Random(seed), device, layers=2, num_stages=64,
                                             precision=precision)
                              for _ in range(2))
-    plans = random_plans(impl_store, specs, random.Random(seed + 1), gap=gap)
+    plans = random_plans(impl_store, specs, random.Random(seed + 1), gap=gap, twins=[ref_store])
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), device)
     outs = []
     for impl in make_impl(impl_store), TorchAttention(ref_store):

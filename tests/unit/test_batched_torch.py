@@ -126,7 +126,7 @@ def test_batched_matches_reference_across_dtypes_and_gqa(precision, decode, dtyp
     stores = [random_storage(random.Random(7), "cpu", layers=2, heads_per_group=heads_per_group,
                              num_stages=64, dtype=dtype, shape=shape, precision=precision)
               for _ in range(2)]
-    plans = random_plans(stores[0], specs, random.Random(8), gap=1)
+    plans = random_plans(stores[0], specs, random.Random(8), gap=1, twins=stores[1:])
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(9), "cpu", dtype=dtype, shape=shape)
     outs = []
     for impl in BatchedTorchAttention(stores[0]), TorchAttention(stores[1]):
@@ -210,7 +210,7 @@ def test_poisoned_padding_does_not_leak(precision, decode):
               for _ in range(2)]
     specs = [Spec(0, 3, 1), Spec(3, 5, 1 if decode else 2 * P, seal=0 if decode else 1),
              Spec(1, 0, 1 if decode else 5)]
-    plans = random_plans(stores[0], specs, random.Random(22), gap=2)
+    plans = random_plans(stores[0], specs, random.Random(22), gap=2, twins=stores[1:])
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(23), "cpu")
     _poison_unread(stores[0], plans)
     owned = torch.zeros(q.shape[0], dtype=torch.bool)

@@ -32,6 +32,7 @@ from sgl_ragged.attention_backend import native_impl
 from sgl_ragged.attention_backend import tail_batch as tail_batch_module
 from sgl_ragged.attention_backend.native_impl import TILE_ISAS, NativeAttention
 from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
+from sgl_ragged.attention_backend.planner import plan_batch, take_staging
 from sgl_ragged.attention_backend.tail_batch import tail_batch, tail_pages, window_stats
 from sgl_ragged.attention_backend.torch_ref import TorchAttention
 from sgl_ragged.mem_pool.storage import RaggedStorage
@@ -82,7 +83,7 @@ def twin_forward(specs: Sequence[Spec], decode: bool, seed: int, shape: Shape, d
     mine = random_storage(random.Random(seed), "cpu", layers=2, num_stages=64, dtype=dtype,
                           shape=shape, precision=precision, heads_per_group=heads_per_group)
     stores = [mine, float32_twin(mine)]
-    plans = random_plans(stores[0], specs, random.Random(seed + 1), gap=gap)
+    plans = random_plans(stores[0], specs, random.Random(seed + 1), gap=gap, twins=stores[1:])
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), "cpu", dtype, shape)
     if poison:
         for st in stores:
@@ -226,7 +227,7 @@ def test_groups_in_different_formats(formats, head_dim, gqa):
     assert [len(h) for h in stores[0].head_index[1]] == [2, 2]
     specs = (random_specs(random.Random(42), 3, False, page=16, max_sealed=4)
              + random_specs(random.Random(43), 2, True, page=16, max_sealed=4))
-    plans = random_plans(stores[0], specs, random.Random(44), gap=1)
+    plans = random_plans(stores[0], specs, random.Random(44), gap=1, twins=stores[1:])
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(45), "cpu", shape=shape)
     scale = 1 / math.sqrt(head_dim)
     want = []
@@ -891,8 +892,8 @@ def test_window_stats_forms_agree():
 def test_decode_in_place_matches_reference(seed, shape, monkeypatch):
     """Decode batches (random staged counts; the new token fills a page or opens one; some
     requests seal their first complete pages) take the in-place tails (stage_fresh: only the
-    fresh slots and the padding past each request's end are written): outputs and the whole
-    storage equal the reference's."""
+    fresh slots and the padding of pages new to the staging are written): outputs and the
+    whole storage equal the reference's."""
     calls = []
     monkeypatch.setattr(native_impl, "stage_fresh",
                         lambda *a: calls.append(1) or tail_batch_module.stage_fresh(*a))
@@ -928,3 +929,73 @@ def test_copy_rows_writes_only_its_slots_and_refuses_bad_input():
         copy_rows(dst, slots, src.float(), rows)
     with pytest.raises(RuntimeError, match="rows of dst"):
         copy_rows(dst, slots, torch.randn(3, 3, 5).bfloat16(), rows)
+
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_staging_pages_hold_zeros_past_each_end_over_a_request(window):
+    """Two requests driven through the planner (a prefill chunk through store_tails' whole
+    pages, then decode steps in place across page boundaries; the first finishes and its
+    staging pages go back to the second) with every free staging page full of NaN: after
+    every forward, each staged page holds zeros past its request's end in every layer
+    (stage_fresh writes only fresh slots of pages held before, so it relies on this), and
+    outputs and the storage equal the reference's driven the same way."""
+    P, shape = 16, Shape(page_size=16, head_dim=64, kv_heads=4, gqa=3)
+    stores = [random_storage(random.Random(5), "cpu", layers=2, num_stages=12, shape=shape,
+                             precision="int4") for _ in range(2)]
+    for st in stores:
+        for t in st.stage_k + st.stage_v:
+            t.fill_(float("nan"))
+    impls = [NativeAttention(stores[0], extend_on_batched=False), TorchAttention(stores[1])]
+    req_to_token = torch.zeros(2, 512, dtype=torch.long)
+    free = list(range(1, stores[0].num_pages))
+    lens = [0, 0]
+    gen = torch.Generator().manual_seed(6)
+
+    def step(news: dict[int, int]) -> None:
+        rows = list(news)
+        for r in rows:  # pages as SGLang's paged allocator hands them out
+            for pos in range(lens[r], lens[r] + news[r]):
+                if pos % P == 0:
+                    page = free.pop()
+                    req_to_token[r, pos:pos + P] = torch.arange(page * P, page * P + P)
+        n = sum(news.values())
+        q = torch.randn(n, shape.kv_heads * shape.gqa, shape.head_dim, generator=gen)
+        k, v = (torch.randn(n, shape.kv_heads, shape.head_dim, generator=gen) for _ in range(2))
+        outs = []
+        for st, impl in zip(stores, impls, strict=True):
+            plan = take_staging(st, plan_batch(req_to_token, st, rows, [lens[r] for r in rows],
+                                               [lens[r] + news[r] for r in rows], window,
+                                               obs_window=4))
+            batch = impl.prepare(plan)
+            outs.append([impl.forward(layer, batch, q, k, v, 0.125, n == len(rows))
+                         for layer in range(2)])
+            st.mark_sealed(plan.pages_to_seal)
+        for got, want in zip(*outs, strict=True):
+            torch.testing.assert_close(got, want, **TOL[torch.float32])
+        for r in rows:
+            lens[r] += news[r]
+        for r, end in enumerate(lens):
+            for pos in range(0, end, P):
+                page = int(req_to_token[r, pos]) // P
+                stage = int(stores[0].page_to_stage[page])
+                if stage >= 0 and end - pos < P:
+                    for t in stores[0].stage_k + stores[0].stage_v:
+                        assert torch.equal(t[stage, end - pos:], torch.zeros_like(t[stage, end - pos:]))
+
+    step({0: 2 * P + 5, 1: 20})
+    for i in range(2 * P + 3):
+        step({0: 1, 1: 1} if i < P else {1: 1})
+        if i == P - 1:  # request 0 finishes: its pages and staging pages are freed
+            pages = req_to_token[0, :lens[0]:P] // P
+            for st in stores:
+                st.on_pages_freed(pages)
+            free.extend(pages.tolist())
+            lens[0] = 0
+    held = stores[0].page_to_stage[stores[0].page_to_stage >= 0]
+    for st in stores:  # NaN is left only in staging pages no request holds
+        for t in st.stage_k + st.stage_v:
+            assert not t[held].isnan().any()
+            t.nan_to_num_(0.0)
+    assert_same_state(*stores)
+    stores[0].check_integrity(torch.tensor(free))

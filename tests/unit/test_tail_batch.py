@@ -39,12 +39,13 @@ SCALE = 1 / math.sqrt(D)
 
 
 def _run_both(seed: int, specs: list[Spec], layer: int, gap: int, in_place: bool = False) -> None:
-    """in_place: through `stage_fresh` (no page sealed), the staging slots it must overwrite
-    (padding past each request's end, pages it did not hold before) poisoned with NaN in both
-    storages; it must also read back the pages `tail_pages` gathers."""
+    """in_place: through `stage_fresh` (no page sealed), the staging pages it must overwrite
+    (those the request did not hold before) poisoned with NaN in both storages; it must also
+    read back the pages `tail_pages` gathers. The pages a request held hold zeros past its end
+    (random_plans), which an in-place forward leaves as they are."""
     batched, ref = (random_storage(random.Random(seed), "cpu", layers=2, num_stages=64)
                     for _ in range(2))
-    plans = random_plans(batched, specs, random.Random(seed), gap=gap)
+    plans = random_plans(batched, specs, random.Random(seed), gap=gap, twins=[ref])
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), "cpu")
     if in_place:
         for st in batched, ref:
@@ -68,18 +69,17 @@ def _run_both(seed: int, specs: list[Spec], layer: int, gap: int, in_place: bool
 
 
 def _poison_overwritten(st, plans, layer: int) -> None:
-    """NaN in the staging slots a forward must overwrite: this layer's slots past each
-    request's end and every slot of staging pages the request did not hold before."""
+    """NaN in the staging pages a forward must overwrite in this layer: every slot and
+    statistic of the staging pages a request did not hold before."""
     for p in plans:
         stages = p.after_stages[p.num_seal:]
         for i, s in enumerate(stages.tolist()):
-            first = p.tail_start + (p.num_seal + i) * P  # the page's first position
-            staged = max(0, min(P, p.prefix - first)) if i < p.prior_stages.numel() else 0
-            for t in st.stage_k[layer], st.stage_v[layer]:
-                t[s, staged:] = float("nan")
+            if i < p.prior_stages.numel():
+                continue
+            for t in st.stage_k[layer], st.stage_v[layer]:  # [S, P, H, D] of this layer
+                t[s] = float("nan")
             for t in (st.stats.attn, st.stats.q_sum, st.stats.q_sq_sum, st.stats.q_count):
-                if i >= p.prior_stages.numel():
-                    t[s, layer] = float("nan")
+                t[s, layer] = float("nan")
 
 
 def _in_place_specs(rng: random.Random, n: int) -> list[Spec]:
