@@ -17,7 +17,7 @@ Page 0 is SGLang's padding page; it is never handed out.
 
 The storage owns its writes: every path (the torch reference, the batched and native CPU
 paths, the Triton kernels, finish-time sealing) changes its tensors only through the write
-API below -- `stage_kv`, `stage_tokens`, `store_stats`, `write_obs` (staging), `seal` / `write_sealed` (rows,
+API below -- `stage_kv`, `stage_tokens`, `store_stats`, `write_obs`, `write_obs_pages` (staging), `seal` / `write_sealed` (rows,
 through the row writer: the storage's own -- on the CPU the native kernels' `seal_rows` where
 they are built (cuda_ext/seal.cpp, one call a layer), else torch ops -- or the sealing kernel
 once the Triton path installs it with `use_row_writer`), `mark_sealed`, `seal_staged`. The tensor fields (rows_k, rows_v, low_rows,
@@ -282,6 +282,16 @@ class RaggedStorage:
     def store_stats(self, layer: int, stages: torch.Tensor, acc: StagedQueryStats) -> None:
         """One layer's accumulators of the pages that stay staged, stages [N] int64."""
         self.stats.store(layer, stages, acc)
+
+    def write_obs_pages(self, stages: torch.Tensor, counts: torch.Tensor) -> None:
+        """Observation counts [N, P] of N staging pages stages [N] int64 (layer-independent;
+        whole pages). A page listed twice (a staged page two requests of the batch share)
+        keeps its last counts, as writing them in turn would."""
+        last = {s: i for i, s in enumerate(stages.tolist())}
+        if len(last) < stages.numel():
+            keep = torch.tensor(sorted(last.values()), dtype=torch.long)
+            stages, counts = stages[keep], counts[keep]
+        self.stats.obs.index_copy_(0, stages.to(self.device), counts.to(self.device, torch.float32))
 
     def write_obs(self, stage: int, counts: torch.Tensor) -> None:
         """Observation counts [n <= P] of one staging page's tokens (layer-independent; the

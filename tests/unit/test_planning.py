@@ -110,3 +110,134 @@ def test_sealer_counts_only_what_the_batch_says():
     assert twin.counters.entries_kept == 2 * sum(twin.layout.slots[0]) * 1
     for a, b in zip(storage.rows_k[0], twin.rows_k[0], strict=True):
         assert torch.equal(a, b)  # the same rows either way
+
+
+def _reference_plan(req_to_token, storage, pool_idx, prefixes, seq_lens, window_pages,
+                    obs_window, final):
+    """The planner as it was written request by request in torch ops (its brute-force form):
+    plans and, after taking staging, the observation counts written page by page."""
+    plans, q_start = [], 0
+    for r, prefix, seq_len, last in zip(pool_idx, prefixes, seq_lens, final, strict=True):
+        row = req_to_token[r]
+        old = (row[0:prefix:P] // P).cpu().long()
+        staged = storage.page_to_stage[old] >= 0
+        num_sealed = int((~staged).long().cumsum(0).eq(torch.arange(1, len(old) + 1)).sum())
+        tail_start = num_sealed * P
+        prior = storage.page_to_stage[old[num_sealed:]]
+        tail = (row[tail_start:seq_len:P] // P).cpu().long()
+        num_seal = max(0, seq_len // P - num_sealed - (window_pages if last else 0))
+        obs = torch.zeros(seq_len - tail_start)
+        if prior.numel():
+            obs[: prefix - tail_start] = storage.stats.obs[prior].flatten()[: prefix - tail_start]
+        w = min(obs_window, seq_len - prefix)
+        q_pos = torch.arange(seq_len - w, seq_len)
+        obs += (q_pos[None, :] >= torch.arange(tail_start, seq_len)[:, None]).sum(1).float()
+        plans.append(dict(q_start=q_start, prefix=prefix, seq_len=seq_len, tail_start=tail_start,
+                          sealed_pages=old[:num_sealed], prior_stages=prior, tail_pages=tail,
+                          num_seal=num_seal, after_stages=storage.page_to_stage[tail[num_seal:]],
+                          tail_obs=obs, obs_queries=w))
+        q_start += seq_len - prefix
+    return plans
+
+
+def _random_batch(rng, storage, rows: int):
+    """Requests of random sealed runs, staged pages (the last partly staged or whole) and new
+    tokens (decode or a chunk), on distinct pages; staging statistics random."""
+    table = torch.zeros(rows, 16 * P, dtype=torch.int32)
+    free = list(range(1, storage.num_pages))
+    rng.shuffle(free)
+    prefixes, seq_lens = [], []
+    for r in range(rows):
+        sealed, staged = rng.randrange(4), rng.randrange(3)
+        prefix = (sealed + staged) * P - (rng.randrange(P) if staged else 0)
+        seq_len = prefix + (1 if rng.random() < 0.5 else rng.randint(2, 3 * P))
+        for i in range(-(-seq_len // P)):
+            page = free.pop()
+            table[r, i * P:(i + 1) * P] = torch.arange(page * P, page * P + P)
+            if i < sealed:
+                storage.sealed[page] = True
+            elif i < sealed + staged:
+                storage.stage(page)
+        prefixes.append(prefix)
+        seq_lens.append(seq_len)
+    storage.stats.obs.copy_(torch.randint(0, 9, storage.stats.obs.shape).float())
+    return table, prefixes, seq_lens
+
+
+def test_plans_equal_the_per_request_reference():
+    """plan_batch on host arrays plans every request as the per-request torch form did (every
+    field, random batches of sealed runs, staged pages, decode steps and chunks, windows 0-2,
+    final and non-final chunks, observation windows 1-32), and take_staging writes the same
+    observation counts as writing them page by page."""
+    import random
+
+    for seed in range(40):
+        rng = random.Random(seed)
+        storage = make_storage(uniform_profile(0.5, 2, 2, 1), P, D, 200, 60)
+        rows = rng.randint(1, 6)
+        table, prefixes, seq_lens = _random_batch(rng, storage, rows)
+        pool_idx = rng.sample(range(rows), rows)
+        prefixes = [prefixes[r] for r in pool_idx]
+        seq_lens = [seq_lens[r] for r in pool_idx]
+        window, obs_window = rng.randrange(3), rng.choice([1, 4, 32])
+        final = [rng.random() < 0.7 for _ in pool_idx]
+        want = _reference_plan(table, storage, pool_idx, prefixes, seq_lens, window, obs_window,
+                               final)
+        plan = plan_batch(table, storage, pool_idx, prefixes, seq_lens, window, obs_window, final)
+        assert len(plan.requests) == len(want)
+        for got, ref in zip(plan.requests, want, strict=True):
+            for name, value in ref.items():
+                mine = getattr(got, name)
+                assert (torch.equal(mine, value) if isinstance(value, torch.Tensor)
+                        else mine == value), (seed, name, mine, value)
+        assert plan.pages_to_seal.tolist() == [t for p in want
+                                               for t in p["tail_pages"][: p["num_seal"]].tolist()]
+        twin = copy.deepcopy(storage)
+        staged = take_staging(storage, plan)
+        for p in want:  # the reference: stage in request order, counts page by page
+            for i, page in enumerate(p["tail_pages"][p["num_seal"]:].tolist()):
+                s = int(twin.page_to_stage[page])
+                s = s if s >= 0 else twin.stage(page)
+                twin.write_obs(s, p["tail_obs"][(p["num_seal"] + i) * P:(p["num_seal"] + i + 1) * P])
+        for a, b in zip(_bookkeeping(storage), _bookkeeping(twin), strict=True):
+            assert a == b if isinstance(a, list) else torch.equal(a, b), seed
+        assert [p.after_stages.tolist() for p in staged.requests] == [
+            twin.page_to_stage[p["tail_pages"][p["num_seal"]:]].tolist() for p in want]
+
+
+def test_a_staged_page_two_requests_share_keeps_the_last_counts():
+    """Two requests whose tails share a staged page (a prefix both cached): its counts are
+    the later request's, as when they were written request by request."""
+    storage = _storage()
+    table = torch.zeros(2, 4 * P, dtype=torch.int64)
+    table[0, : 2 * P] = torch.arange(1 * P, 3 * P)  # pages 1, 2
+    table[1, : 2 * P] = torch.arange(1 * P, 3 * P)  # the same pages
+    table[1, 2 * P : 3 * P] = torch.arange(3 * P, 4 * P)  # then its own page 3
+    stage = storage.stage(2)
+    storage.sealed[1] = True
+    storage.write_obs(stage, torch.full((P,), 5.0))
+    plan = take_staging(storage, plan_batch(table, storage, [0, 1], [2 * P - 1, 2 * P],
+                                            [2 * P, 2 * P + 1], 1, 4))
+    assert plan.requests[0].after_stages.tolist() == [stage]
+    assert plan.requests[1].after_stages[0] == stage
+    assert storage.stats.obs[stage].tolist() == plan.requests[1].tail_obs[:P].tolist()
+    assert storage.stats.obs[stage].tolist() != plan.requests[0].tail_obs[:P].tolist()
+
+
+def test_bad_prefixes_are_refused_by_name():
+    """A cached page neither sealed nor staged, a sealed page after a staged one, and a prefix
+    ending inside a sealed page are refused with what is wrong."""
+    import pytest
+
+    table = _req_to_token(1)
+    for setup, prefix, message in [
+        (lambda st: None, 2 * P, "neither sealed nor staged"),
+        (lambda st: (st.stage(1), st.sealed.__setitem__(2, True)), 2 * P,
+         "a sealed page follows a staged page"),
+        (lambda st: st.sealed.__setitem__(slice(1, 3), True), 2 * P - 3,
+         "needs page-aligned prefixes"),
+    ]:
+        storage = _storage()
+        setup(storage)
+        with pytest.raises(RuntimeError, match=message):
+            plan_batch(table, storage, [0], [prefix], [prefix + 1], 1, 4)
