@@ -16,6 +16,9 @@
 // once per page and head (float32), 16 keys per vector, attention_body.inc's exp16 (relative
 // error < 2e-7 against std::exp).
 //
+// store_stats: one layer's accumulators of the pages that stay staged into the staging statistics
+// (StagingStats.store's four index_copy_ in one call, RaggedStorage.store_stats on the CPU).
+//
 // copy_rows(dst, slots, src, rows): dst[slots[i]] = src[rows[i]] (zeros where rows[i] < 0),
 // rows of any dtype by memcpy (the staging write of a decode step, RaggedStorage.stage_tokens,
 // where torch's gather and index_copy_ cost ~60 us for a few hundred rows of 384 bytes).
@@ -400,6 +403,49 @@ std::vector<at::Tensor> window_stats(const at::Tensor& q, const at::Tensor& lse,
     run<c10::BFloat16>(s, q, lse, k_pages, win_row, win_pos, page_start, n_staged, prior_stage,
                        prior, layer, scale, out, avx512);
   return out;
+}
+
+void store_stats(at::Tensor& attn, at::Tensor& q_sum, at::Tensor& q_sq_sum,
+                 at::Tensor& q_count, int64_t layer, const at::Tensor& stages,
+                 const at::Tensor& acc_attn, const at::Tensor& acc_sum, const at::Tensor& acc_sq,
+                 const at::Tensor& acc_count) {
+  const char* who = "store_stats";
+  check_cpu_tensor(who, attn, "stats.attn", at::kFloat, 4);
+  check_cpu_tensor(who, q_sum, "stats.q_sum", at::kFloat, 4);
+  check_cpu_tensor(who, q_sq_sum, "stats.q_sq_sum", at::kFloat, 4);
+  check_cpu_tensor(who, q_count, "stats.q_count", at::kFloat, 2);
+  check_cpu_tensor(who, stages, "stages", at::kLong, 1);
+  const int64_t S = attn.size(0), L = attn.size(1), H = attn.size(2), P = attn.size(3);
+  const int64_t D = q_sum.size(3), N = stages.size(0);
+  TORCH_CHECK(q_sum.sizes() == q_sq_sum.sizes() && q_sum.size(0) == S && q_sum.size(1) == L &&
+                  q_sum.size(2) == H && q_count.size(0) == S && q_count.size(1) == L,
+              "store_stats: staging statistics ", attn.sizes(), ", ", q_sum.sizes(), ", ",
+              q_sq_sum.sizes(), " and ", q_count.sizes(), " are not one storage's [S, L, H, P], "
+              "[S, L, H, D] x2 and [S, L]");
+  TORCH_CHECK(layer >= 0 && layer < L, "store_stats: layer ", layer, " outside [0, ", L, ")");
+  check_cpu_tensor(who, acc_attn, "acc.attn", at::kFloat, 3);
+  check_cpu_tensor(who, acc_sum, "acc.q_sum", at::kFloat, 3);
+  check_cpu_tensor(who, acc_sq, "acc.q_sq_sum", at::kFloat, 3);
+  check_cpu_tensor(who, acc_count, "acc.q_count", at::kFloat, 1);
+  TORCH_CHECK(acc_attn.size(0) == N && acc_attn.size(1) == H && acc_attn.size(2) == P &&
+                  acc_sum.sizes() == acc_sq.sizes() && acc_sum.size(0) == N &&
+                  acc_sum.size(1) == H && acc_sum.size(2) == D && acc_count.size(0) == N,
+              "store_stats: accumulators ", acc_attn.sizes(), ", ", acc_sum.sizes(), ", ",
+              acc_sq.sizes(), " and ", acc_count.sizes(), " are not [N, H, P], [N, H, D] x2 and "
+              "[N] for N = ", N, " stages, H = ", H, ", P = ", P, ", D = ", D);
+  const int64_t* st = stages.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N; ++i)
+    TORCH_CHECK(st[i] >= 0 && st[i] < S, "store_stats: stage ", st[i], " is outside [0, ", S,
+                ")");
+  float *a = attn.data_ptr<float>(), *qs = q_sum.data_ptr<float>();
+  float *qq = q_sq_sum.data_ptr<float>(), *qc = q_count.data_ptr<float>();
+  for (int64_t i = 0; i < N; ++i) {  // in order: a stage listed twice keeps its last row
+    const int64_t at = st[i] * L + layer;
+    std::memcpy(a + at * H * P, acc_attn.data_ptr<float>() + i * H * P, H * P * sizeof(float));
+    std::memcpy(qs + at * H * D, acc_sum.data_ptr<float>() + i * H * D, H * D * sizeof(float));
+    std::memcpy(qq + at * H * D, acc_sq.data_ptr<float>() + i * H * D, H * D * sizeof(float));
+    qc[at] = acc_count.data_ptr<float>()[i];
+  }
 }
 
 void copy_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,

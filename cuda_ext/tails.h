@@ -17,6 +17,12 @@ std::vector<at::Tensor> window_stats(const at::Tensor& q, const at::Tensor& lse,
                                      const at::Tensor& q_sq_sum, const at::Tensor& q_count,
                                      int64_t layer, double scale);
 
+// stats.*[stages[i], layer] = acc.*[i] (StagingStats.store).
+void store_stats(at::Tensor& attn, at::Tensor& q_sum, at::Tensor& q_sq_sum,
+                 at::Tensor& q_count, int64_t layer, const at::Tensor& stages,
+                 const at::Tensor& acc_attn, const at::Tensor& acc_sum, const at::Tensor& acc_sq,
+                 const at::Tensor& acc_count);
+
 // dst[slots[i]] = src[rows[i]] (zeros where rows[i] < 0).
 void copy_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,
                const at::Tensor& rows);

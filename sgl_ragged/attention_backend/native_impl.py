@@ -210,29 +210,48 @@ class NativeAttention(AttentionImpl[NativeBatch]):
                 v: torch.Tensor, scale: float, decode: bool) -> torch.Tensor:
         if batch.batched is not None:
             return self.batched.forward(layer, batch.batched, q, k, v, scale, decode)
-        st = self.storage
-        if q.dtype != st.dtype:
-            raise ValueError(f"native attention: q is {q.dtype} but the KV cache is {st.dtype}")
-        # The tails' gathers, staging and sealing are small tensor ops: on one thread unless
-        # the tail pages are many (waking the pool per op costs more than it gives).
-        tail_threads = 1 if batch.tails.page_req.numel() * st.layout.page_size <= SERIAL_TAIL_TOKENS \
-            else torch.get_num_threads()
-        tails = batch.tails
-        with intra_op_threads(tail_threads):  # in place: only the new tokens' slots written
+        if q.dtype != self.storage.dtype:
+            raise ValueError(f"native attention: q is {q.dtype} but the KV cache is "
+                             f"{self.storage.dtype}")
+        k_pages, v_pages = self.stage(layer, batch, k, v)
+        out, lse = self.attend(layer, batch, q, k_pages, v_pages, scale)
+        self.store(layer, batch, q, k_pages, v_pages, lse, scale)
+        return out
+
+    # forward's three steps (bench.decode_step times them apart)
+
+    def _tail_threads(self, batch: NativeBatch) -> int:
+        """The tails' gathers, staging and sealing are small tensor ops: on one thread unless
+        the tail pages are many (waking the pool per op costs more than it gives)."""
+        tokens = batch.tails.page_req.numel() * self.storage.layout.page_size
+        return 1 if tokens <= SERIAL_TAIL_TOKENS else torch.get_num_threads()
+
+    def stage(self, layer: int, batch: NativeBatch, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every tail page's K and V [M, P, H, D] for the kernels (in place: only the new
+        tokens' slots written first)."""
+        tails, st = batch.tails, self.storage
+        with intra_op_threads(self._tail_threads(batch)):
             if tails.in_place:
-                k_pages, v_pages = stage_fresh(st, layer, tails, k, v,
-                                               getattr(self.module, "copy_rows", None))
-            else:
-                k_pages, v_pages = tail_pages(st, layer, tails, k, v)  # [M, P, H, D]
-        out, lse = self.module.attend(
+                return stage_fresh(st, layer, tails, k, v, getattr(self.module, "copy_rows", None))
+            return tail_pages(st, layer, tails, k, v)
+
+    def attend(self, layer: int, batch: NativeBatch, q: torch.Tensor, k_pages: torch.Tensor,
+               v_pages: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernels' attention of one layer: the output and each row's log-sum-exp."""
+        st = self.storage
+        return self.module.attend(
             q.contiguous(), k_pages.contiguous(), v_pages.contiguous(), st.rows_k[layer],
             st.rows_v[layer], self.low[layer], self.high[layer], self.formats[layer],
             self.head_map[layer], batch.requests, batch.sealed_off, batch.sealed_pages, scale,
             self.serial_pairs)
-        with intra_op_threads(tail_threads):
-            store_tails(st, layer, tails, k_pages, v_pages, q, lse, scale, stats=self.stats,
-                        kv_staged=tails.in_place)
-        return out
+
+    def store(self, layer: int, batch: NativeBatch, q: torch.Tensor, k_pages: torch.Tensor,
+              v_pages: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+        """The tails' window statistics, seals and staging (`store_tails`)."""
+        with intra_op_threads(self._tail_threads(batch)):
+            store_tails(self.storage, layer, batch.tails, k_pages, v_pages, q, lse, scale,
+                        stats=self.stats, kv_staged=batch.tails.in_place)
 
     def window_stats(self, storage: RaggedStorage, layer: int, tails: TailBatch,
                      k_pages: torch.Tensor, q: torch.Tensor, lse: torch.Tensor,

@@ -171,6 +171,9 @@ class RaggedStorage:
         # tests/unit/test_native_seal.py holds it to) on a CPU where they are built; False: the
         # torch ops (tests and bench.seal compare the two).
         self.native_rows = self.device.type == "cpu" and native_kernels() is not None
+        # native_stats: store_stats in one native call (the same values as StagingStats.store;
+        # tests/unit/test_storage.py compares them) where the kernels have it.
+        self.native_stats = self.native_rows and hasattr(native_kernels(), "store_stats")
         self._seal_args: dict[int, tuple[list[int], list[int], list[torch.Tensor]]] = {}
 
     def _zeros(self, *shape: int) -> torch.Tensor:
@@ -280,7 +283,16 @@ class RaggedStorage:
             flat.index_copy_(0, slots, padded.index_select(0, rows + 1))
 
     def store_stats(self, layer: int, stages: torch.Tensor, acc: StagedQueryStats) -> None:
-        """One layer's accumulators of the pages that stay staged, stages [N] int64."""
+        """One layer's accumulators of the pages that stay staged, stages [N] int64: one
+        native call on the CPU where the kernels are built (`native_stats`), else
+        StagingStats.store's four index_copy_."""
+        if self.native_stats:
+            s = self.stats
+            native_kernels().store_stats(s.attn, s.q_sum, s.q_sq_sum, s.q_count, layer,
+                                         stages.long(), acc.attn.contiguous(),
+                                         acc.q_sum.contiguous(), acc.q_sq_sum.contiguous(),
+                                         acc.q_count.contiguous())
+            return
         self.stats.store(layer, stages, acc)
 
     def write_obs_pages(self, stages: torch.Tensor, counts: torch.Tensor) -> None:

@@ -249,3 +249,44 @@ def test_nothing_outside_mem_pool_writes_a_storage_field():
     found = {str(p.relative_to(root)): lines for p in sorted(root.rglob("*.py"))
              if p.parent.name != "mem_pool" and (lines := storage_writes(p.read_text()))}
     assert not found, f"storage fields written outside mem_pool/ (file: lines): {found}"
+
+
+def test_native_store_stats_writes_what_the_torch_store_writes():
+    """store_stats' native call (native_stats, the CPU server's) writes the staging statistics
+    StagingStats.store's index_copy_ writes: random accumulators at random stages of random
+    layers, a stage listed twice keeping its last row; the other rows untouched. Bad input is
+    refused by name."""
+    from sgl_ragged import native
+    from sgl_ragged.mem_pool.staging_stats import StagedQueryStats
+
+    if not native.available():
+        pytest.skip(f"native kernels: {native.reason()}")
+    gen = torch.Generator().manual_seed(3)
+    storage = make_storage(uniform_profile(0.5, 3, 2, 1), P, 16, PAGES, 10)
+    assert storage.native_stats
+    for t in storage.stats.tensors():
+        t.copy_(torch.randn(t.shape, generator=gen))
+    twin = copy.deepcopy(storage)
+    twin.native_stats = False
+    H, D = storage.layout.num_kv_heads, storage.layout.head_dim
+    for layer, stages in [(0, [3, 0, 9]), (2, [5, 5, 1, 7]), (1, []), (2, [10])]:
+        n = len(stages)
+        acc = StagedQueryStats(attn=torch.randn(n, H, P, generator=gen),
+                               q_sum=torch.randn(n, H, D, generator=gen),
+                               q_sq_sum=torch.randn(n, H, D, generator=gen),
+                               q_count=torch.randn(n, generator=gen))
+        index = torch.tensor(stages, dtype=torch.long)
+        for store in storage, twin:
+            store.store_stats(layer, index, acc)
+        for a, b in zip(storage.stats.tensors(), twin.stats.tensors(), strict=True):
+            assert torch.equal(a, b)
+    assert storage.stats.q_count[5, 2] == twin.stats.q_count[5, 2]
+    module, s = native.load(), storage.stats
+    acc = (torch.zeros(1, H, P), torch.zeros(1, H, D), torch.zeros(1, H, D), torch.zeros(1))
+    with pytest.raises(RuntimeError, match="stage 11 is outside"):
+        module.store_stats(s.attn, s.q_sum, s.q_sq_sum, s.q_count, 0, torch.tensor([11]), *acc)
+    with pytest.raises(RuntimeError, match="layer 3 outside"):
+        module.store_stats(s.attn, s.q_sum, s.q_sq_sum, s.q_count, 3, torch.tensor([1]), *acc)
+    with pytest.raises(RuntimeError, match="accumulators"):
+        module.store_stats(s.attn, s.q_sum, s.q_sq_sum, s.q_count, 0, torch.tensor([1]),
+                           torch.zeros(1, H, P + 1), *acc[1:])

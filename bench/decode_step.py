@@ -1,0 +1,161 @@
+"""Where the ragged backend's part of a CPU decode step goes: planning, and each layer's staging,
+attention kernel and tail statistics, timed apart.
+
+    python -m bench.decode_step [--batch 1 8 16 32] [--context 2048] --out results/decode-step
+    python -m bench.decode_step --profile calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json \
+        --precision bf16
+
+A decode step of `batch` requests, each with `context` tokens in sealed pages and 37 staged
+tokens in its last page (one page staged: --ragged-window-pages 1, observation window 32), on
+a storage whose bookkeeping (sealed pages, staging pages, req_to_token) is what a server's is
+after the prefill, with random rows. Each round runs what the backend runs for one forward
+(attention_backend/backend.py and native_impl.py), timing:
+
+    | step     | what                                                                       |
+    |----------|----------------------------------------------------------------------------|
+    | plan     | planner.plan_batch and take_staging (once per forward)                     |
+    | prepare  | NativeAttention.prepare: the kernels' tables and the tails' (once)         |
+    | stage    | every layer's NativeAttention.stage: the new token into its staging slots, |
+    |          | the tail pages read back for the kernels                                   |
+    | attend   | every layer's kernel call (NativeAttention.attend)                          |
+    | store    | every layer's NativeAttention.store: window statistics and their staging   |
+
+Steps are timed in order within a round (each needs the previous one's output); medians over the
+repeats after warm-up, the model's dense layers excluded. The same token is staged every round,
+so the storage's state is the same at every round. Needs the native kernels (the CPU server's
+path). Writes decode_step.json and decode_step.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench import cpu_sweep
+from bench.cpu_attention import DEFAULT_PROFILE as DROP_PROFILE
+from bench.cpu_attention import PAGE, TAIL, build_case
+from sgl_ragged import native
+from sgl_ragged.attention_backend.native_impl import NativeAttention
+from sgl_ragged.attention_backend.planner import plan_batch, take_staging
+from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.profile import BudgetProfile
+
+DEFAULT_PROFILE = Path("calib_profiles/smollm2-135m-instruct/mixed-uniform-rho0.3.json")
+STEPS = ("plan", "prepare", "stage", "attend", "store")
+WINDOW_PAGES, OBS_WINDOW = 1, 32  # RaggedConfig's defaults
+
+
+def served_case(profile: BudgetProfile, batch: int, context: int, precision: str,
+                ) -> tuple[RaggedStorage, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """bench.cpu_attention's decode case with a server's bookkeeping: request b's sealed
+    pages marked sealed, its tail page staged, its positions in row b of req_to_token."""
+    storage, plans, qkv = build_case(profile, batch, context, True, precision)
+    req_to_token = torch.zeros(batch, context + TAIL + 1, dtype=torch.int32)
+    for b, plan in enumerate(plans):
+        storage.sealed[plan.sealed_pages] = True
+        for page in plan.tail_pages.tolist():
+            storage.stage(page)
+        pages = torch.cat([plan.sealed_pages, plan.tail_pages])
+        slots = (pages[:, None] * PAGE + torch.arange(PAGE)).flatten()
+        req_to_token[b] = slots[: req_to_token.shape[1]].to(torch.int32)
+    return storage, req_to_token, qkv
+
+
+def step_seconds(impl: NativeAttention, req_to_token: torch.Tensor, context: int,
+                 qkv: tuple[torch.Tensor, ...], scale: float) -> dict[str, float]:
+    """One decode forward, each step's seconds (layers summed)."""
+    storage, (q, k, v) = impl.storage, qkv
+    batch = req_to_token.shape[0]
+    prefix = context + TAIL
+    seconds = dict.fromkeys(STEPS, 0.0)
+    t0 = time.perf_counter()
+    plan = take_staging(storage, plan_batch(req_to_token, storage, list(range(batch)),
+                                            [prefix] * batch, [prefix + 1] * batch,
+                                            WINDOW_PAGES, OBS_WINDOW))
+    t1 = time.perf_counter()
+    prepared = impl.prepare(plan)
+    t2 = time.perf_counter()
+    seconds["plan"], seconds["prepare"] = t1 - t0, t2 - t1
+    for layer in range(storage.layout.num_layers):
+        t0 = time.perf_counter()
+        k_pages, v_pages = impl.stage(layer, prepared, k, v)
+        t1 = time.perf_counter()
+        _, lse = impl.attend(layer, prepared, q, k_pages, v_pages, scale)
+        t2 = time.perf_counter()
+        impl.store(layer, prepared, q, k_pages, v_pages, lse, scale)
+        t3 = time.perf_counter()
+        seconds["stage"] += t1 - t0
+        seconds["attend"] += t2 - t1
+        seconds["store"] += t3 - t2
+    return seconds
+
+
+def measure(profile: BudgetProfile, batch: int, context: int, precision: str, warmup: int,
+            repeats: int) -> dict:
+    storage, req_to_token, qkv = served_case(profile, batch, context, precision)
+    impl = NativeAttention(storage)
+    scale = profile.model.head_dim**-0.5
+    for _ in range(warmup):
+        step_seconds(impl, req_to_token, context, qkv, scale)
+    samples = [step_seconds(impl, req_to_token, context, qkv, scale) for _ in range(repeats)]
+    result = {"batch": batch, "context": context, "precision": precision,
+              "layers": storage.layout.num_layers}
+    for name in STEPS:
+        result[f"{name}_s"] = statistics.median(s[name] for s in samples)
+    result["total_s"] = statistics.median(sum(s.values()) for s in samples)
+    return result
+
+
+def markdown(results: list[dict], profile_name: str) -> str:
+    lines = [f"The ragged backend's part of a CPU decode step ({profile_name}; "
+             f"{torch.get_num_threads()} threads), medians in ms (stage, attend and store summed "
+             "over the layers); outside: everything but the kernel, per layer in us.", "",
+             "| batch | context | rows | plan | prepare | stage | attend | store | total | "
+             "outside the kernel | per layer (us) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        outside = r["total_s"] - r["attend_s"]
+        cells = [f"{1e3 * r[f'{name}_s']:.2f}" for name in STEPS]
+        lines.append(f"| {r['batch']} | {r['context']} | {r['precision']} | {' | '.join(cells)} | "
+                     f"{1e3 * r['total_s']:.2f} | {100 * outside / r['total_s']:.0f}% | "
+                     f"{1e6 * outside / r['layers']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", type=Path, default=DEFAULT_PROFILE)
+    parser.add_argument("--precision", default="mixed",
+                        help="the rows' precision (--ragged-precision; mixed: the profile's)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16, 32])
+    parser.add_argument("--context", type=int, nargs="+", default=[2048])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=Path("results/decode-step"))
+    args = parser.parse_args()
+    if min(args.batch) < 1 or min(args.context) < PAGE or args.repeats < 1 or args.warmup < 0:
+        parser.error(f"--batch and --repeats must be at least 1, --context at least {PAGE} "
+                     "and --warmup at least 0")
+    if args.precision == "mixed" and args.profile == DROP_PROFILE:
+        parser.error("--precision mixed needs a profile with per-head precision (the default "
+                     f"{DEFAULT_PROFILE})")
+    if not native.available():
+        raise SystemExit(f"bench.decode_step times the native kernels' path: {native.reason()}")
+    native.load()
+    profile = BudgetProfile.load(args.profile)
+    cases = [(b, c) for c in args.context for b in args.batch]
+    results = []
+    for i, (batch, context) in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] batch {batch}, context {context} ...", flush=True)
+        results.append(measure(profile, batch, context, args.precision, args.warmup,
+                               args.repeats))
+    cpu_sweep.write(args.out, "decode_step", {"profile": str(args.profile), "results": results},
+                    markdown(results, args.profile.name))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""bench.decode_step: every step of a served decode forward is timed, on a storage whose
+bookkeeping is a server's (the planner plans it without error, nothing is sealed or newly
+staged by the step, so every round sees the same state), and its output is the backend's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import decode_step
+from bench.cpu_attention import TAIL
+from sgl_ragged import native
+from sgl_ragged.attention_backend.native_impl import NativeAttention
+from sgl_ragged.attention_backend.planner import plan_batch
+from sgl_ragged.profile import BudgetProfile
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.reason()}")
+
+
+def test_every_step_is_timed():
+    profile = BudgetProfile.load(decode_step.DEFAULT_PROFILE)
+    result = decode_step.measure(profile, 3, 128, "mixed", warmup=0, repeats=2)
+    assert result["batch"] == 3 and result["layers"] == profile.num_layers
+    assert all(result[f"{step}_s"] > 0 for step in decode_step.STEPS)
+    assert result["total_s"] >= result["attend_s"]
+    table = decode_step.markdown([result], decode_step.DEFAULT_PROFILE.name)
+    assert "| 3 | 128 | mixed |" in table
+
+
+def test_the_served_case_is_a_steady_decode_step():
+    """The planner finds each request's sealed run and its one staged page, stages nothing new
+    and seals nothing; the forward's staging state after a round is the state before it."""
+    profile = BudgetProfile.load(decode_step.DEFAULT_PROFILE)
+    storage, req_to_token, (q, k, v) = decode_step.served_case(profile, 2, 128, "mixed")
+    prefix = 128 + TAIL
+    plan = plan_batch(req_to_token, storage, [0, 1], [prefix] * 2, [prefix + 1] * 2, 1, 32)
+    assert [p.num_seal for p in plan.requests] == [0, 0]
+    assert all(p.tail_start == 128 and p.prior_stages.numel() == 1 for p in plan.requests)
+    assert all((p.after_stages >= 0).all() for p in plan.requests)  # no new staging page
+    free_stages = list(storage.free_stage)
+    impl = NativeAttention(storage)
+    before = [t.clone() for t in storage.stage_k + storage.stage_v]
+    decode_step.step_seconds(impl, req_to_token, 128, (q, k, v), 0.125)
+    after = [t.clone() for t in storage.stage_k + storage.stage_v]
+    decode_step.step_seconds(impl, req_to_token, 128, (q, k, v), 0.125)
+    assert storage.free_stage == free_stages  # nothing staged or unstaged by the rounds
+    assert all(torch.equal(a, b) for a, b in zip(after, storage.stage_k + storage.stage_v,
+                                                 strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(before, after, strict=True))  # it staged
