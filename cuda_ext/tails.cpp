@@ -312,6 +312,18 @@ void run(const Shapes& s, const at::Tensor& q, const at::Tensor& lse, const at::
   float *attn = out[0].data_ptr<float>(), *q_sum = out[1].data_ptr<float>();
   float *q_sq = out[2].data_ptr<float>(), *q_cnt = out[3].data_ptr<float>();
   const int64_t P = s.P, D = s.D, H = s.H;
+  // The staging statistics the pages held, toward the cache all at once: rows of scattered
+  // staging pages (cold by a decode step's next visit to this layer) that the loop below would
+  // otherwise miss on one page after another.
+  for (int64_t m = 0; m < s.M; ++m) {
+    if (stage[m] < 0) continue;
+    const int64_t at = stage[m] * s.L + layer;
+    for (int64_t i = 0; i < H * P; i += 16) __builtin_prefetch(p_attn + at * H * P + i);
+    for (int64_t i = 0; i < H * D; i += 16) {
+      __builtin_prefetch(p_sum + at * H * D + i);
+      __builtin_prefetch(p_sq + at * H * D + i);
+    }
+  }
   const int64_t cost = std::max<int64_t>(1, s.w * s.G * P * D);
   at::parallel_for(0, s.M * H, std::max<int64_t>(1, (1 << 16) / cost), [&](int64_t b, int64_t e) {
     std::vector<float> scratch(scratch_floats(s));  // page_head's buffers
