@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from sgl_ragged.attention_backend.ops import take
@@ -84,11 +85,94 @@ class TailBatch:
 
 def tail_batch(plans: Sequence[RequestPlan], page_size: int, device: torch.device,
                in_place: bool = False) -> TailBatch:
-    """Index tensors for these plans: host lists per page, then a few device ops.
-    in_place: also the tables of `stage_fresh` where the forward allows it (the pages it
-    seals hold no fresh token; checking that each page keeps its staging page reads the
-    device)."""
-    P = page_size
+    """Index tensors for these plans. in_place: also the tables of `stage_fresh` where the
+    forward allows it (the pages it seals hold no fresh token; checking that each page keeps
+    its staging page reads the device). On the CPU in numpy (`_host_tail_batch`: a few dozen
+    array ops instead of as many torch ops, each several times dearer on tensors this small),
+    elsewhere host lists per page, then a few device ops (`_device_tail_batch`)."""
+    if torch.device(device).type == "cpu":
+        return _host_tail_batch(plans, page_size, in_place)
+    return _device_tail_batch(plans, page_size, device, in_place)
+
+
+def _host_tail_batch(plans: Sequence[RequestPlan], P: int, in_place: bool) -> TailBatch:
+    """`_device_tail_batch` on the CPU in numpy: the same tables, bit for bit
+    (tests/unit/test_tail_batch.py compares them on random batches)."""
+    counts = np.array([p.tail_pages.numel() for p in plans], dtype=np.int64)
+    M, B = int(counts.sum()), len(plans)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)  # each request's m0
+    req = np.repeat(np.arange(B, dtype=np.int64), counts)
+
+    def per_request(values: Sequence[int]) -> np.ndarray:  # [M] the page's request's value
+        return np.repeat(np.array(values, dtype=np.int64), counts)
+
+    def ranges(lo: Sequence[int], hi: Sequence[int]) -> np.ndarray:  # m0 + [lo, hi) per request
+        return _concat([np.arange(m0 + a, m0 + b, dtype=np.int64)
+                        for m0, a, b in zip(first.tolist(), lo, hi, strict=True)], np.int64)
+
+    # 1. Token sources [M, P]: staged (position < prefix), fresh (< seq_len) or padding.
+    page_start = per_request([p.tail_start for p in plans]) + P * (np.arange(M) - first[req])
+    pos = page_start[:, None] + np.arange(P)
+    prefix = per_request([p.prefix for p in plans])[:, None]
+    fresh = (pos >= prefix) & (pos < per_request([p.seq_len for p in plans])[:, None])
+    staged = pos < prefix
+    # 2. Staging pages held before / kept after, scattered to their page slots.
+    prior_index = ranges([0] * B, [p.prior_stages.numel() for p in plans])
+    prior_stage = np.zeros(M, dtype=np.int64)
+    prior_stage[prior_index] = _concat([p.prior_stages.numpy() for p in plans], np.int64)
+    has_prior = np.zeros(M, dtype=bool)
+    has_prior[prior_index] = True
+    # 3. Each page's window queries (`window_tables`), and which of its tokens they saw.
+    w = np.array([p.obs_queries for p in plans], dtype=np.int64)[:, None]
+    j = np.arange(max((p.obs_queries for p in plans), default=1))
+    valid = j[None, :] < w
+    last = np.array([p.q_start + p.q_len for p in plans], dtype=np.int64)[:, None]
+    end = np.array([p.seq_len for p in plans], dtype=np.int64)[:, None]
+    page_win_pos, page_win_valid = (end - w + j)[req], valid[req]  # [M, w]
+    new_row = np.where(fresh, per_request([p.q_start for p in plans])[:, None] + pos - prefix, 0)
+    slot = np.arange(M * P, dtype=np.int64).reshape(M, P)
+    seal_index = ranges([0] * B, [p.num_seal for p in plans])
+    stay_index = ranges([p.num_seal for p in plans], counts.tolist())
+    stay_stage = _concat([p.after_stages.numpy() for p in plans], np.int64)
+    tensors = {
+        "page_req": req, "page_start": page_start, "prior_stage": prior_stage,
+        "has_prior": has_prior, "staged": staged, "fresh": fresh, "new_row": new_row,
+        "source_row": np.where(staged, slot, np.where(fresh, 1 + new_row, 0)),
+        "obs": _concat([_pad_to_pages(p.tail_obs, P).numpy() for p in plans],
+                       np.float32).reshape(-1, P),
+        "page_win_row": np.where(valid, last - w + j, 0)[req],
+        "page_sees": (pos[:, None, :] <= page_win_pos[:, :, None]) & page_win_valid[..., None],
+        "page_saw": (page_win_valid & (page_win_pos >= page_start[:, None])).astype(np.float32),
+        "page_win_pos": np.where(page_win_valid, page_win_pos, -1),
+        "n_staged": staged.sum(1, dtype=np.int64),
+        "held_stage": np.where(has_prior, prior_stage, -1),
+        "seal_index": seal_index,
+        "seal_pages": _concat([p.tail_pages[: p.num_seal].numpy() for p in plans], np.int64),
+        "stay_index": stay_index, "stay_stage": stay_stage,
+    }
+    if in_place:  # `_with_in_place`'s tables, where the forward allows them
+        kept = has_prior[stay_index]
+        if staged[seal_index].all() and np.array_equal(stay_stage[kept],
+                                                       prior_stage[stay_index][kept]):
+            stages = prior_stage.copy()
+            stages[stay_index] = stay_stage
+            written = fresh | (~staged & ~has_prior[:, None])  # fresh, new padding
+            tensors |= {"page_stage": stages,
+                        "write_slot": (stages[:, None] * P + np.arange(P))[written],
+                        "write_row": np.where(fresh, new_row, -1)[written]}
+        else:
+            in_place = False
+    return TailBatch(**{k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()},
+                     num_seal=len(seal_index), num_stay=len(stay_index), in_place=in_place)
+
+
+def _concat(parts: Sequence[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.empty(0, dtype)
+
+
+def _device_tail_batch(plans: Sequence[RequestPlan], P: int, device: torch.device,
+                       in_place: bool) -> TailBatch:
+    """Host lists per page, then a few device ops."""
     # 1. Per page (host): request, first position, and the request's extents.
     req, start, prefix, seq_len, q_start, seal, stay, prior = ([] for _ in range(8))
     for b, p in enumerate(plans):

@@ -83,6 +83,9 @@ class TritonAttention(AttentionImpl[TritonBatch]):
         self.part_splits = tuple(tuple((t, self.splits.layer(layer).of_groups(t.groups))
                                        for t in parts) for layer, parts in enumerate(self.parts))
         storage.use_row_writer(KernelRowWriter(self.tables, self.parts))
+        # Its stores must be torch ops a decode graph captures: the native store_stats (a CPU
+        # storage's) is not one (only the tests' CPU stand-in of a graph meets it).
+        storage.native_stats = False
 
     def prepare(self, plan: BatchPlan) -> TritonBatch:
         assert plan.staged, "planner.take_staging did not run for this plan"

@@ -159,3 +159,33 @@ def test_tail_batch_index_spaces():
     # Query j of request 1 (position j) sees tokens 0..j of its page; the padded one nothing.
     sees = tails.page_sees[3, :, :4].int().tolist()
     assert sees == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_host_tables_equal_the_torch_tables(seed):
+    """tail_batch on the CPU (numpy, `_host_tail_batch`) builds every table the torch form
+    (`_device_tail_batch`, what other devices run) builds, with the same dtypes: decode and
+    prefill batches, sealing or not, observation windows of 1 to 32 queries, and the in-place
+    tables where the forward allows them (and none where it does not)."""
+    import dataclasses
+
+    from sgl_ragged.attention_backend import tail_batch as module
+
+    rng = random.Random(seed)
+    storage = random_storage(rng, "cpu", num_stages=64)
+    specs = (_in_place_specs(rng, rng.randint(1, 5)) if seed % 2
+             else random_specs(rng, rng.randint(1, 5), decode=seed % 3 == 0))
+    plans = [dataclasses.replace(p, obs_queries=min(p.q_len, rng.choice([1, 4, 32])))
+             for p in random_plans(storage, specs, random.Random(seed), gap=seed % 3)]
+    for in_place in (False, True):
+        got = module._host_tail_batch(plans, P, in_place)
+        want = module._device_tail_batch(plans, P, torch.device("cpu"), in_place)
+        assert got.in_place == want.in_place
+        for field in dataclasses.fields(want):
+            a, b = getattr(got, field.name), getattr(want, field.name)
+            if isinstance(b, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b), (field.name, a, b)
+            else:
+                assert a == b, field.name
+    assert module.tail_batch(plans, P, torch.device("cpu")).page_req.numel() == sum(
+        p.tail_pages.numel() for p in plans)
