@@ -309,6 +309,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &ragged::attend, "One layer's ragged attention for the whole batch");
   m.def("window_stats", &ragged::window_stats,
         "Window statistics of the batch's tail pages, prior accumulators added (tails.cpp)");
+  m.def("gather_pages", &ragged::gather_pages,
+        "[k_stage[pages[m], :rows[m]] then zeros] for k and v: a decode step's tail pages (tails.cpp)");
   m.def("store_stats", &ragged::store_stats,
         "stats.*[stages[i], layer] = acc.*[i]: StagingStats.store in one call (tails.cpp)");
   m.def("copy_rows", &ragged::copy_rows, "dst[slots[i]] = src[rows[i]] (zeros where rows[i] < 0), any dtype (tails.cpp)");

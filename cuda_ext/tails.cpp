@@ -16,6 +16,11 @@
 // once per page and head (float32), 16 keys per vector, attention_body.inc's exp16 (relative
 // error < 2e-7 against std::exp).
 //
+// gather_pages(k_stage, v_stage, pages, rows): a decode step's tail pages read back from the
+// layer's staging pages (tail_batch.stage_fresh), only each page's first rows[m] tokens copied
+// (those its request holds; the rest zeros): half the bytes of index_select's whole pages on
+// average, and the copy is what the step waits on.
+//
 // store_stats: one layer's accumulators of the pages that stay staged into the staging statistics
 // (StagingStats.store's four index_copy_ in one call, RaggedStorage.store_stats on the CPU).
 //
@@ -458,6 +463,40 @@ void store_stats(at::Tensor& attn, at::Tensor& q_sum, at::Tensor& q_sq_sum,
     std::memcpy(qq + at * H * D, acc_sq.data_ptr<float>() + i * H * D, H * D * sizeof(float));
     qc[at] = acc_count.data_ptr<float>()[i];
   }
+}
+
+std::vector<at::Tensor> gather_pages(const at::Tensor& k_stage, const at::Tensor& v_stage,
+                                     const at::Tensor& pages, const at::Tensor& rows) {
+  const char* who = "gather_pages";
+  TORCH_CHECK(k_stage.device().is_cpu() && v_stage.device().is_cpu() && k_stage.dim() == 4 &&
+                  k_stage.is_contiguous() && v_stage.is_contiguous() &&
+                  k_stage.sizes() == v_stage.sizes() &&
+                  k_stage.scalar_type() == v_stage.scalar_type(),
+              "gather_pages: k_stage ", k_stage.sizes(), " and v_stage ", v_stage.sizes(),
+              " must be one layer's contiguous CPU staging pages [S, P, H, D] of one dtype");
+  check_cpu_tensor(who, pages, "pages", at::kLong, 1);
+  check_cpu_tensor(who, rows, "rows", at::kLong, 1);
+  const int64_t M = pages.size(0), S = k_stage.size(0), P = k_stage.size(1);
+  TORCH_CHECK(rows.size(0) == M, "gather_pages: ", M, " pages but ", rows.size(0), " row counts");
+  const int64_t *page = pages.data_ptr<int64_t>(), *n = rows.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(page[m] >= 0 && page[m] < S, "gather_pages: page ", page[m], " is outside [0, ",
+                S, ")");
+    TORCH_CHECK(n[m] >= 0 && n[m] <= P, "gather_pages: ", n[m], " rows of page ", m,
+                " are not in [0, ", P, "]");
+  }
+  std::vector<int64_t> shape{M, P, k_stage.size(2), k_stage.size(3)};
+  std::vector<at::Tensor> out{at::empty(shape, k_stage.options()), at::empty(shape, v_stage.options())};
+  const int64_t row_bytes = k_stage.numel() ? k_stage.nbytes() / (S * P) : 0;
+  for (int i = 0; i < 2; ++i) {
+    const auto* src = static_cast<const char*>((i ? v_stage : k_stage).data_ptr());
+    auto* dst = static_cast<char*>(out[i].data_ptr());
+    for (int64_t m = 0; m < M; ++m) {
+      std::memcpy(dst + m * P * row_bytes, src + page[m] * P * row_bytes, n[m] * row_bytes);
+      std::memset(dst + (m * P + n[m]) * row_bytes, 0, (P - n[m]) * row_bytes);
+    }
+  }
+  return out;
 }
 
 void copy_rows(at::Tensor& dst, const at::Tensor& slots, const at::Tensor& src,

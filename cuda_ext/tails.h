@@ -17,6 +17,10 @@ std::vector<at::Tensor> window_stats(const at::Tensor& q, const at::Tensor& lse,
                                      const at::Tensor& q_sq_sum, const at::Tensor& q_count,
                                      int64_t layer, double scale);
 
+// [k_stage[pages[m], :rows[m]], zeros], the same of v_stage: [M, P, H, D] each.
+std::vector<at::Tensor> gather_pages(const at::Tensor& k_stage, const at::Tensor& v_stage,
+                                     const at::Tensor& pages, const at::Tensor& rows);
+
 // stats.*[stages[i], layer] = acc.*[i] (StagingStats.store).
 void store_stats(at::Tensor& attn, at::Tensor& q_sum, at::Tensor& q_sq_sum,
                  at::Tensor& q_count, int64_t layer, const at::Tensor& stages,

@@ -233,7 +233,8 @@ class NativeAttention(AttentionImpl[NativeBatch]):
         tails, st = batch.tails, self.storage
         with intra_op_threads(self._tail_threads(batch)):
             if tails.in_place:
-                return stage_fresh(st, layer, tails, k, v, getattr(self.module, "copy_rows", None))
+                return stage_fresh(st, layer, tails, k, v, getattr(self.module, "copy_rows", None),
+                                   getattr(self.module, "gather_pages", None))
             return tail_pages(st, layer, tails, k, v)
 
     def attend(self, layer: int, batch: NativeBatch, q: torch.Tensor, k_pages: torch.Tensor,

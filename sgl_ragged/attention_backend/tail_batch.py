@@ -81,6 +81,8 @@ class TailBatch:
     write_slot: torch.Tensor | None = None  # [F] int64 staging slots (stage * P + i) of the
     # fresh tokens, and of the padding of pages that held no staging page before
     write_row: torch.Tensor | None = None  # [F] int64 their rows of k/v (-1: padding, zeros)
+    page_rows: torch.Tensor | None = None  # [M] int64 tokens of the page staged or fresh (the
+    # rows a reader sees; zeros past them)
 
 
 def tail_batch(plans: Sequence[RequestPlan], page_size: int, device: torch.device,
@@ -159,7 +161,8 @@ def _host_tail_batch(plans: Sequence[RequestPlan], P: int, in_place: bool) -> Ta
             written = fresh | (~staged & ~has_prior[:, None])  # fresh, new padding
             tensors |= {"page_stage": stages,
                         "write_slot": (stages[:, None] * P + np.arange(P))[written],
-                        "write_row": np.where(fresh, new_row, -1)[written]}
+                        "write_row": np.where(fresh, new_row, -1)[written],
+                        "page_rows": (staged | fresh).sum(1, dtype=np.int64)}
         else:
             in_place = False
     return TailBatch(**{k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()},
@@ -242,7 +245,7 @@ def _with_in_place(tails: TailBatch, P: int) -> TailBatch:
     written = tails.fresh | (~tails.staged & ~tails.has_prior[:, None])  # fresh, new padding
     rows = torch.where(tails.fresh, tails.new_row, -1)
     return replace(tails, in_place=True, page_stage=stages, write_slot=slots[written],
-                   write_row=rows[written])
+                   write_row=rows[written], page_rows=(tails.staged | tails.fresh).sum(1))
 
 
 def _cat(parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -274,21 +277,33 @@ def tail_pages(storage: RaggedStorage, layer: int, tails: TailBatch, k_new: torc
             _gather(tails, storage.stage_v[layer], v_new))
 
 
+PageGather = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                      list[torch.Tensor]]
+"""gather_pages(k_stage, v_stage, pages, rows) -> [k, v] [M, P, H, D]: page m is
+k_stage[pages[m]]'s first rows[m] tokens, then zeros (cuda_ext/tails.cpp's)."""
+
+
 def stage_fresh(storage: RaggedStorage, layer: int, tails: TailBatch, k_new: torch.Tensor,
                 v_new: torch.Tensor, copy_rows: RowCopy | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                gather_pages: PageGather | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`tail_pages` of an in-place forward (tails.in_place): this forward's tokens k_new,
     v_new [N, H, D] into their staging slots and zeros past the end of pages new to the
     staging (`RaggedStorage.stage_tokens`; staged tokens are not rewritten), then every tail page's K
     and V [M, P, H, D] read back from this layer's staging pages. `store_tails` with
-    kv_staged=True then stores only the statistics. copy_rows: `stage_tokens`' row copy."""
+    kv_staged=True then stores only the statistics. copy_rows: `stage_tokens`' row copy;
+    gather_pages: the read-back of each page's rows its request holds (tails.page_rows; the
+    native form copies only those, zeros after them), default index_select of whole pages
+    (the same values: a staging page holds zeros past its request's end)."""
     if not tails.in_place:
         raise ValueError("stage_fresh needs tail_batch(..., in_place=True) on a forward that "
                          "seals only pages staged before it (tails.in_place is False); use "
                          "tail_pages")
     storage.stage_tokens(layer, tails.write_slot, tails.write_row, k_new, v_new, copy_rows)
-    return (storage.stage_k[layer].index_select(0, tails.page_stage),
-            storage.stage_v[layer].index_select(0, tails.page_stage))
+    k_stage, v_stage = storage.stage_k[layer], storage.stage_v[layer]
+    if gather_pages is not None:
+        k_pages, v_pages = gather_pages(k_stage, v_stage, tails.page_stage, tails.page_rows)
+        return k_pages, v_pages
+    return k_stage.index_select(0, tails.page_stage), v_stage.index_select(0, tails.page_stage)
 
 
 WindowStats = Callable[[RaggedStorage, int, TailBatch, torch.Tensor, torch.Tensor, torch.Tensor,

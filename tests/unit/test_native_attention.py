@@ -999,3 +999,32 @@ def test_staging_pages_hold_zeros_past_each_end_over_a_request(window):
             t.nan_to_num_(0.0)
     assert_same_state(*stores)
     stores[0].check_integrity(torch.tensor(free))
+
+
+def test_gather_pages_copies_the_held_rows_and_zeros_the_rest():
+    """tails.cpp's gather_pages (stage_fresh's native read-back): page m is the staging page
+    pages[m]'s first rows[m] tokens, then zeros, whatever the staging page holds past them
+    (NaN here); k and v alike, any dtype. Bad pages and row counts are refused by name."""
+    gather = native.load().gather_pages
+    for dtype in (torch.float32, torch.bfloat16):
+        k_stage = torch.randn(7, 16, 3, 8).to(dtype)
+        v_stage = torch.randn(7, 16, 3, 8).to(dtype)
+        pages, rows = torch.tensor([5, 0, 5, 2]), torch.tensor([16, 3, 0, 9])
+        for t in k_stage, v_stage:
+            t[0, 3:] = float("nan")
+            t[2, 9:] = float("nan")
+        k, v = gather(k_stage, v_stage, pages, rows)
+        for got, stage in (k, k_stage), (v, v_stage):
+            assert got.shape == (4, 16, 3, 8) and got.dtype == dtype
+            for m, (page, n) in enumerate(zip(pages.tolist(), rows.tolist(), strict=True)):
+                assert torch.equal(got[m, :n], stage[page, :n])
+                assert torch.equal(got[m, n:], torch.zeros_like(got[m, n:]))
+    stage = torch.zeros(3, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="page 3 is outside"):
+        gather(stage, stage, torch.tensor([3]), torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="5 rows of page 0 are not in"):
+        gather(stage, stage, torch.tensor([0]), torch.tensor([5]))
+    with pytest.raises(RuntimeError, match="2 pages but 1 row counts"):
+        gather(stage, stage, torch.tensor([0, 1]), torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        gather(stage, stage.bfloat16(), torch.tensor([0]), torch.tensor([1]))
