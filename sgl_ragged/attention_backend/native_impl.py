@@ -40,7 +40,7 @@ from sgl_ragged.attention_backend.tail_batch import (
     tail_pages,
 )
 from sgl_ragged.mem_pool.layout import RaggedLayout
-from sgl_ragged.mem_pool.quant import QuantTier
+from sgl_ragged.mem_pool.quant import QuantTier, native_fields
 from sgl_ragged.mem_pool.staging_stats import StagedQueryStats
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.precision import LowPrecision
@@ -130,11 +130,9 @@ def _group_formats(layout: RaggedLayout, layer: int) -> torch.Tensor:
 
 
 def _tier_tensors(tiers: list[QuantTier | None]) -> list[torch.Tensor]:
-    """The kernels' 6 tensors per group (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero;
-    empty where the group has no such tier or the format no zero points)."""
-    empty = torch.empty(0, dtype=torch.uint8)
-    return [t if t is not None else empty for tier in tiers
-            for t in (tier.fields() if tier is not None else (None,) * 6)]
+    """The kernels' 6 tensors per group (`native_fields`: k_codes, k_scale, k_zero, v_codes,
+    v_scale, v_zero; empty where the group has no such tier or the format no zero points)."""
+    return [t for tier in tiers for t in native_fields(tier)]
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,11 @@ def take(x: torch.Tensor, index: torch.Tensor, dim: int = 0) -> torch.Tensor:
     return out.view(*x.shape[:dim], *index.shape, *x.shape[dim + 1 :])
 
 
+def pad_to_pages(x: torch.Tensor, P: int) -> torch.Tensor:
+    """A 1-D x with zeros appended up to a multiple of P (whole pages)."""
+    return torch.nn.functional.pad(x, (0, -x.numel() % P))
+
+
 def query_heads(kv_heads: torch.Tensor, group_size: int) -> torch.Tensor:
     """[H_p] KV heads -> [H_p * G] query heads reading them, in SDPA's GQA order."""
     offsets = torch.arange(group_size, device=kv_heads.device)

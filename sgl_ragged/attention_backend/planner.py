@@ -21,6 +21,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from sgl_ragged.attention_backend.ops import pad_to_pages
 from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
 from sgl_ragged.mem_pool.storage import RaggedStorage
 
@@ -103,7 +104,7 @@ def take_staging(storage: RaggedStorage, plan: BatchPlan) -> BatchPlan:
         after = [s if s >= 0 else storage.stage(page)
                  for page, s in zip(stays, p.after_stages.tolist(), strict=True)]
         stages += after
-        counts.append(_pad_to_pages(p.tail_obs, P).view(-1, P)[p.num_seal :])
+        counts.append(pad_to_pages(p.tail_obs, P).view(-1, P)[p.num_seal :])
         requests.append(replace(p, after_stages=torch.tensor(after, dtype=torch.long, device=device),
                                 tail_obs=p.tail_obs.to(device)))
     if stages:  # every staying page's counts (the rest of a page zero), layer-independent
@@ -161,6 +162,3 @@ def _tail_obs(held: np.ndarray, tail_start: int, prefix: int, seq_len: int,
     obs += np.minimum(w, seq_len - np.arange(tail_start, seq_len)).astype(np.float32)
     return obs
 
-
-def _pad_to_pages(x: torch.Tensor, P: int) -> torch.Tensor:
-    return torch.nn.functional.pad(x, (0, -x.numel() % P))

@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from sgl_ragged.attention_backend.ops import take
+from sgl_ragged.attention_backend.ops import pad_to_pages, take
 from sgl_ragged.attention_backend.plan import RequestPlan
 from sgl_ragged.mem_pool.sealer import SealBatch
 from sgl_ragged.mem_pool.staging_stats import StagedQueryStats, page_stats
@@ -140,7 +140,7 @@ def _host_tail_batch(plans: Sequence[RequestPlan], P: int, in_place: bool) -> Ta
         "page_req": req, "page_start": page_start, "prior_stage": prior_stage,
         "has_prior": has_prior, "staged": staged, "fresh": fresh, "new_row": new_row,
         "source_row": np.where(staged, slot, np.where(fresh, 1 + new_row, 0)),
-        "obs": _concat([_pad_to_pages(p.tail_obs, P).numpy() for p in plans],
+        "obs": _concat([pad_to_pages(p.tail_obs, P).numpy() for p in plans],
                        np.float32).reshape(-1, P),
         "page_win_row": np.where(valid, last - w + j, 0)[req],
         "page_sees": (pos[:, None, :] <= page_win_pos[:, :, None]) & page_win_valid[..., None],
@@ -215,7 +215,7 @@ def _device_tail_batch(plans: Sequence[RequestPlan], P: int, device: torch.devic
         page_req=page_req, page_start=page_start, prior_stage=prior_stage,
         has_prior=has_prior, staged=staged, fresh=fresh, new_row=new_row,
         source_row=torch.where(staged, slot, torch.where(fresh, 1 + new_row, 0)),
-        obs=_cat([_pad_to_pages(p.tail_obs, P) for p in plans], device).view(-1, P),
+        obs=_cat([pad_to_pages(p.tail_obs, P) for p in plans], device).view(-1, P),
         page_win_row=take(win_row, page_req),
         page_sees=(pos[:, None, :] <= page_win_pos[:, :, None]) & page_win_valid[..., None],
         page_saw=(page_win_valid & (page_win_pos >= page_start[:, None])).float(),
@@ -252,9 +252,6 @@ def _cat(parts: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     parts = [t.to(device) for t in parts]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
 
-
-def _pad_to_pages(x: torch.Tensor, P: int) -> torch.Tensor:
-    return torch.nn.functional.pad(x, (0, -x.numel() % P))
 
 
 def window_tables(plans: Sequence[RequestPlan]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

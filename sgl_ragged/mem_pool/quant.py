@@ -58,6 +58,13 @@ class QuantTier:
         return [t for t in self.fields() if t is not None]
 
 
+def native_fields(tier: QuantTier | None) -> list[torch.Tensor]:
+    """The six tensors of a group's tier as the native kernels take them (cuda_ext's attend and
+    seal_rows): an empty tensor where the group has no such tier or its format no zero points."""
+    empty = torch.empty(0, dtype=torch.uint8)
+    return [empty if t is None else t for t in (tier.fields() if tier is not None else (None,) * 6)]
+
+
 def empty_tier(fmt: LowPrecision, pages: int, tokens: int, heads: int, head_dim: int,
                device: torch.device | str) -> QuantTier:
     """Zeroed storage for `pages` pages of a `tokens`-token low tier."""

@@ -36,7 +36,14 @@ from typing import NamedTuple, Protocol
 import torch
 
 from sgl_ragged.mem_pool.layout import RaggedLayout
-from sgl_ragged.mem_pool.quant import QuantTier, dequantize, empty_tier, native_kernels, quantize
+from sgl_ragged.mem_pool.quant import (
+    QuantTier,
+    dequantize,
+    empty_tier,
+    native_fields,
+    native_kernels,
+    quantize,
+)
 from sgl_ragged.mem_pool.sealer import (
     DynamicRows,
     SealBatch,
@@ -172,8 +179,8 @@ class RaggedStorage:
         # torch ops (tests and bench.seal compare the two).
         self.native_rows = self.device.type == "cpu" and native_kernels() is not None
         # native_stats: store_stats in one native call (the same values as StagingStats.store;
-        # tests/unit/test_storage.py compares them) where the kernels have it.
-        self.native_stats = self.native_rows and hasattr(native_kernels(), "store_stats")
+        # tests/unit/test_storage.py compares them) where the kernels are built.
+        self.native_stats = self.native_rows
         self._seal_args: dict[int, tuple[list[int], list[int], list[torch.Tensor]]] = {}
 
     def _zeros(self, *shape: int) -> torch.Tensor:
@@ -394,7 +401,6 @@ class RaggedStorage:
         tensors (rows_k, rows_v, the high and the low tier's six fields, empty where there is
         no such tier or field, as the native attention takes them), built once."""
         if layer not in self._seal_args:
-            empty = torch.empty(0, dtype=torch.uint8)
             heads: list[int] = []
             groups: list[int] = []
             tensors: list[torch.Tensor] = []
@@ -407,8 +413,7 @@ class RaggedStorage:
                 tensors += [self.rows_k[layer][g], self.rows_v[layer][g]]
                 for fmt, tier in fmts:
                     groups += [0, 0] if tier is None else [fmt.bits, int(fmt.is_float)]
-                    fields = (None,) * 6 if tier is None else tier.fields()
-                    tensors += [empty if x is None else x for x in fields]
+                    tensors += native_fields(tier)
             self._seal_args[layer] = heads, groups, tensors
         return self._seal_args[layer]
 
