@@ -8,22 +8,25 @@
 #   ./scripts/device_replica.sh                     # build it (~3 GB, a few minutes), print its python
 #   ./scripts/device_replica.sh python -m bench.multiturn --launch baseline ...   # run in it
 # The venv lives at ${RAGGED_CACHE:-~/.cache/sgl-ragged}/device-replica-<hash of this script and
-# gpu_wheels.txt>. The machine's own package set is not yet recorded (gpu_issue21.sh's
-# pip_list.txt will be): besides the stack above it holds what SGLang's server imports that
-# bundle 1 leaves out (uvloop, scipy, einops, ...: session 18's server got past those imports).
+# gpu_wheels.txt>. The machine's packages: the tool library's device/KINDS.md records the H200
+# image's package names (read 2026-11-17) and some versions (a session's pip list, 2026-11);
+# MACHINE below pins those versions, OTHERS the image's packages that SGLang's server imports
+# and bundle 1 leaves out, at the project venv's versions where KINDS.md gives none.
+# numpy is the machine's 2.5.2: Triton 3.6's interpreter fails on numpy 2.5 (a 1-element loop
+# bound is no longer a Python int), so to run the interpreter's kernel tests here pass
+# RAGGED_REPLICA_NUMPY=2.3.5 (the project venv's; a venv of its own).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 cache="${RAGGED_CACHE:-$HOME/.cache/sgl-ragged}"
-hash=$(cat scripts/device_replica.sh scripts/gpu_wheels.txt | sha256sum | cut -c1-12)
+numpy="${RAGGED_REPLICA_NUMPY:-2.5.2}"
+hash=$( (cat scripts/device_replica.sh scripts/gpu_wheels.txt; echo "$numpy") | sha256sum | cut -c1-12)
 venv="$cache/device-replica-$hash"
-# What the lent machine holds besides torch, Triton and transformers.
-# numpy at the project venv's version: Triton 3.6's interpreter fails on numpy 2.5 (a 1-element
-# loop bound is no longer a Python int), which the tests here would meet, not the machine.
-MACHINE=(torch==2.11.0 triton==3.6.0 transformers==5.17.0 torchvision==0.26.0 numpy==2.3.5
-         aiohttp requests psutil pillow pytest huggingface_hub sentencepiece safetensors)
-ASSUMED=(uvloop==0.23.0 prometheus-client==0.26.0 einops==0.8.2 scipy==1.17.1
-         python-dateutil==2.9.0.post0 xxhash==4.1.0 tiktoken==0.14.0 ninja==1.13.2
-         nvidia-ml-py==13.615.71 numba==0.65.1 llvmlite==0.47.0)  # the project venv's versions
+MACHINE=(torch==2.11.0 triton==3.6.0 transformers==5.17.0 torchvision==0.26.0 "numpy==$numpy"
+         huggingface_hub==1.33.0 tokenizers==0.23.2 safetensors==0.8.0 sentencepiece==0.2.2
+         tiktoken==0.14.0 accelerate==1.15.0 aiohttp requests psutil pillow pytest)
+OTHERS=(uvloop==0.23.0 prometheus-client==0.26.0 einops==0.8.2 scipy==1.17.1
+        python-dateutil==2.9.0.post0 xxhash==4.1.0 ninja==1.13.2 nvidia-ml-py==13.615.71
+        numba==0.65.1 llvmlite==0.47.0 msgpack pyyaml jinja2 regex tqdm rich)
 TESTS=(hypothesis==6.170.15 sortedcontainers==2.4.0)  # not on the machine: for tests/unit here
 if [[ ! -f "$venv/.complete" ]]; then
   py=$(command -v python3.12 || true)
@@ -33,7 +36,7 @@ if [[ ! -f "$venv/.complete" ]]; then
   echo "[device_replica] building $venv (~3 GB)" >&2
   rm -rf "$venv" && "$py" -m venv "$venv"  # in place: a venv's scripts name their path
   "$venv/bin/pip" install -q "${MACHINE[@]}"
-  "$venv/bin/pip" install -q --no-deps "${ASSUMED[@]}" "${TESTS[@]}"
+  "$venv/bin/pip" install -q --no-deps "${OTHERS[@]}" "${TESTS[@]}"
   ls .whl/sglang-*.whl >/dev/null 2>&1 || ./scripts/gpu_wheels.sh 1 >&2
   "$venv/bin/pip" install -q --no-index --no-deps --no-compile .whl/*.whl
   touch "$venv/.complete"

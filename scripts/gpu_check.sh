@@ -9,7 +9,7 @@
 # --sweep, --splits). BASELINE=<dir from bench.triton_baseline, carried> also times that
 # revision's kernels in bench.decode_attention, on the same rows.
 #   device run:  PYTHONUNBUFFERED=1 ./scripts/gpu_check.sh
-#   issue 21's next run (docs/results.md, "Next GPU session"; carry the baseline directory):
+#   session 18's plan for issue 21 (docs/results.md, "The H100 run (session 18)"; carry the baseline):
 #     BASELINE=results/triton-baseline-34f5807 PYTHONUNBUFFERED=1 ./scripts/gpu_check.sh \
 #       --precision int4 --batch 4 16 64 --context 8192 65536 --warmup 3 --repeats 10 \
 #       -- --programs-per-sm 2 4 --sweep shipped 2:16:3 1:16:2 --splits uniform aot

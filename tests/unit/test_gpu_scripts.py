@@ -99,3 +99,28 @@ def test_multiturn_records_a_failed_server_and_goes_on(llama_8b_shape: Path, tmp
     table = report.write(result, tmp_path, plots=False)
     assert "**baseline@fp8_e4m3 failed**: ServerError: server exited with code 1" in table
     assert json.loads((tmp_path / "multiturn.json").read_text())["failed"][0]["label"] == "baseline"
+
+
+def test_issue21_call_fits_one_device_call(tmp_path: Path) -> None:
+    """scripts/gpu_issue21.sh's phases (RAGGED_GPU_DRY_RUN=1: their boxes, nothing run): in the
+    issue's order, inside one call's 600 s with time left to pack the results, the fixed boxes
+    leaving the benchmarks at least a minute, and the kernel tests those of gpu_check.sh."""
+    env = {**os.environ, "RAGGED_GPU_DRY_RUN": "1", "RAGGED_GPU_WORK": str(tmp_path / "work")}
+    done = subprocess.run([str(ROOT / "scripts" / "gpu_issue21.sh")], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    phases = [line.split(":")[0] for line in lines]
+    assert phases == ["pv", "tests", "serve", "bench", "planes"]
+    boxes = {p: int(line.split("box ")[1].split(" s")[0]) for p, line in zip(phases, lines)
+             if "box " in line}
+    script = (ROOT / "scripts" / "gpu_issue21.sh").read_text()
+    budget = int(script.split("RAGGED_GPU_BUDGET_S:-")[1].split("}")[0])
+    assert budget <= 600 - 30 and sum(boxes.values()) == budget
+    assert boxes["bench"] >= 60
+    tests_line = lines[phases.index("tests")]
+    named = {w for w in tests_line.split() if w.startswith("tests/")}
+    check = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    assert named == {w for w in check.split() if w.startswith("tests/unit/test_")}
+    assert all((ROOT / name).is_file() for name in named)
+    assert "gpu_serve.sh --layers 8 --precision int4" in lines[phases.index("serve")]
