@@ -157,7 +157,6 @@ def measure_native(profile: BudgetProfile, batch: int, context: int, decode: boo
     "cached")."""
     scale = profile.model.head_dim**-0.5
     results, steps, outs = [], {}, {}
-    per_group = baseline is not None and "arg6: torch.Tensor" not in baseline.attend.__doc__
     for precision in precisions:
         storage, plans, (q, k, v) = build_case(profile, batch, context, decode, precision)
         results.append({"phase": "decode" if decode else "prefill", "batch": batch,
@@ -165,8 +164,8 @@ def measure_native(profile: BudgetProfile, batch: int, context: int, decode: boo
                         "bytes_per_page": storage.layout.row_bytes_per_page})
         impls = [("batched", BatchedTorchAttention(storage))] if batched else []
         impls.append(("native", NativeAttention(storage, extend_on_batched=False)))
-        if baseline is not None and (per_group or storage.layout.high is None):
-            module = baseline if per_group else _SharedFormat(baseline)
+        module = baseline_module(baseline, storage)
+        if module is not None:
             impls.append(("baseline", NativeAttention(storage, module=module,
                                                       extend_on_batched=False)))
         for name, impl in impls:
@@ -191,13 +190,27 @@ def measure_native(profile: BudgetProfile, batch: int, context: int, decode: boo
     return results
 
 
+def baseline_module(baseline: ModuleType | None, storage: RaggedStorage) -> object | None:
+    """`baseline` as NativeAttention's module on `storage`: as it is where its `attend` takes
+    per-group formats, behind _SharedFormat where it predates them (None where it cannot read
+    the storage: a high tier)."""
+    if baseline is None:
+        return None
+    if "arg6: torch.Tensor" not in baseline.attend.__doc__:  # arg6: the high tiers, a list
+        return baseline
+    return _SharedFormat(baseline) if storage.layout.high is None else None
+
+
 class _SharedFormat:
     """A build from before per-group formats (one low format for all groups, no high tier:
     `attend(..., low, head_map, ..., bits, is_float, scale, serial_pairs)`) behind today's
-    signature."""
+    signature; its other functions as they are."""
 
     def __init__(self, module: ModuleType) -> None:
         self.module = module
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.module, name)
 
     def attend(self, q, k_pages, v_pages, rows_k, rows_v, low, high, formats, head_map, requests,
                sealed_off, sealed_pages, scale, serial_pairs):

@@ -4,6 +4,7 @@ attention kernel and tail statistics, timed apart.
     python -m bench.decode_step [--batch 1 8 16 32] [--context 2048] --out results/decode-step
     python -m bench.decode_step --profile calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json \
         --precision bf16
+    python -m bench.decode_step --baseline $(python -m bench.native_baseline --rev main | tail -1)
 
 A decode step of `batch` requests, each with `context` tokens in sealed pages and 37 staged
 tokens in its last page (one page staged: --ragged-window-pages 1, observation window 32), on
@@ -22,8 +23,13 @@ after the prefill, with random rows. Each round runs what the backend runs for o
 
 Steps are timed in order within a round (each needs the previous one's output); medians over the
 repeats after warm-up, the model's dense layers excluded. The same token is staged every round,
-so the storage's state is the same at every round. Needs the native kernels (the CPU server's
-path). Writes decode_step.json and decode_step.md.
+so the storage's state is the same at every round. With `--baseline SO` (another build of
+cuda_ext/, `python -m bench.native_baseline --rev R`) the same case also runs on that build's
+kernels, its rounds alternating with this build's on the same storage (which runs first swaps
+every round), and the table adds baseline / current per step: the kernels' functions (staging
+copies, the attention, the window statistics) are the baseline's, everything else (the planner,
+`prepare`, the storage's own native calls) is this tree's in both. Needs the native kernels (the
+CPU server's path). Writes decode_step.json and decode_step.md.
 """
 
 from __future__ import annotations
@@ -32,12 +38,13 @@ import argparse
 import statistics
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from bench import cpu_sweep
 from bench.cpu_attention import DEFAULT_PROFILE as DROP_PROFILE
-from bench.cpu_attention import PAGE, TAIL, build_case
+from bench.cpu_attention import PAGE, TAIL, baseline_module, build_case, load_baseline
 from sgl_ragged import native
 from sgl_ragged.attention_backend.native_impl import NativeAttention
 from sgl_ragged.attention_backend.planner import plan_batch, take_staging
@@ -95,34 +102,59 @@ def step_seconds(impl: NativeAttention, req_to_token: torch.Tensor, context: int
 
 
 def measure(profile: BudgetProfile, batch: int, context: int, precision: str, warmup: int,
-            repeats: int) -> dict:
+            repeats: int, baseline: ModuleType | None = None) -> list[dict]:
+    """This build's row of the case, and with `baseline` the baseline build's, their rounds
+    alternating (the order swapped every round)."""
     storage, req_to_token, qkv = served_case(profile, batch, context, precision)
-    impl = NativeAttention(storage)
+    impls = {"current": NativeAttention(storage)}
+    module = baseline_module(baseline, storage)
+    if baseline is not None and module is None:
+        raise SystemExit(f"the baseline build cannot read {precision} rows (a quantized high "
+                         "tier: it predates them)")
+    if module is not None:
+        impls["baseline"] = NativeAttention(storage, module=module)
     scale = profile.model.head_dim**-0.5
-    for _ in range(warmup):
-        step_seconds(impl, req_to_token, context, qkv, scale)
-    samples = [step_seconds(impl, req_to_token, context, qkv, scale) for _ in range(repeats)]
-    result = {"batch": batch, "context": context, "precision": precision,
-              "layers": storage.layout.num_layers}
-    for name in STEPS:
-        result[f"{name}_s"] = statistics.median(s[name] for s in samples)
-    result["total_s"] = statistics.median(sum(s.values()) for s in samples)
-    return result
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in impls}
+    for i in range(warmup + repeats):
+        for name in (list(impls) if i % 2 == 0 else list(reversed(impls))):
+            seconds = step_seconds(impls[name], req_to_token, context, qkv, scale)
+            if i >= warmup:
+                samples[name].append(seconds)
+    results = []
+    for name, runs in samples.items():
+        result = {"batch": batch, "context": context, "precision": precision, "build": name,
+                  "layers": storage.layout.num_layers}
+        for step in STEPS:
+            result[f"{step}_s"] = statistics.median(s[step] for s in runs)
+        result["total_s"] = statistics.median(sum(s.values()) for s in runs)
+        results.append(result)
+    return results
 
 
 def markdown(results: list[dict], profile_name: str) -> str:
     lines = [f"The ragged backend's part of a CPU decode step ({profile_name}; "
              f"{torch.get_num_threads()} threads), medians in ms (stage, attend and store summed "
              "over the layers); outside: everything but the kernel, per layer in us.", "",
-             "| batch | context | rows | plan | prepare | stage | attend | store | total | "
+             "| batch | context | rows | build | plan | prepare | stage | attend | store | total | "
              "outside the kernel | per layer (us) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         outside = r["total_s"] - r["attend_s"]
         cells = [f"{1e3 * r[f'{name}_s']:.2f}" for name in STEPS]
-        lines.append(f"| {r['batch']} | {r['context']} | {r['precision']} | {' | '.join(cells)} | "
-                     f"{1e3 * r['total_s']:.2f} | {100 * outside / r['total_s']:.0f}% | "
-                     f"{1e6 * outside / r['layers']:.0f} |")
+        lines.append(f"| {r['batch']} | {r['context']} | {r['precision']} | {r['build']} | "
+                     f"{' | '.join(cells)} | {1e3 * r['total_s']:.2f} | "
+                     f"{100 * outside / r['total_s']:.0f}% | {1e6 * outside / r['layers']:.0f} |")
+    pairs = [(c, b) for c, b in zip(results, results[1:], strict=False)
+             if c["build"] == "current" and b["build"] == "baseline"]
+    if pairs:
+        lines += ["", "Baseline / current (above 1: this build is faster), the same rounds:", "",
+                  "| batch | context | " + " | ".join(STEPS) + " | total | outside the kernel |",
+                  "|---|---|" + "---|" * (len(STEPS) + 2)]
+        for c, b in pairs:
+            ratios = [b[f"{s}_s"] / c[f"{s}_s"] for s in (*STEPS, "total")]
+            outside = (b["total_s"] - b["attend_s"]) / (c["total_s"] - c["attend_s"])
+            lines.append(f"| {c['batch']} | {c['context']} | "
+                         + " | ".join(f"x{x:.2f}" for x in (*ratios, outside)) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -135,6 +167,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[2048])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--baseline", type=Path, default=None, metavar="SO",
+                        help="another build of the kernels to time in the same rounds "
+                             "(python -m bench.native_baseline --rev R prints its path)")
     parser.add_argument("--out", type=Path, default=Path("results/decode-step"))
     args = parser.parse_args()
     if min(args.batch) < 1 or min(args.context) < PAGE or args.repeats < 1 or args.warmup < 0:
@@ -146,14 +181,17 @@ def main() -> None:
     if not native.available():
         raise SystemExit(f"bench.decode_step times the native kernels' path: {native.reason()}")
     native.load()
+    baseline = load_baseline(args.baseline) if args.baseline else None
     profile = BudgetProfile.load(args.profile)
     cases = [(b, c) for c in args.context for b in args.batch]
     results = []
     for i, (batch, context) in enumerate(cases, 1):
         print(f"[{i}/{len(cases)}] batch {batch}, context {context} ...", flush=True)
-        results.append(measure(profile, batch, context, args.precision, args.warmup,
-                               args.repeats))
-    cpu_sweep.write(args.out, "decode_step", {"profile": str(args.profile), "results": results},
+        results += measure(profile, batch, context, args.precision, args.warmup, args.repeats,
+                           baseline)
+    cpu_sweep.write(args.out, "decode_step", {"profile": str(args.profile),
+                                              "baseline": str(args.baseline or ""),
+                                              "results": results},
                     markdown(results, args.profile.name))
 
 

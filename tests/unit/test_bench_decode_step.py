@@ -19,12 +19,71 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels:
 
 def test_every_step_is_timed():
     profile = BudgetProfile.load(decode_step.DEFAULT_PROFILE)
-    result = decode_step.measure(profile, 3, 128, "mixed", warmup=0, repeats=2)
+    (result,) = decode_step.measure(profile, 3, 128, "mixed", warmup=0, repeats=2)
     assert result["batch"] == 3 and result["layers"] == profile.num_layers
+    assert result["build"] == "current"
     assert all(result[f"{step}_s"] > 0 for step in decode_step.STEPS)
     assert result["total_s"] >= result["attend_s"]
     table = decode_step.markdown([result], decode_step.DEFAULT_PROFILE.name)
-    assert "| 3 | 128 | mixed |" in table
+    assert "| 3 | 128 | mixed | current |" in table and "Baseline / current" not in table
+
+
+class _Recording:
+    """A stand-in for another build: the current module's functions, each call recorded."""
+
+    def __init__(self, module) -> None:
+        self.module, self.calls = module, []
+
+    def __getattr__(self, name: str):
+        function = getattr(self.module, name)
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return function(*args, **kwargs)
+
+        call.__doc__ = function.__doc__
+        return call
+
+
+def test_a_baseline_build_runs_the_kernels_in_alternating_rounds():
+    """--baseline: the baseline's kernels (staging read-back, attention, window statistics) run
+    in rounds alternating with this build's, both rows and their ratios in the table."""
+    profile = BudgetProfile.load(decode_step.DEFAULT_PROFILE)
+    baseline = _Recording(native.load())
+    current, base = decode_step.measure(profile, 2, 128, "mixed", warmup=1, repeats=3,
+                                        baseline=baseline)
+    assert (current["build"], base["build"]) == ("current", "baseline")
+    layers = profile.num_layers
+    assert baseline.calls.count("attend") == 4 * layers  # warm-up and repeats, every layer
+    assert baseline.calls.count("window_stats") == 4 * layers
+    assert baseline.calls.count("gather_pages") + baseline.calls.count("copy_rows") >= 4 * layers
+    table = decode_step.markdown([current, base], decode_step.DEFAULT_PROFILE.name)
+    assert "| 2 | 128 | mixed | baseline |" in table
+    ratio = table.split("Baseline / current")[1].splitlines()[-1]
+    assert ratio.startswith("| 2 | 128 | x") and ratio.count("| x") == len(decode_step.STEPS) + 2
+
+
+def test_a_build_from_before_per_group_formats_is_wrapped():
+    """bench.cpu_attention.baseline_module: a build whose attend takes one format for every
+    group goes behind _SharedFormat (its other functions as they are), and none reads a
+    quantized high tier."""
+    from bench import cpu_attention
+
+    class Old:
+        def attend(self):
+            """attend(arg0: torch.Tensor, ..., arg6: torch.Tensor, ...)"""
+
+        def window_stats(self):
+            return "stats"
+
+    int4 = cpu_attention.build_case(BudgetProfile.load(cpu_attention.DEFAULT_PROFILE), 1, 128,
+                                    True, "int4")[0]
+    wrapped = cpu_attention.baseline_module(Old(), int4)
+    assert isinstance(wrapped, cpu_attention._SharedFormat) and wrapped.window_stats() == "stats"
+    high = cpu_attention.build_case(BudgetProfile.load(cpu_attention.DEFAULT_PROFILE), 1, 128,
+                                    True, "int8+int4")[0]
+    assert cpu_attention.baseline_module(Old(), high) is None
+    assert cpu_attention.baseline_module(native.load(), high) is native.load()
 
 
 def test_the_served_case_is_a_steady_decode_step():

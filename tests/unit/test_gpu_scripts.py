@@ -112,7 +112,7 @@ def test_issue21_call_fits_one_device_call(tmp_path: Path) -> None:
     lines = done.stdout.strip().splitlines()
     phases = [line.split(":")[0] for line in lines]
     assert phases == ["pv", "tests", "serve", "bench", "planes"]
-    boxes = {p: int(line.split("box ")[1].split(" s")[0]) for p, line in zip(phases, lines)
+    boxes = {p: int(line.split("box ")[1].split(" s")[0]) for p, line in zip(phases, lines, strict=True)
              if "box " in line}
     script = (ROOT / "scripts" / "gpu_issue21.sh").read_text()
     budget = int(script.split("RAGGED_GPU_BUDGET_S:-")[1].split("}")[0])
