@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 from sgl_ragged.native import CFLAGS, HEADERS, LDFLAGS, SOURCES
+from sgl_ragged.paths import default_cache_dir
 
 NAME = "ragged_base"
 REPO = Path(__file__).resolve().parents[1]
@@ -61,8 +62,8 @@ def revision_args(description: str, sources: str, out: str) -> tuple[argparse.Na
 
 def main() -> None:
     args, sha = revision_args(__doc__.split("\n\n")[0], "cuda_ext/",
-                              "~/.cache/sgl-ragged/baseline-<sha>")
-    out = args.out or Path.home() / ".cache" / "sgl-ragged" / f"baseline-{sha}"
+                              "$RAGGED_CACHE/baseline-<sha> ($RAGGED_CACHE: ~/.cache/sgl-ragged)")
+    out = args.out or default_cache_dir() / f"baseline-{sha}"
     print(f"building cuda_ext/ of {args.rev} ({sha}) as {NAME} in {out} ...", flush=True)
     print(build(args.rev, out))
 

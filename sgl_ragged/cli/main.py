@@ -191,7 +191,8 @@ def load_profile(spec: str, model: str | None) -> BudgetProfile:
 
 def _default_model() -> str | None:
     """The default model's checkpoint if it is already built (never builds it here)."""
-    from sgl_ragged.models.smollm2 import MARKER, MODEL_NAME, default_cache_dir
+    from sgl_ragged.models.smollm2 import MARKER, MODEL_NAME
+    from sgl_ragged.paths import default_cache_dir
 
     path = default_cache_dir() / "models" / MODEL_NAME
     return str(path) if (path / MARKER).exists() else None

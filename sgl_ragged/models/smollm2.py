@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sgl_ragged.paths import default_cache_dir
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -64,11 +66,6 @@ FALLBACK_CHAT_TEMPLATE = (
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-def default_cache_dir() -> Path:
-    """``$RAGGED_CACHE`` or ``~/.cache/sgl-ragged``."""
-    return Path(os.environ.get("RAGGED_CACHE", Path.home() / ".cache" / "sgl-ragged"))
 
 
 def find_gguf() -> Path:

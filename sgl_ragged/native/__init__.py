@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
-from sgl_ragged.models.smollm2 import default_cache_dir  # $RAGGED_CACHE or ~/.cache/sgl-ragged
+from sgl_ragged.paths import default_cache_dir
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "cuda_ext"
 SOURCES = ("bindings.cpp", "isa_amx.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp",
