@@ -2,6 +2,8 @@
 the native kernel (cuda_ext/linear.cpp), in the same rounds.
 
     python -m bench.cpu_gemm [--rows 1 2 4 ... 256 512] [--threads 1 2] --out results/cpu-gemm
+    GOMP_SPINCOUNT=3000 python -m bench.cpu_gemm --rows 1 4 16 --threads 2 \
+        --dot-serial-macs 4194304 262144
 
 The dense layers of the default model (SmolLM2-135M: hidden 576, intermediate 1536, 9 query and
 3 KV heads of 64, a 49152-token vocabulary), each multiplied as SGLang does (`F.linear` of
@@ -10,7 +12,10 @@ bfloat16 rows and weights; the lm_head by `torch.matmul`, the same product), as
 kernel (the weight read as bfloat16, float32 sums, rounded once). A model step is every layer's
 four products over 30 layers of distinct weights (212 MB, more than the caches hold: the weights
 stream from memory as in a server); the lm_head (56 MB) is timed on its own. Each round times
-every variant once, in turn (alternating); medians over the repeats after warm-up. Row counts
+every variant once, in turn (alternating); medians over the repeats after warm-up. The native
+kernel runs with this process's split threshold for its dots (compat/cpu_gemm.dot_serial_macs:
+from the OpenMP spin count); `--dot-serial-macs A B ...` adds the native kernel at each of those
+thresholds as variants `native@A` ... in the same rounds (ratios against the first). Row counts
 stand for a decode batch's requests or a prefill chunk's tokens. Writes cpu_gemm.json and
 cpu_gemm.md. compat/cpu_gemm.py's FLOAT32_ROWS and linear.cpp's DOT_ROWS (where torch's
 bfloat16 product overtakes the dots on an AVX512-BF16 CPU) come from this table; linear.cpp's
@@ -20,6 +25,7 @@ PANEL_ROWS from the same model step timed with the kernel built at both layouts
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -41,7 +47,7 @@ Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 VARIANTS: dict[str, Product] = {
     "bfloat16": lambda x, w: F.linear(x, w),
     "float32": lambda x, w: cpu_gemm.linear(x, w, None),
-    "native": lambda x, w: native.load().linear_bf16(x, w, None),
+    "native": lambda x, w: cpu_gemm.kernel().linear_bf16(x, w, None),
 }
 
 
@@ -52,10 +58,31 @@ def _weights(num_layers: int, vocab: int, gen: torch.Generator) -> tuple[list, t
     return layers, head
 
 
+def at_threshold(macs: int) -> Product:
+    """The native kernel with its dots' split threshold at `macs` products for this call (the
+    process's own restored after it)."""
+
+    def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        module = cpu_gemm.kernel()
+        own = module.linear_dot_serial_macs()
+        module.set_linear_dot_serial_macs(macs)
+        try:
+            return module.linear_bf16(x, w, None)
+        finally:
+            module.set_linear_dot_serial_macs(own)
+
+    return product
+
+
 def measure(rows: list[int], threads: list[int], warmup: int, repeats: int,
             num_layers: int = NUM_LAYERS, vocab: int = LM_HEAD[1],
-            progress: Callable[[str], None] = lambda line: None) -> list[dict]:
-    """Median seconds of each variant's model step and lm_head per (threads, rows)."""
+            progress: Callable[[str], None] = lambda line: None,
+            dot_serial_macs: list[int] | None = None) -> list[dict]:
+    """Median seconds of each variant's model step and lm_head per (threads, rows); with
+    `dot_serial_macs`, the native kernel at each threshold too (`native@<macs>`)."""
+    variants = dict(VARIANTS)
+    for macs in dot_serial_macs or []:
+        variants[f"native@{macs}"] = at_threshold(macs)
     gen = torch.Generator().manual_seed(0)
     layers, head = _weights(num_layers, vocab, gen)
     results = []
@@ -65,10 +92,10 @@ def measure(rows: list[int], threads: list[int], warmup: int, repeats: int,
                 progress(f"{t} thread(s), {m} rows")
                 xs = [torch.randn(m, k, generator=gen).bfloat16() for _, k, _ in LAYERS]
                 hidden = torch.randn(m, LM_HEAD[0], generator=gen).bfloat16()
-                step: dict[str, list[float]] = {v: [] for v in VARIANTS}
-                lm: dict[str, list[float]] = {v: [] for v in VARIANTS}
+                step: dict[str, list[float]] = {v: [] for v in variants}
+                lm: dict[str, list[float]] = {v: [] for v in variants}
                 for round_ in range(warmup + repeats):
-                    for variant, fn in VARIANTS.items():
+                    for variant, fn in variants.items():
                         t0 = time.perf_counter()
                         for weights in layers:
                             for x, w in zip(xs, weights, strict=True):
@@ -100,22 +127,46 @@ def markdown(results: list[dict]) -> str:
         hb, hn = r["bfloat16_lm_head_s"] * 1e3, r["native_lm_head_s"] * 1e3
         lines.append(f"| {r['threads']} | {r['rows']} | {b:.1f} | {f:.1f} | {n:.1f} | "
                      f"x{b / n:.2f} | x{f / n:.2f} | {hb:.1f} | {hn:.1f} | x{hb / hn:.2f} |")
+    thresholds = [k[:-len("_step_s")] for k in results[0] if k.startswith("native@")
+                  and k.endswith("_step_s")] if results else []
+    if thresholds:
+        first = thresholds[0]
+        lines += ["", "The native kernel's dots at each split threshold (products below which a "
+                  f"call stays on one thread), same rounds; ratios against {first}:", "",
+                  "| threads | rows | " + " | ".join(f"{t} step ms" for t in thresholds) + " | "
+                  + " | ".join(f"{first} / {t}" for t in thresholds[1:]) + " |",
+                  "|---|---|" + "---|" * (2 * len(thresholds) - 1)]
+        for r in results:
+            ms = [r[f"{t}_step_s"] * 1e3 for t in thresholds]
+            lines.append(f"| {r['threads']} | {r['rows']} | " + " | ".join(f"{m:.1f}" for m in ms)
+                         + " | " + " | ".join(f"x{ms[0] / m:.2f}" for m in ms[1:]) + " |")
     flags = native.cpu_flags()
     lines += ["", f"CPU: {torch.backends.cpu.get_cpu_capability()} in torch; "
               f"amx_bf16 {'amx_bf16' in flags}, avx512_bf16 {'avx512_bf16' in flags}; the native "
               f"kernel's form: {native.load().linear_isa()} (vdpbf16ps dots below "
-              f"{native.load().linear_dot_rows()} rows); RAGGED_CPU_GEMM=auto routes here: "
+              f"{native.load().linear_dot_rows()} rows, split from "
+              f"{cpu_gemm.kernel().linear_dot_serial_macs()} products); RAGGED_CPU_GEMM=auto "
+              "routes here: "
               f"{cpu_gemm.routes()} ({cpu_gemm.CHOICES['auto']})."]
     return "\n".join(lines) + "\n"
 
 
+def _threshold_arg(parser) -> None:
+    parser.add_argument("--dot-serial-macs", type=int, nargs="+", default=None, metavar="MACS",
+                        help="also the native kernel at each of these split thresholds")
+
+
 def main() -> None:
     args = cpu_sweep.parse(__doc__, rows=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512], threads=[1, 2],
-                           warmup=1, repeats=5, out="results/cpu-gemm")
-    results = cpu_sweep.sweep(args, measure)
+                           warmup=1, repeats=5, out="results/cpu-gemm", extra=_threshold_arg)
+    if args.dot_serial_macs and min(args.dot_serial_macs) < 0:
+        raise SystemExit("--dot-serial-macs: counts of products are at least 0")
+    results = cpu_sweep.sweep(args, functools.partial(measure,
+                                                      dot_serial_macs=args.dot_serial_macs))
     cpu_sweep.write(args.out, "cpu_gemm", {
         "results": results, "native_isa": native.load().linear_isa(),
         "native_dot_rows": native.load().linear_dot_rows(),
+        "native_dot_serial_macs": cpu_gemm.kernel().linear_dot_serial_macs(),
         "cpu_flags": sorted(native.cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})},
         markdown(results))
 

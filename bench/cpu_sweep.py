@@ -16,9 +16,13 @@ Measure = Callable[..., list[dict]]  # (rows, threads, warmup, repeats, progress
 
 
 def parse(doc: str, *, rows: list[int], threads: list[int], warmup: int, repeats: int,
-          out: str) -> argparse.Namespace:
-    """--rows, --threads, --warmup, --repeats and --out with these defaults, checked."""
+          out: str, extra: Callable[[argparse.ArgumentParser], None] | None = None,
+          ) -> argparse.Namespace:
+    """--rows, --threads, --warmup, --repeats and --out with these defaults, checked (`extra`
+    adds a benchmark's own arguments)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if extra is not None:
+        extra(parser)
     parser.add_argument("--rows", type=int, nargs="+", default=rows)
     parser.add_argument("--threads", type=int, nargs="+", default=threads)
     parser.add_argument("--warmup", type=int, default=warmup)

@@ -2,6 +2,7 @@
 
     python -m bench.omp_spin [--spins 0 3000] [--concurrency 1 8 16] [--long-prompt 1900] \
         [--contention] --out results/omp-spin
+    python -m bench.omp_spin --spins 3000:4194304 3000 ...   # the dots' split threshold too
 
 scripts/env.sh has OpenMP's idle workers sleep at once (`OMP_WAIT_POLICY=PASSIVE`, spin count
 0); scripts/serve.sh lets them spin GOMP_SPINCOUNT iterations first (libgomp reads it at start,
@@ -20,7 +21,9 @@ them alive at once (idle ones sleep, `--sleep-on-idle`), and the rounds alternat
   largest concurrency at the same moment; their summed output tokens over the longer wall
   time (what the spin costs when another busy process shares the cores).
 
-Medians over --repeats rounds after --warmup; ratios against the first spin count. Writes
+A setting `SPIN:MACS` also sets RAGGED_DOT_SERIAL_MACS=MACS for its server (the native dots
+keep calls below MACS products on one thread; unset, compat/cpu_gemm derives it from the spin
+count). Medians over --repeats rounds after --warmup; ratios against the first setting. Writes
 omp_spin.json and omp_spin.md, and each server's log beside them.
 """
 
@@ -40,6 +43,19 @@ from bench import cpu_sweep
 from bench.client import RequestRecord, chat_payload, stream_chat
 from bench.gemm_serving import TIMEOUT, document, one_round
 from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
+
+
+def spin_setting(value: str) -> str:
+    """A --spins value: SPIN or SPIN:MACS, whole numbers (argparse's type)."""
+    if not all(part.isdigit() for part in value.split(":")) or value.count(":") > 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not SPIN or SPIN:MACS (whole numbers)")
+    return value
+
+
+def setting_env(setting: str) -> dict[str, str]:
+    """The environment of a --spins setting's server."""
+    spin, _, macs = setting.partition(":")
+    return {"GOMP_SPINCOUNT": spin, **({"RAGGED_DOT_SERIAL_MACS": macs} if macs else {})}
 
 
 def launch_args(model: str, args: argparse.Namespace) -> list[str]:
@@ -136,8 +152,9 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--spins", nargs="+", type=int, default=[0, 3000],
-                   help="GOMP_SPINCOUNT values, the first the reference")
+    p.add_argument("--spins", nargs="+", type=spin_setting, default=["0", "3000"],
+                   help="GOMP_SPINCOUNT values, the first the reference; SPIN:MACS also sets "
+                        "RAGGED_DOT_SERIAL_MACS")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--long-prompt", type=int, default=1900,
@@ -154,9 +171,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=Path("results/omp-spin"))
     args = p.parse_args(argv)
     if min(args.concurrency) < 1 or args.repeats < 1 or args.max_tokens < 2 \
-            or args.long_prompt < 0 or args.long_concurrency < 1 or min(args.spins) < 0:
+            or args.long_prompt < 0 or args.long_concurrency < 1:
         p.error("--concurrency, --long-concurrency and --repeats must be at least 1, "
-                "--max-tokens at least 2, --long-prompt and --spins at least 0")
+                "--max-tokens at least 2, --long-prompt at least 0")
     if len(set(args.spins)) != len(args.spins):
         p.error(f"--spins repeats a value: {args.spins}")
     from sgl_ragged.models.smollm2 import ensure_smollm2
@@ -173,14 +190,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         servers: dict[str, list[str]] = {}
         for spin in args.spins:
-            servers[str(spin)] = []
+            servers[spin] = []
             for j in range(per_spin):
-                print(f"starting server {j + 1}/{per_spin} with GOMP_SPINCOUNT={spin} ...",
-                      flush=True)
+                env = setting_env(spin)
+                print(f"starting server {j + 1}/{per_spin} with {env} ...", flush=True)
                 srv = stack.enter_context(ServerProcess(
-                    server_args, env={"GOMP_SPINCOUNT": str(spin)},
-                    log_path=args.out / f"server-spin{spin}-{j}.log", startup_timeout=900))
-                servers[str(spin)].append(srv.base_url)
+                    server_args, env=env, log_path=args.out / f"server-spin{spin.replace(':', '-')}-{j}.log",
+                    startup_timeout=900))
+                servers[spin].append(srv.base_url)
         print(f"measuring {args.warmup} + {args.repeats} rounds ...", flush=True)
         report["spins"] = measure(servers, args)
     cpu_sweep.write(args.out, "omp_spin", report, markdown(report))

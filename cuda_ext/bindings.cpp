@@ -326,6 +326,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The form linear_bf16 runs here: avx512_bf16 (below linear_dot_rows rows), avx2 or scalar");
   m.def("linear_dot_rows", &ragged::linear_dot_rows,
         "Below how many rows linear_bf16 runs vdpbf16ps dots here (0: it does not)");
+  m.def("set_linear_dot_serial_macs", &ragged::set_linear_dot_serial_macs, pybind11::arg("macs"),
+        "linear_bf16's dots run calls below this many products on one thread (compat/cpu_gemm)");
+  m.def("linear_dot_serial_macs", &ragged::linear_dot_serial_macs,
+        "Below how many products linear_bf16's dots stay on the calling thread");
   m.def("rms_norm", &ragged::rms_norm, pybind11::arg("x"), pybind11::arg("residual"),
         pybind11::arg("weight"), pybind11::arg("eps"),
         "SGLang's RMSNorm.forward_native in one pass: [out] or [out, x + residual] (elementwise.cpp)");

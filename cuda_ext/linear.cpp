@@ -35,6 +35,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -54,10 +55,13 @@ constexpr int64_t PR = 6;                 // panel form: activation rows per mic
 constexpr int64_t PC = 16;                // panel form: weight rows per panel (two vectors)
 constexpr int64_t PANEL_ROWS = 8;         // from this many rows, the panel form
 constexpr int64_t DOT_ROWS = 24;          // below this many rows on AVX512-BF16, vdpbf16ps dots
-// The dots stay on one thread below this many products: one core nearly saturates the weight
-// stream, and waking the pool for each of a step's 120 products cost more than the second core
-// gave (a Zen 5, SmolLM2's model step at 1 row: 9.4 ms split from 2^18 products, 7.7 from 2^22).
-constexpr int64_t DOT_SERIAL_MACS = int64_t(1) << 22;
+// The dots stay on one thread below dot_serial_macs products (set_linear_dot_serial_macs; the
+// caller, compat/cpu_gemm.py, picks it from how OpenMP's idle workers wait). Where they sleep at
+// once, waking the pool for each of a step's 120 products cost more than the second core gave
+// (a Zen 5, SmolLM2's model step at 1 row: 9.4 ms split from 2^18 products, 7.7 from 2^22, the
+// default); where they spin first, the split pays from 2^18 (docs/results.md, "Decode's small
+// products on both cores").
+std::atomic<int64_t> dot_serial_macs{int64_t(1) << 22};
 
 inline float bf16_float(uint16_t v) {
   const uint32_t u = uint32_t(v) << 16;
@@ -316,8 +320,8 @@ void panels(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_t* w,
 // next block's a cache line per row per step, and the later passes find them in L1. K's last
 // K % 32 channels load masked (zeros add nothing). A row's four lane sums come out of one hadd
 // tree. vdpbf16ps reads subnormal inputs as zero and flushes subnormal results (DAZ, FTZ):
-// values below 2^-126 that a float32 product would keep. Calls below DOT_SERIAL_MACS stay on
-// the calling thread.
+// values below 2^-126 that a float32 product would keep. Calls below dot_serial_macs products
+// stay on the calling thread.
 namespace dots {
 
 constexpr int64_t DR = 4;  // activation rows per pass
@@ -443,6 +447,13 @@ std::string linear_isa() {
 
 int64_t linear_dot_rows() { return has_bf16_dots() ? DOT_ROWS : 0; }
 
+void set_linear_dot_serial_macs(int64_t macs) {
+  TORCH_CHECK(macs >= 0, "set_linear_dot_serial_macs: ", macs, " products is negative");
+  dot_serial_macs.store(macs, std::memory_order_relaxed);
+}
+
+int64_t linear_dot_serial_macs() { return dot_serial_macs.load(std::memory_order_relaxed); }
+
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias) {
   const char* who = "linear_bf16";
@@ -477,7 +488,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   if (has_bf16_dots() && M < DOT_ROWS) {  // x as it is, bfloat16
     const at::Tensor xb = x.reshape({M, K}).contiguous();
     const uint16_t* xq = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-    const int64_t n_dot = N / dots::DB, g = grain(n_dot, dots::DB, DOT_SERIAL_MACS);
+    const int64_t n_dot = N / dots::DB;
+    const int64_t g = grain(n_dot, dots::DB, dot_serial_macs.load(std::memory_order_relaxed));
     at::parallel_for(0, n_dot, g, [&](int64_t b0, int64_t b1) {
       dots::blocks(xq, M, K, N, wp, bias_ptr, b0, b1, yp);
     });

@@ -19,4 +19,10 @@ std::string linear_isa();
 // Below how many rows linear_bf16 runs its AVX512-BF16 dots here (0: it does not).
 int64_t linear_dot_rows();
 
+// The dots' calls of fewer than this many products (M x N x K) run on the calling thread, larger
+// ones split over torch's intra-op pool (default 2^22; process-wide). The products are the same
+// bits either way: each output is one thread's sum.
+void set_linear_dot_serial_macs(int64_t macs);
+int64_t linear_dot_serial_macs();
+
 }  // namespace ragged

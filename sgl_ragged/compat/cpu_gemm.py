@@ -25,6 +25,12 @@ kernel and larger ones stay torch's.
 Without the native extension built, calls below FLOAT32_ROWS stay as SGLang makes them and
 larger ones are converted to float32 (session 23's form, RAGGED_CPU_GEMM=float32).
 
+The dots split a call over torch's intra-op pool from `dot_serial_macs()` products: from 2^18
+where OpenMP's idle workers spin at least SPLIT_SPIN iterations before they sleep (libgomp's
+GOMP_SPINCOUNT and OMP_WAIT_POLICY, `omp_spin_count`; scripts/serve.sh's 3000), else from 2^22,
+the kernel's default (scripts/env.sh's OMP_WAIT_POLICY=PASSIVE: a sleeping worker woken for each
+small product costs more than the second core gives). RAGGED_DOT_SERIAL_MACS sets it outright.
+
 The plugin installs the hooks in every SGLang process of the environment, so a stock server there
 (any --attention-backend) multiplies the same way as a ragged one: the benchmarks compare KV
 caches, not matrix products. RAGGED_CPU_GEMM picks the routes (CHOICES); unset or auto uses
@@ -34,6 +40,8 @@ them on CPUs whose flags show neither amx_bf16 nor avx512_bf16.
 from __future__ import annotations
 
 import functools
+import math
+import os
 from typing import Any
 
 import torch
@@ -44,6 +52,14 @@ from sgl_ragged.compat import env_choice
 from sgl_ragged.native import cpu_flags
 
 __all__ = ["cpu_flags", "apply", "compute_lm_head", "linear", "route", "routes", "validate"]
+
+SPLIT_SPIN = 3000
+"""From this many spin iterations of OpenMP's idle workers, the dots split calls from
+SERIAL_MACS_SPINNING products (a Zen 5, 2 threads, SmolLM2's model step with GOMP_SPINCOUNT=3000:
+x1.3-1.6 at 1-4 rows, x1.05 at 8; with the workers asleep, x0.7-0.8; docs/results.md, "Decode's
+small products on both cores"). Smaller counts were not measured and keep the default."""
+SERIAL_MACS_SPINNING = 1 << 18
+SERIAL_MACS_DEFAULT = 1 << 22  # linear.cpp's own default
 
 FLOAT32_ROWS = 16
 """Without the native kernel, calls with at least this many rows convert to float32 (2 threads:
@@ -99,9 +115,11 @@ def _dot_rows() -> int:
 
 
 def validate() -> None:
-    """Read RAGGED_CPU_GEMM as every server of the environment will (server_args calls this at
-    startup): a bad value is refused there, with the choices."""
+    """Read RAGGED_CPU_GEMM, RAGGED_DOT_SERIAL_MACS and GOMP_SPINCOUNT as every server of the
+    environment will (server_args calls this at startup): a bad value is refused there, with
+    what to set."""
     routes()
+    dot_serial_macs()
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
@@ -135,8 +153,53 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             how: str) -> torch.Tensor:
     """bf16(x @ weight^T + bias) by route `how` ('native' or 'float32')."""
     if how == "native":
-        return native.load().linear_bf16(x, weight, bias)
+        return kernel().linear_bf16(x, weight, bias)
     return linear(x, weight, bias)
+
+
+@functools.cache
+def kernel() -> Any:
+    """The native extension with its dots' split threshold set for this process
+    (`dot_serial_macs`)."""
+    module = native.load()
+    module.set_linear_dot_serial_macs(dot_serial_macs())
+    return module
+
+
+def omp_spin_count(env: dict[str, str] | None = None) -> float:
+    """How many iterations libgomp's idle workers spin before they sleep, as it reads the
+    environment at start: GOMP_SPINCOUNT (a count with an optional k, M, G or T factor, or
+    INFINITE / INFINITY) where set, else by OMP_WAIT_POLICY: 0 for PASSIVE, unbounded for
+    ACTIVE, 300000 unset. ValueError for a value libgomp would not read."""
+    env = os.environ if env is None else env
+    count = env.get("GOMP_SPINCOUNT", "").strip()
+    if count:
+        if count.lower() in ("infinite", "infinity"):
+            return math.inf
+        factors = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+        factor = factors.get(count[-1].lower(), 1)
+        digits = count[:-1] if factor != 1 else count
+        if not digits.isdigit():
+            raise ValueError(f"GOMP_SPINCOUNT={count} is not a spin count: a whole number, with "
+                             "an optional k, M, G or T, or INFINITE")
+        return int(digits) * factor
+    policy = env.get("OMP_WAIT_POLICY", "").strip().lower()
+    return {"passive": 0, "active": math.inf}.get(policy, 300000)
+
+
+def dot_serial_macs(env: dict[str, str] | None = None) -> int:
+    """Below how many products (rows x outputs x inputs) the native dots keep a call on one
+    thread in this process: RAGGED_DOT_SERIAL_MACS where set, else SERIAL_MACS_SPINNING where
+    idle OpenMP workers spin at least SPLIT_SPIN iterations, else SERIAL_MACS_DEFAULT."""
+    env = os.environ if env is None else env
+    value = env.get("RAGGED_DOT_SERIAL_MACS", "").strip()
+    if value:
+        if not value.isdigit():
+            raise ValueError(f"RAGGED_DOT_SERIAL_MACS={value} is not a count of products: set "
+                             "a whole number (e.g. 262144), or unset it to follow the OpenMP "
+                             "spin count")
+        return int(value)
+    return SERIAL_MACS_SPINNING if omp_spin_count(env) >= SPLIT_SPIN else SERIAL_MACS_DEFAULT
 
 
 def apply(original: Any, method: Any, layer: torch.nn.Module, x: torch.Tensor,

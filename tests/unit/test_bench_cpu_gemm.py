@@ -28,3 +28,19 @@ def test_the_variants_compute_the_same_rows():
     for fn in cpu_gemm.VARIANTS.values():
         out = fn(x, w).double()
         assert ((out - ref).abs() <= 2**-7 * ref.abs() + 1e-5).all()
+
+
+def test_split_thresholds_are_variants_of_the_same_rounds():
+    """--dot-serial-macs: the native kernel at each threshold in the same rounds, the same bits
+    as the process's own, which each call restores; their own table with ratios to the first."""
+    results = cpu_gemm.measure([2], [2], warmup=0, repeats=2, num_layers=2, vocab=64,
+                               dot_serial_macs=[2**22, 0])
+    assert all(results[0][f"native@{m}_step_s"] > 0 for m in (2**22, 0))
+    table = cpu_gemm.markdown(results)
+    assert "| native@4194304 step ms | native@0 step ms | native@4194304 / native@0 |" in table
+    assert table.split("ratios against native@4194304")[1].count("\n| 2 | 2 | ") == 1
+    module = cpu_gemm.cpu_gemm.kernel()
+    own = module.linear_dot_serial_macs()
+    x, w = torch.randn(4, 576).bfloat16(), torch.randn(960, 576).bfloat16()
+    assert torch.equal(cpu_gemm.at_threshold(0)(x, w), module.linear_bf16(x, w, None))
+    assert module.linear_dot_serial_macs() == own

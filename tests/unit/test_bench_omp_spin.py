@@ -50,8 +50,15 @@ def test_launch_serves_the_largest_batch():
     assert launch[launch.index("--ragged-precision") + 1] == "mixed"
 
 
+def test_a_setting_may_set_the_dots_split_threshold():
+    assert omp_spin.setting_env("3000") == {"GOMP_SPINCOUNT": "3000"}
+    assert omp_spin.setting_env("3000:4194304") == {"GOMP_SPINCOUNT": "3000",
+                                                     "RAGGED_DOT_SERIAL_MACS": "4194304"}
+
+
 @pytest.mark.parametrize("argv", [["--spins", "0", "0"], ["--spins", "-1"], ["--repeats", "0"],
-                                  ["--long-concurrency", "0"]])
+                                  ["--long-concurrency", "0"], ["--spins", "3000:"],
+                                  ["--spins", "1:2:3"], ["--spins", "3000:x"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         omp_spin.main(argv)

@@ -19,7 +19,8 @@ BF16_ULP = 2.0**-7  # bfloat16's relative spacing: 8 bits of significand
 @pytest.fixture(autouse=True)
 def _fresh_choice(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("RAGGED_CPU_GEMM", raising=False)
-    cached = (cpu_gemm._routes_here, cpu_gemm._dot_rows)  # before a test replaces them
+    cached = (cpu_gemm._routes_here, cpu_gemm._dot_rows, cpu_gemm.kernel)  # before a test
+    # replaces them
     for f in cached:
         f.cache_clear()
     yield
@@ -138,6 +139,66 @@ def test_a_bad_choice_says_what_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match=r"RAGGED_CPU_GEMM=fp32 is not a choice: set it to auto "
                                          r"\(.*\); native .*; float32 .*; bfloat16"):
         cpu_gemm.validate()
+
+
+@pytest.mark.parametrize(("env", "count"), [
+    ({}, 300000),
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, 0),
+    ({"OMP_WAIT_POLICY": "active"}, float("inf")),
+    ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000"}, 3000),  # scripts/serve.sh's
+    ({"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "0"}, 0),
+    ({"GOMP_SPINCOUNT": "3k"}, 3000),
+    ({"GOMP_SPINCOUNT": "2M"}, 2_000_000),
+    ({"GOMP_SPINCOUNT": "INFINITE"}, float("inf")),
+    ({"GOMP_SPINCOUNT": " "}, 300000),
+])
+def test_the_spin_count_libgomp_reads(env: dict[str, str], count: float) -> None:
+    assert cpu_gemm.omp_spin_count(env) == count
+
+
+def test_the_dots_split_from_2_18_products_where_workers_spin() -> None:
+    """Brute force over the settings that decide it: RAGGED_DOT_SERIAL_MACS outright, else
+    2^18 from SPLIT_SPIN spins, 2^22 (the kernel's default) below."""
+    for spin in ("0", "300", "2999", "3000", "3k", "300000", "infinity", None):
+        for policy in ("passive", "active", None):
+            for forced in ("262144", "0", None):
+                env = {k: v for k, v in (("GOMP_SPINCOUNT", spin), ("OMP_WAIT_POLICY", policy),
+                                         ("RAGGED_DOT_SERIAL_MACS", forced)) if v is not None}
+                count = cpu_gemm.omp_spin_count(env)
+                want = (int(forced) if forced is not None
+                        else 2**18 if count >= 3000 else 2**22)
+                assert cpu_gemm.dot_serial_macs(env) == want, env
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("GOMP_SPINCOUNT", "fast", r"GOMP_SPINCOUNT=fast is not a spin count"),
+    ("GOMP_SPINCOUNT", "-5", r"GOMP_SPINCOUNT=-5 is not a spin count"),
+    ("RAGGED_DOT_SERIAL_MACS", "2^18", r"RAGGED_DOT_SERIAL_MACS=2\^18 is not a count of products"),
+])
+def test_a_bad_spin_setting_says_what_to_set(name: str, value: str, message: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        cpu_gemm.validate()
+
+
+def test_the_kernel_is_set_for_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sgl_ragged import native
+
+    if not (native.is_built() and native.available()):
+        pytest.skip(f"native kernels: {native.reason()}")
+    module = native.load()
+    default = module.linear_dot_serial_macs()
+    try:
+        for env, want in (({"GOMP_SPINCOUNT": "3000"}, 2**18), ({"GOMP_SPINCOUNT": "0"}, 2**22),
+                          ({"RAGGED_DOT_SERIAL_MACS": "12345"}, 12345)):
+            monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+            for k, v in env.items():
+                monkeypatch.setenv(k, v)
+            cpu_gemm.kernel.cache_clear()
+            assert cpu_gemm.kernel() is module and module.linear_dot_serial_macs() == want
+    finally:
+        module.set_linear_dot_serial_macs(default)
 
 
 def test_the_flags_are_this_machines() -> None:

@@ -65,6 +65,30 @@ def test_matches_the_reference(shape: tuple[int, int, int], bias: bool, threads:
     _assert_rounded(out, _reference(x, w, b))
 
 
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] < 24], ids=lambda s: "x".join(map(str, s)))
+def test_split_calls_give_the_serial_bits(shape: tuple[int, int, int]) -> None:
+    """The dots' split threshold (set_linear_dot_serial_macs: compat/cpu_gemm picks it from the
+    OpenMP spin count) moves work between threads, never a bit of the result: each output is
+    one thread's sum, whichever thread."""
+    module = native.load()
+    m, k, n = shape
+    x, w, b = _case(m, k, n, True, seed=m * 31 + k + n)
+    default = module.linear_dot_serial_macs()
+    try:
+        with ops.intra_op_threads(2):
+            module.set_linear_dot_serial_macs(2**62)
+            serial = module.linear_bf16(x, w, b)
+            module.set_linear_dot_serial_macs(0)
+            split = module.linear_bf16(x, w, b)
+    finally:
+        module.set_linear_dot_serial_macs(default)
+    assert torch.equal(serial, split)
+    _assert_rounded(split, _reference(x, w, b))
+    with pytest.raises(RuntimeError, match="-1 products is negative"):
+        module.set_linear_dot_serial_macs(-1)
+    assert module.linear_dot_serial_macs() == default
+
+
 def test_the_bfloat16_sum_is_torchs_within_a_step() -> None:
     """Against torch's own bfloat16 product of the same operands (what SGLang would compute)."""
     x, w, b = _case(24, 576, 960, True, seed=11)
