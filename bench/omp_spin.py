@@ -23,8 +23,9 @@ them alive at once (idle ones sleep, `--sleep-on-idle`), and the rounds alternat
 
 A setting `SPIN:MACS` also sets RAGGED_DOT_SERIAL_MACS=MACS for its server (the native dots
 keep calls below MACS products on one thread; unset, compat/cpu_gemm derives it from the spin
-count). Medians over --repeats rounds after --warmup; ratios against the first setting. Writes
-omp_spin.json and omp_spin.md, and each server's log beside them.
+count). Medians over --repeats rounds after --warmup, the settings' order reversed every other
+round; ratios against the first setting. Writes omp_spin.json and omp_spin.md, and each
+server's log beside them.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def measure(servers: dict[str, list[str]], args: argparse.Namespace) -> dict[str
     samples: dict[str, dict[str, list[float]]] = {k: {} for k in servers}
     total = args.warmup + args.repeats
     for r in range(total):
-        for spin, urls in servers.items():
+        order = list(servers.items())
+        for spin, urls in (order if r % 2 == 0 else order[::-1]):  # which goes first swaps
             got: dict[str, float] = {}
             for c in args.concurrency:
                 got[f"short_{c}_tok_s"] = asyncio.run(

@@ -14,9 +14,11 @@
 # OpenMP's idle workers spin some tens of microseconds (GOMP_SPINCOUNT=3000) before they sleep,
 # where env.sh (tests, benchmarks) has them sleep at once: a decode step of 8 requests runs
 # ~90 parallel regions (the dense layers' products, perf probe on GOMP_parallel), and
-# waking a sleeping worker for each cost a single server x1.01-1.22 decode tokens/s (docs/
-# results.md, "Sealing's row writer in one native call (session 31)"). On a machine shared with
-# other busy processes (two decoding servers on 2 cores: x0.76 with it) pass GOMP_SPINCOUNT=0.
+# waking a sleeping worker for each cost a single server x1.09-1.26 decode tokens/s (with the
+# spin the small decode products also split over both cores: compat/cpu_gemm.dot_serial_macs;
+# docs/results.md, "Decode's small products on both cores (session 33)"). On a machine shared
+# with other busy processes (two decoding servers on 2 cores: x0.76 with it) pass
+# GOMP_SPINCOUNT=0.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 export GOMP_SPINCOUNT="${GOMP_SPINCOUNT:-3000}"
