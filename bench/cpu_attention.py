@@ -43,6 +43,7 @@ from types import ModuleType
 
 import torch
 
+from bench.cpu_sweep import round_order
 from sgl_ragged.attention_backend.batched_torch import BatchedTorchAttention
 from sgl_ragged.attention_backend.impl import AttentionImpl
 from sgl_ragged.attention_backend.native_impl import NativeAttention
@@ -111,13 +112,13 @@ def timed(step, warmup: int, repeats: int) -> float:
 
 def timed_alternating(steps: dict[str, object], warmup: int, repeats: int) -> dict[str, float]:
     """Median wall-clock seconds of each step, run in turn every round (shared-machine noise
-    hits all of them alike)."""
+    hits all of them alike; the order reversed every other round)."""
     for _ in range(warmup):
         for step in steps.values():
             step()
     samples: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
+    for round_ in range(repeats):
+        for name, step in round_order(steps.items(), round_):
             t0 = time.perf_counter()
             step()
             samples[name].append(time.perf_counter() - t0)

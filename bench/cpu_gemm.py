@@ -12,7 +12,8 @@ bfloat16 rows and weights; the lm_head by `torch.matmul`, the same product), as
 kernel (the weight read as bfloat16, float32 sums, rounded once). A model step is every layer's
 four products over 30 layers of distinct weights (212 MB, more than the caches hold: the weights
 stream from memory as in a server); the lm_head (56 MB) is timed on its own. Each round times
-every variant once, in turn (alternating); medians over the repeats after warm-up. The native
+every variant once, in turn (alternating, the order reversed every other round); medians over
+the repeats after warm-up. The native
 kernel runs with this process's split threshold for its dots (compat/cpu_gemm.dot_serial_macs:
 from the OpenMP spin count); `--dot-serial-macs A B ...` adds the native kernel at each of those
 thresholds as variants `native@A` ... in the same rounds (ratios against the first). Row counts
@@ -95,7 +96,7 @@ def measure(rows: list[int], threads: list[int], warmup: int, repeats: int,
                 step: dict[str, list[float]] = {v: [] for v in variants}
                 lm: dict[str, list[float]] = {v: [] for v in variants}
                 for round_ in range(warmup + repeats):
-                    for variant, fn in variants.items():
+                    for variant, fn in cpu_sweep.round_order(variants.items(), round_):
                         t0 = time.perf_counter()
                         for weights in layers:
                             for x, w in zip(xs, weights, strict=True):

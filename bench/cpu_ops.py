@@ -82,7 +82,10 @@ def measure(rows: list[int], threads: list[int], warmup: int, repeats: int,
                                                  for form in ("torch", "native")}
                 for round_ in range(warmup + repeats):
                     for op, (torch_form, native_form) in cases.items():
-                        a, b = _time(torch_form), _time(native_form)
+                        if round_ % 2 == 0:  # which form runs first swaps (cpu_sweep.round_order)
+                            a, b = _time(torch_form), _time(native_form)
+                        else:
+                            b, a = _time(native_form), _time(torch_form)
                         if round_ >= warmup:
                             times[f"{op}_torch"].append(a)
                             times[f"{op}_native"].append(b)

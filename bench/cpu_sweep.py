@@ -6,13 +6,23 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sgl_ragged import native
 
 Measure = Callable[..., list[dict]]  # (rows, threads, warmup, repeats, progress=...) -> results
+T = TypeVar("T")
+
+
+def round_order(items: Iterable[T], round_: int) -> list[T]:
+    """`items` in their order in even rounds, reversed in odd ones: what runs first in a round
+    swaps, so neither side of an A/B always follows the other (bench.omp_spin's fixed order once
+    biased a served A/B by up to 14%; docs/results.md, "Decode's small products on both
+    cores")."""
+    items = list(items)
+    return items if round_ % 2 == 0 else items[::-1]
 
 
 def parse(doc: str, *, rows: list[int], threads: list[int], warmup: int, repeats: int,

@@ -116,7 +116,7 @@ def measure(profile: BudgetProfile, batch: int, context: int, precision: str, wa
     scale = profile.model.head_dim**-0.5
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in impls}
     for i in range(warmup + repeats):
-        for name in (list(impls) if i % 2 == 0 else list(reversed(impls))):
+        for name in cpu_sweep.round_order(impls, i):
             seconds = step_seconds(impls[name], req_to_token, context, qkv, scale)
             if i >= warmup:
                 samples[name].append(seconds)

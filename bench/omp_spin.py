@@ -103,8 +103,7 @@ def measure(servers: dict[str, list[str]], args: argparse.Namespace) -> dict[str
     samples: dict[str, dict[str, list[float]]] = {k: {} for k in servers}
     total = args.warmup + args.repeats
     for r in range(total):
-        order = list(servers.items())
-        for spin, urls in (order if r % 2 == 0 else order[::-1]):  # which goes first swaps
+        for spin, urls in cpu_sweep.round_order(servers.items(), r):  # who goes first swaps
             got: dict[str, float] = {}
             for c in args.concurrency:
                 got[f"short_{c}_tok_s"] = asyncio.run(

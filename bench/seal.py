@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from bench import cpu_sweep
 from bench.cpu_attention import CHUNK, DEFAULT_PROFILE, PAGE, build_case
 from sgl_ragged import native
 from sgl_ragged.attention_backend import ops
@@ -80,7 +81,8 @@ def measure(profile: BudgetProfile, precisions: list[str], num_pages: int, warmu
     samples: dict[int, list[dict[str, float]]] = {i: [] for i in range(len(variants))}
     with ops.intra_op_threads(1):
         for round_ in range(warmup + repeats):
-            for i, (_, writer, _, storage, spans) in enumerate(variants):
+            for i, (_, writer, _, storage, spans) in cpu_sweep.round_order(enumerate(variants),
+                                                                           round_):
                 storage.head_span = spans
                 storage.native_rows = writer == "native"
                 seconds = seal_steps(storage, num_pages)

@@ -44,3 +44,11 @@ def test_split_thresholds_are_variants_of_the_same_rounds():
     x, w = torch.randn(4, 576).bfloat16(), torch.randn(960, 576).bfloat16()
     assert torch.equal(cpu_gemm.at_threshold(0)(x, w), module.linear_bf16(x, w, None))
     assert module.linear_dot_serial_macs() == own
+
+
+def test_which_variant_runs_first_swaps_every_round():
+    from bench import cpu_sweep
+
+    assert [cpu_sweep.round_order("abc", r) for r in range(3)] == [
+        list("abc"), list("cba"), list("abc")]
+    assert cpu_sweep.round_order(iter({"x": 1, "y": 2}.items()), 1) == [("y", 2), ("x", 1)]
