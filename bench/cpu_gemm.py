@@ -4,6 +4,8 @@ the native kernel (cuda_ext/linear.cpp), in the same rounds.
     python -m bench.cpu_gemm [--rows 1 2 4 ... 256 512] [--threads 1 2] --out results/cpu-gemm
     GOMP_SPINCOUNT=3000 python -m bench.cpu_gemm --rows 1 4 16 --threads 2 \
         --dot-serial-macs 4194304 262144
+    python -m bench.cpu_gemm --rows 1 8 16 --threads 2 --baseline $(python -m bench.native_baseline \
+        --rev main | tail -1)
 
 The dense layers of the default model (SmolLM2-135M: hidden 576, intermediate 1536, 9 query and
 3 KV heads of 64, a 49152-token vocabulary), each multiplied as SGLang does (`F.linear` of
@@ -16,7 +18,9 @@ every variant once, in turn (alternating, the order reversed every other round);
 the repeats after warm-up. The native
 kernel runs with this process's split threshold for its dots (compat/cpu_gemm.dot_serial_macs:
 from the OpenMP spin count); `--dot-serial-macs A B ...` adds the native kernel at each of those
-thresholds as variants `native@A` ... in the same rounds (ratios against the first). Row counts
+thresholds as variants `native@A` ... in the same rounds (ratios against the first);
+`--baseline SO` adds another build's kernel (bench.native_baseline) at the same threshold as
+`baseline`, its products checked equal to this build's first. Row counts
 stand for a decode batch's requests or a prefill chunk's tokens. Writes cpu_gemm.json and
 cpu_gemm.md. compat/cpu_gemm.py's FLOAT32_ROWS and linear.cpp's DOT_ROWS (where torch's
 bfloat16 product overtakes the dots on an AVX512-BF16 CPU) come from this table; linear.cpp's
@@ -30,11 +34,14 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from bench import cpu_sweep
+from bench.cpu_attention import load_baseline
 from sgl_ragged import native
 from sgl_ragged.attention_backend import ops
 from sgl_ragged.compat import cpu_gemm
@@ -78,12 +85,17 @@ def at_threshold(macs: int) -> Product:
 def measure(rows: list[int], threads: list[int], warmup: int, repeats: int,
             num_layers: int = NUM_LAYERS, vocab: int = LM_HEAD[1],
             progress: Callable[[str], None] = lambda line: None,
-            dot_serial_macs: list[int] | None = None) -> list[dict]:
+            dot_serial_macs: list[int] | None = None,
+            baseline: ModuleType | None = None) -> list[dict]:
     """Median seconds of each variant's model step and lm_head per (threads, rows); with
-    `dot_serial_macs`, the native kernel at each threshold too (`native@<macs>`)."""
+    `dot_serial_macs`, the native kernel at each threshold too (`native@<macs>`); with
+    `baseline`, another build's kernel (`baseline`)."""
     variants = dict(VARIANTS)
     for macs in dot_serial_macs or []:
         variants[f"native@{macs}"] = at_threshold(macs)
+    if baseline is not None:
+        baseline.set_linear_dot_serial_macs(cpu_gemm.kernel().linear_dot_serial_macs())
+        variants["baseline"] = lambda x, w: baseline.linear_bf16(x, w, None)
     gen = torch.Generator().manual_seed(0)
     layers, head = _weights(num_layers, vocab, gen)
     results = []
@@ -93,6 +105,11 @@ def measure(rows: list[int], threads: list[int], warmup: int, repeats: int,
                 progress(f"{t} thread(s), {m} rows")
                 xs = [torch.randn(m, k, generator=gen).bfloat16() for _, k, _ in LAYERS]
                 hidden = torch.randn(m, LM_HEAD[0], generator=gen).bfloat16()
+                if baseline is not None:  # the same products, or the ratio means nothing
+                    for x, w in zip(xs, layers[0], strict=True):
+                        if not torch.equal(variants["baseline"](x, w), variants["native"](x, w)):
+                            raise SystemExit(f"--baseline computes other products than this "
+                                             f"build at {m} rows: compare builds of one rounding")
                 step: dict[str, list[float]] = {v: [] for v in variants}
                 lm: dict[str, list[float]] = {v: [] for v in variants}
                 for round_ in range(warmup + repeats):
@@ -128,6 +145,16 @@ def markdown(results: list[dict]) -> str:
         hb, hn = r["bfloat16_lm_head_s"] * 1e3, r["native_lm_head_s"] * 1e3
         lines.append(f"| {r['threads']} | {r['rows']} | {b:.1f} | {f:.1f} | {n:.1f} | "
                      f"x{b / n:.2f} | x{f / n:.2f} | {hb:.1f} | {hn:.1f} | x{hb / hn:.2f} |")
+    if results and "baseline_step_s" in results[0]:
+        lines += ["", "Another build of the kernel (`--baseline`), same rounds and split threshold:",
+                  "", "| threads | rows | baseline step ms | native step ms | baseline / native | "
+                  "baseline lm_head ms | native lm_head ms | baseline / native |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in results:
+            b, n = r["baseline_step_s"] * 1e3, r["native_step_s"] * 1e3
+            hb, hn = r["baseline_lm_head_s"] * 1e3, r["native_lm_head_s"] * 1e3
+            lines.append(f"| {r['threads']} | {r['rows']} | {b:.2f} | {n:.2f} | x{b / n:.2f} | "
+                         f"{hb:.2f} | {hn:.2f} | x{hb / hn:.2f} |")
     thresholds = [k[:-len("_step_s")] for k in results[0] if k.startswith("native@")
                   and k.endswith("_step_s")] if results else []
     if thresholds:
@@ -155,6 +182,9 @@ def markdown(results: list[dict]) -> str:
 def _threshold_arg(parser) -> None:
     parser.add_argument("--dot-serial-macs", type=int, nargs="+", default=None, metavar="MACS",
                         help="also the native kernel at each of these split thresholds")
+    parser.add_argument("--baseline", type=Path, default=None, metavar="SO",
+                        help="also another build of the kernel (python -m bench.native_baseline "
+                             "--rev R prints its path)")
 
 
 def main() -> None:
@@ -162,7 +192,8 @@ def main() -> None:
                            warmup=1, repeats=5, out="results/cpu-gemm", extra=_threshold_arg)
     if args.dot_serial_macs and min(args.dot_serial_macs) < 0:
         raise SystemExit("--dot-serial-macs: counts of products are at least 0")
-    results = cpu_sweep.sweep(args, functools.partial(measure,
+    baseline = load_baseline(args.baseline) if args.baseline else None
+    results = cpu_sweep.sweep(args, functools.partial(measure, baseline=baseline,
                                                       dot_serial_macs=args.dot_serial_macs))
     cpu_sweep.write(args.out, "cpu_gemm", {
         "results": results, "native_isa": native.load().linear_isa(),

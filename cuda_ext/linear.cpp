@@ -54,7 +54,11 @@ constexpr int64_t SERIAL_MACS = 1 << 18;  // below this, one thread (about 20 us
 constexpr int64_t PR = 6;                 // panel form: activation rows per micro-block
 constexpr int64_t PC = 16;                // panel form: weight rows per panel (two vectors)
 constexpr int64_t PANEL_ROWS = 8;         // from this many rows, the panel form
-constexpr int64_t DOT_ROWS = 24;          // below this many rows on AVX512-BF16, vdpbf16ps dots
+// Below this many rows on AVX512-BF16, vdpbf16ps dots (compat/cpu_gemm sends larger calls to
+// torch's bfloat16 product). On a Zen 5 with spinning workers the dots beat torch's product
+// x1.3-1.7 at 24-48 rows and x1.1 at 56-63 (lm_head x0.9 there); with sleeping ones they were
+// even (x0.99-1.09) at 24-48 (docs/results.md, "Decode's small products on both cores").
+constexpr int64_t DOT_ROWS = 48;
 // The dots stay on one thread below dot_serial_macs products (set_linear_dot_serial_macs; the
 // caller, compat/cpu_gemm.py, picks it from how OpenMP's idle workers wait). Where they sleep at
 // once, waking the pool for each of a step's 120 products cost more than the second core gave
@@ -318,10 +322,14 @@ void panels(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_t* w,
 // into 16 float32 lanes. Blocks of DB weight rows against DR activation rows at a time (16
 // accumulators); a block's first pass of rows streams its weights from memory, prefetching the
 // next block's a cache line per row per step, and the later passes find them in L1. K's last
-// K % 32 channels load masked (zeros add nothing). A row's four lane sums come out of one hadd
-// tree. vdpbf16ps reads subnormal inputs as zero and flushes subnormal results (DAZ, FTZ):
-// values below 2^-126 that a float32 product would keep. Calls below dot_serial_macs products
-// stay on the calling thread.
+// K % 32 channels load masked (zeros add nothing), by the same step as the others: with a tail
+// step of its own GCC kept the 16 accumulators on the stack, stored and reloaded around it (a
+// quarter of a pass's instructions at K = 576). A row's four lane sums come out of one hadd tree
+// and are rounded to bfloat16 four at a time (store4_bf16, at::BFloat16's rounding in vector
+// integer ops; the model step x1.03-1.22 at 1-20 rows with both changes, docs/results.md,
+// "Decode's small products on both cores"). vdpbf16ps reads subnormal inputs as zero and
+// flushes subnormal results (DAZ, FTZ): values below 2^-126 that a float32 product would keep.
+// Calls below dot_serial_macs products stay on the calling thread.
 namespace dots {
 
 constexpr int64_t DR = 4;  // activation rows per pass
@@ -340,32 +348,35 @@ inline __m512bh load_bh(const uint16_t* p, __mmask32 mask) {
 template <int R, int B, bool PREFETCH>
 inline void dot_block(const uint16_t* x, int64_t K, const uint16_t* w, float acc[DR][DB]) {
   __m512 a[R][B];
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
     for (int j = 0; j < B; ++j) a[r][j] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    if (PREFETCH)
+  // One 32-channel step of every (row, weight row) pair; masked: channels [k, K) only, K - k < 32.
+  const auto step = [&](int64_t k, bool masked) __attribute__((always_inline)) {
+    const __mmask32 mask = masked ? (__mmask32(1) << (K - k)) - 1 : ~__mmask32(0);
+    if (PREFETCH && !masked)
+#pragma GCC unroll 4
       for (int j = 0; j < B; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(w + (DB + j) * K + k), _MM_HINT_T0);
     __m512bh wv[B];
-    for (int j = 0; j < B; ++j) wv[j] = load_bh(w + j * K + k);
+#pragma GCC unroll 4
+    for (int j = 0; j < B; ++j) wv[j] = masked ? load_bh(w + j * K + k, mask) : load_bh(w + j * K + k);
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m512bh xv = load_bh(x + r * K + k);
+      const __m512bh xv = masked ? load_bh(x + r * K + k, mask) : load_bh(x + r * K + k);
+#pragma GCC unroll 4
       for (int j = 0; j < B; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], xv, wv[j]);
     }
-  }
-  if (k < K) {
-    const __mmask32 mask = (__mmask32(1) << (K - k)) - 1;  // K - k < 32
-    __m512bh wv[B];
-    for (int j = 0; j < B; ++j) wv[j] = load_bh(w + j * K + k, mask);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh xv = load_bh(x + r * K + k, mask);
-      for (int j = 0; j < B; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], xv, wv[j]);
-    }
-  }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) step(k, false);
+  if (k < K) step(k, true);
+#pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
     if constexpr (B == 4) {  // four lane sums at once: halves added, then two rounds of hadd
       __m256 h[4];
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         const __m256d hi = _mm512_extractf64x4_pd(_mm512_castps_pd(a[r][j]), 1);
         h[j] = _mm256_add_ps(_mm512_castps512_ps256(a[r][j]), _mm256_castpd_ps(hi));
@@ -376,6 +387,21 @@ inline void dot_block(const uint16_t* x, int64_t K, const uint16_t* w, float acc
       for (int j = 0; j < B; ++j) acc[r][j] = _mm512_reduce_add_ps(a[r][j]);
     }
   }
+}
+
+// 4 float32 sums plus 4 bias values (bfloat16, or none) rounded to bfloat16 as at::BFloat16
+// rounds a float (to nearest even; a NaN becomes 0x7FC0), stored at y: the same bits as
+// at::BFloat16(sum + bias) lane by lane.
+inline void store4_bf16(__m128 sums, const uint16_t* bias, at::BFloat16* y) {
+  if (bias) {
+    const __m128i b = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bias)));
+    sums = _mm_add_ps(sums, _mm_castsi128_ps(_mm_slli_epi32(b, 16)));
+  }
+  const __m128i u = _mm_castps_si128(sums);
+  const __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+  __m128i r = _mm_srli_epi32(_mm_add_epi32(u, _mm_add_epi32(lsb, _mm_set1_epi32(0x7FFF))), 16);
+  r = _mm_blendv_epi8(r, _mm_set1_epi32(0x7FC0), _mm_castps_si128(_mm_cmpunord_ps(sums, sums)));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(y), _mm_packus_epi32(r, r));
 }
 
 // Rows [m, m + rows) of x (rows <= DR) against B weight rows: dot_block for that row count.
@@ -402,11 +428,16 @@ void rows_against(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint
       pass<B, true>(x + m * K, rows, K, wb, acc);
     else
       pass<B, false>(x + m * K, rows, K, wb, acc);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int j = 0; j < B; ++j) {
-        const float b = bias ? bf16_float(bias[n + j]) : 0.0f;
-        y[(m + r) * N + n + j] = at::BFloat16(acc[r][j] + b);
-      }
+    if constexpr (B == 4) {
+      for (int64_t r = 0; r < rows; ++r)
+        store4_bf16(_mm_loadu_ps(acc[r]), bias ? bias + n : nullptr, y + (m + r) * N + n);
+    } else {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int j = 0; j < B; ++j) {
+          const float b = bias ? bf16_float(bias[n + j]) : 0.0f;
+          y[(m + r) * N + n + j] = at::BFloat16(acc[r][j] + b);
+        }
+    }
   }
 }
 

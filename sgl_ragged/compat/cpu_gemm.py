@@ -18,9 +18,10 @@ contiguous goes the float32 way (`linear`).
 
 On a CPU with AVX512-BF16 (and no AMX), torch's own bfloat16 product is fast from a few dozen
 rows but streams a decode batch's weights at half to two thirds of the speed of the native
-kernel's vdpbf16ps dots (a Zen 5, 2 threads: x1.4-1.9 at 1-8 rows, x1.2 at 16; docs/results.md,
-"Decode rows on vdpbf16ps"), so there calls below the kernel's `linear_dot_rows()` go to the
-kernel and larger ones stay torch's.
+kernel's vdpbf16ps dots (a Zen 5, 2 threads, spinning workers: x1.6-1.7 at 1-16 rows, x1.2 at
+32-47; docs/results.md, "Decode rows on vdpbf16ps" and "Decode's small products on both
+cores"), so there calls below the kernel's `linear_dot_rows()` (48) go to the kernel and larger
+ones stay torch's.
 
 Without the native extension built, calls below FLOAT32_ROWS stay as SGLang makes them and
 larger ones are converted to float32 (session 23's form, RAGGED_CPU_GEMM=float32).

@@ -52,3 +52,16 @@ def test_which_variant_runs_first_swaps_every_round():
     assert [cpu_sweep.round_order("abc", r) for r in range(3)] == [
         list("abc"), list("cba"), list("abc")]
     assert cpu_sweep.round_order(iter({"x": 1, "y": 2}.items()), 1) == [("y", 2), ("x", 1)]
+
+
+def test_a_baseline_build_is_a_variant_of_the_same_rounds():
+    """--baseline: another build's kernel (here this build's own module stands in for it) timed
+    in the same rounds at the process's split threshold, in a table of its own."""
+    from sgl_ragged import native
+
+    results = cpu_gemm.measure([3], [1], warmup=0, repeats=2, num_layers=2, vocab=64,
+                               baseline=native.load())
+    assert results[0]["baseline_step_s"] > 0 and results[0]["baseline_lm_head_s"] > 0
+    table = cpu_gemm.markdown(results)
+    assert "| threads | rows | baseline step ms | native step ms | baseline / native |" in table
+    assert table.split("Another build of the kernel")[1].count("\n| 1 | 3 | ") == 1

@@ -25,12 +25,13 @@ BF16_ULP = 2.0**-7
 ROOT = Path(__file__).resolve().parents[2]
 
 SHAPES = [  # (M, K, N); from 8 rows the panel layout (PANEL_ROWS, PR = 6 rows, PC = 16 columns),
-    # below 24 on AVX512-BF16 the dots (DOT_ROWS; DR = 4 rows, DB = 4 weight rows, 32 channels)
+    # below 48 on AVX512-BF16 the dots (DOT_ROWS; DR = 4 rows, DB = 4 weight rows, 32 channels)
     (1, 576, 960), (2, 576, 576), (3, 1536, 44), (5, 64, 7), (7, 64, 40), (1, 584, 8),
     (1, 7, 5), (4, 15, 4),
     (8, 100, 13), (9, 1, 33), (10, 13, 5), (11, 40, 8), (12, 64, 16), (27, 96, 24),
     (65, 72, 30), (130, 200, 17), (17, 576, 3072), (48, 1536, 576),
-    (6, 33, 6), (23, 63, 1), (23, 1536, 49), (24, 40, 9), (25, 31, 18),
+    (6, 33, 6), (23, 63, 1), (23, 1536, 49), (24, 40, 9), (25, 31, 18), (37, 576, 960),
+    (47, 63, 9), (47, 1536, 49), (48, 40, 9), (49, 31, 18),
 ]
 
 
@@ -65,7 +66,7 @@ def test_matches_the_reference(shape: tuple[int, int, int], bias: bool, threads:
     _assert_rounded(out, _reference(x, w, b))
 
 
-@pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] < 24], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] < 48], ids=lambda s: "x".join(map(str, s)))
 def test_split_calls_give_the_serial_bits(shape: tuple[int, int, int]) -> None:
     """The dots' split threshold (set_linear_dot_serial_macs: compat/cpu_gemm picks it from the
     OpenMP spin count) moves work between threads, never a bit of the result: each output is
@@ -117,7 +118,7 @@ def test_leading_dims_and_strided_activations() -> None:
 def test_special_values_pass_through(rows: int) -> None:
     x, w, _ = _case(rows, 64, 20, False, seed=9)
     x[1, 5] = float("inf")
-    x[2, 0] = float("nan")
+    x.view(torch.int16)[2, 0] = -64  # 0xFFC0: a NaN with the sign set (rounds to 0x7FC0)
     x[3] = 2.0**100  # every term of output 0 (1) is +2^130 (-2^130): +inf (-inf) in any order
     w[0], w[1] = 2.0**30, -(2.0**30)
     out = native.load().linear_bf16(x, w, None)
@@ -127,6 +128,8 @@ def test_special_values_pass_through(rows: int) -> None:
         assert torch.equal(out[r].isinf() | out[r].isnan(), ref[r].isinf() | ref[r].isnan())
         assert torch.equal(out[r][ref[r].isinf()], ref[r][ref[r].isinf()].bfloat16())
     assert out[2].isnan().all()
+    if rows < native.load().linear_dot_rows():  # the dots round as at::BFloat16: NaN is 0x7FC0
+        assert (out[2].view(torch.int16) == 0x7FC0).all()
     _assert_rounded(out[0], _reference(x[:1], w, None)[0])
 
 
@@ -154,7 +157,7 @@ def test_the_form_this_cpu_runs() -> None:
     if forced == "scalar" or not {"avx2", "fma"} <= flags:
         want, dot_rows = "scalar", 0
     elif forced != "avx2" and {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags:
-        want, dot_rows = "avx512_bf16", 24
+        want, dot_rows = "avx512_bf16", 48
     else:
         want, dot_rows = "avx2", 0
     assert native.load().linear_isa() == want
