@@ -319,8 +319,9 @@ void panels(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_t* w,
 
 // Decode rows on AVX512-BF16 (below DOT_ROWS rows): x stays bfloat16 and each 32-channel step
 // is one vdpbf16ps per (activation row, weight row) pair, the bfloat16 pairs' exact products added
-// into 16 float32 lanes. Blocks of DB weight rows against DR activation rows at a time (16
-// accumulators); a block's first pass of rows streams its weights from memory, prefetching the
+// into 16 float32 lanes. Blocks of DB weight rows against DR activation rows at a time (24
+// accumulators: 10 loads per 24 products, where 4 x 4 took 8 per 16; the model step x1.06-1.30
+// at 8-47 rows, docs/results.md, "Decode's small products on both cores"); a block's first pass of rows streams its weights from memory, prefetching the
 // next block's a cache line per row per step, and the later passes find them in L1. K's last
 // K % 32 channels load masked (zeros add nothing), by the same step as the others: with a tail
 // step of its own GCC kept the 16 accumulators on the stack, stored and reloaded around it (a
@@ -332,7 +333,7 @@ void panels(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_t* w,
 // Calls below dot_serial_macs products stay on the calling thread.
 namespace dots {
 
-constexpr int64_t DR = 4;  // activation rows per pass
+constexpr int64_t DR = 6;  // activation rows per pass
 constexpr int64_t DB = 4;  // weight rows per block
 
 inline __m512bh load_bh(const uint16_t* p) {
@@ -348,7 +349,7 @@ inline __m512bh load_bh(const uint16_t* p, __mmask32 mask) {
 template <int R, int B, bool PREFETCH>
 inline void dot_block(const uint16_t* x, int64_t K, const uint16_t* w, float acc[DR][DB]) {
   __m512 a[R][B];
-#pragma GCC unroll 4
+#pragma GCC unroll 6
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int j = 0; j < B; ++j) a[r][j] = _mm512_setzero_ps();
@@ -362,7 +363,7 @@ inline void dot_block(const uint16_t* x, int64_t K, const uint16_t* w, float acc
     __m512bh wv[B];
 #pragma GCC unroll 4
     for (int j = 0; j < B; ++j) wv[j] = masked ? load_bh(w + j * K + k, mask) : load_bh(w + j * K + k);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = masked ? load_bh(x + r * K + k, mask) : load_bh(x + r * K + k);
 #pragma GCC unroll 4
@@ -372,7 +373,7 @@ inline void dot_block(const uint16_t* x, int64_t K, const uint16_t* w, float acc
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) step(k, false);
   if (k < K) step(k, true);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
     if constexpr (B == 4) {  // four lane sums at once: halves added, then two rounds of hadd
       __m256 h[4];
@@ -412,7 +413,9 @@ inline void pass(const uint16_t* xm, int64_t rows, int64_t K, const uint16_t* wb
     case 1: dot_block<1, B, PREFETCH>(xm, K, wb, acc); break;
     case 2: dot_block<2, B, PREFETCH>(xm, K, wb, acc); break;
     case 3: dot_block<3, B, PREFETCH>(xm, K, wb, acc); break;
-    default: dot_block<4, B, PREFETCH>(xm, K, wb, acc); break;
+    case 4: dot_block<4, B, PREFETCH>(xm, K, wb, acc); break;
+    case 5: dot_block<5, B, PREFETCH>(xm, K, wb, acc); break;
+    default: dot_block<6, B, PREFETCH>(xm, K, wb, acc); break;
   }
 }
 

@@ -2,7 +2,7 @@
 random inputs: every shape class its layouts have (the AVX2 forms below 8 rows: one row, row
 pairs, an odd row, K not a multiple of 8 or 16, N not a multiple of 4; from 8 rows, the panels:
 every M % 6 tail, N % 16 in each half of a panel, K % 8 tails, K of 1; on AVX512-BF16, below
-linear_dot_rows() rows, the dots: every M % 4 tail, N % 4 tails, K % 32 tails), with and without
+linear_dot_rows() rows, the dots: every M % 6 tail, N % 4 tails, K % 32 tails), with and without
 bias, serial and split over threads, and the lower forms (RAGGED_NATIVE_ISA=avx2, scalar) in
 child processes on every shape. Bad arguments get a message that names them. The extension must
 build here (as for the attention)."""
@@ -25,7 +25,7 @@ BF16_ULP = 2.0**-7
 ROOT = Path(__file__).resolve().parents[2]
 
 SHAPES = [  # (M, K, N); from 8 rows the panel layout (PANEL_ROWS, PR = 6 rows, PC = 16 columns),
-    # below 48 on AVX512-BF16 the dots (DOT_ROWS; DR = 4 rows, DB = 4 weight rows, 32 channels)
+    # below 48 on AVX512-BF16 the dots (DOT_ROWS; DR = 6 rows, DB = 4 weight rows, 32 channels)
     (1, 576, 960), (2, 576, 576), (3, 1536, 44), (5, 64, 7), (7, 64, 40), (1, 584, 8),
     (1, 7, 5), (4, 15, 4),
     (8, 100, 13), (9, 1, 33), (10, 13, 5), (11, 40, 8), (12, 64, 16), (27, 96, 24),
