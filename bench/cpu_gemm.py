@@ -4,8 +4,8 @@ the native kernel (cuda_ext/linear.cpp), in the same rounds.
     python -m bench.cpu_gemm [--rows 1 2 4 ... 256 512] [--threads 1 2] --out results/cpu-gemm
     GOMP_SPINCOUNT=3000 python -m bench.cpu_gemm --rows 1 4 16 --threads 2 \
         --dot-serial-macs 4194304 262144
-    python -m bench.cpu_gemm --rows 1 8 16 --threads 2 --baseline $(python -m bench.native_baseline \
-        --rev main | tail -1)
+    python -m bench.cpu_gemm --rows 1 8 16 --threads 2 \
+        --baseline $(python -m bench.native_baseline --rev main | tail -1)
 
 The dense layers of the default model (SmolLM2-135M: hidden 576, intermediate 1536, 9 query and
 3 KV heads of 64, a 49152-token vocabulary), each multiplied as SGLang does (`F.linear` of
@@ -15,17 +15,16 @@ kernel (the weight read as bfloat16, float32 sums, rounded once). A model step i
 four products over 30 layers of distinct weights (212 MB, more than the caches hold: the weights
 stream from memory as in a server); the lm_head (56 MB) is timed on its own. Each round times
 every variant once, in turn (alternating, the order reversed every other round); medians over
-the repeats after warm-up. The native
-kernel runs with this process's split threshold for its dots (compat/cpu_gemm.dot_serial_macs:
-from the OpenMP spin count); `--dot-serial-macs A B ...` adds the native kernel at each of those
-thresholds as variants `native@A` ... in the same rounds (ratios against the first);
-`--baseline SO` adds another build's kernel (bench.native_baseline) at the same threshold as
-`baseline`, its products checked equal to this build's first. Row counts
-stand for a decode batch's requests or a prefill chunk's tokens. Writes cpu_gemm.json and
-cpu_gemm.md. compat/cpu_gemm.py's FLOAT32_ROWS and linear.cpp's DOT_ROWS (where torch's
-bfloat16 product overtakes the dots on an AVX512-BF16 CPU) come from this table; linear.cpp's
-PANEL_ROWS from the same model step timed with the kernel built at both layouts
-(docs/results.md, "Prefill's dense layers on the native kernel").
+the repeats after warm-up. The native kernel runs with this process's split threshold for
+its dots (compat/cpu_gemm.dot_serial_macs: from the OpenMP spin count); `--dot-serial-macs A B
+...` adds the native kernel at each of those thresholds as variants `native@A` ... in the same
+rounds (ratios against the first); `--baseline SO` adds another build's kernel
+(bench.native_baseline) at the same threshold as `baseline`, its products checked equal to this
+build's first. Row counts stand for a decode batch's requests or a prefill chunk's tokens.
+Writes cpu_gemm.json and cpu_gemm.md. compat/cpu_gemm.py's FLOAT32_ROWS and linear.cpp's
+DOT_ROWS (where torch's bfloat16 product overtakes the dots on an AVX512-BF16 CPU) come from
+this table; linear.cpp's PANEL_ROWS from the same model step timed with the kernel built at
+both layouts (docs/results.md, "Prefill's dense layers on the native kernel").
 """
 
 from __future__ import annotations
@@ -146,8 +145,9 @@ def markdown(results: list[dict]) -> str:
         lines.append(f"| {r['threads']} | {r['rows']} | {b:.1f} | {f:.1f} | {n:.1f} | "
                      f"x{b / n:.2f} | x{f / n:.2f} | {hb:.1f} | {hn:.1f} | x{hb / hn:.2f} |")
     if results and "baseline_step_s" in results[0]:
-        lines += ["", "Another build of the kernel (`--baseline`), same rounds and split threshold:",
-                  "", "| threads | rows | baseline step ms | native step ms | baseline / native | "
+        lines += ["", "Another build of the kernel (`--baseline`), same rounds and split "
+                  "threshold:", "",
+                  "| threads | rows | baseline step ms | native step ms | baseline / native | "
                   "baseline lm_head ms | native lm_head ms | baseline / native |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in results:

@@ -81,14 +81,12 @@ def measure(rows: list[int], threads: list[int], warmup: int, repeats: int,
                 times: dict[str, list[float]] = {f"{op}_{form}": [] for op in OPS
                                                  for form in ("torch", "native")}
                 for round_ in range(warmup + repeats):
-                    for op, (torch_form, native_form) in cases.items():
-                        if round_ % 2 == 0:  # which form runs first swaps (cpu_sweep.round_order)
-                            a, b = _time(torch_form), _time(native_form)
-                        else:
-                            b, a = _time(native_form), _time(torch_form)
-                        if round_ >= warmup:
-                            times[f"{op}_torch"].append(a)
-                            times[f"{op}_native"].append(b)
+                    for op, forms in cases.items():
+                        pairs = zip(("torch", "native"), forms, strict=True)
+                        for form, fn in cpu_sweep.round_order(pairs, round_):
+                            seconds = _time(fn)
+                            if round_ >= warmup:
+                                times[f"{op}_{form}"].append(seconds)
                 r: dict[str, Any] = {"threads": t, "rows": n,
                                      **{f"{k}_s": statistics.median(v) for k, v in times.items()}}
                 for form in ("torch", "native"):

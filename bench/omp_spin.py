@@ -195,9 +195,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for j in range(per_spin):
                 env = setting_env(spin)
                 print(f"starting server {j + 1}/{per_spin} with {env} ...", flush=True)
-                srv = stack.enter_context(ServerProcess(
-                    server_args, env=env, log_path=args.out / f"server-spin{spin.replace(':', '-')}-{j}.log",
-                    startup_timeout=900))
+                log = args.out / f"server-spin{spin.replace(':', '-')}-{j}.log"
+                srv = stack.enter_context(ServerProcess(server_args, env=env, log_path=log,
+                                                        startup_timeout=900))
                 servers[spin].append(srv.base_url)
         print(f"measuring {args.warmup} + {args.repeats} rounds ...", flush=True)
         report["spins"] = measure(servers, args)

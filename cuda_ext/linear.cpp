@@ -321,10 +321,11 @@ void panels(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_t* w,
 // is one vdpbf16ps per (activation row, weight row) pair, the bfloat16 pairs' exact products added
 // into 16 float32 lanes. Blocks of DB weight rows against DR activation rows at a time (24
 // accumulators: 10 loads per 24 products, where 4 x 4 took 8 per 16; the model step x1.06-1.30
-// at 8-47 rows, docs/results.md, "Decode's small products on both cores"); a block's first pass of rows streams its weights from memory, prefetching the
-// next block's a cache line per row per step, and the later passes find them in L1. K's last
-// K % 32 channels load masked (zeros add nothing), by the same step as the others: with a tail
-// step of its own GCC kept the 16 accumulators on the stack, stored and reloaded around it (a
+// at 8-47 rows, docs/results.md, "Decode's small products on both cores"); a block's first pass
+// of rows streams its weights from memory, prefetching the next block's a cache line per row per
+// step, and the later passes find them in L1. K's last K % 32 channels load masked (zeros add
+// nothing), by the same step as the others: with a tail step of its own GCC kept the
+// accumulators on the stack, stored and reloaded around it (at 4 x 4, a
 // quarter of a pass's instructions at K = 576). A row's four lane sums come out of one hadd tree
 // and are rounded to bfloat16 four at a time (store4_bf16, at::BFloat16's rounding in vector
 // integer ops; the model step x1.03-1.22 at 1-20 rows with both changes, docs/results.md,
@@ -362,7 +363,8 @@ inline void dot_block(const uint16_t* x, int64_t K, const uint16_t* w, float acc
         _mm_prefetch(reinterpret_cast<const char*>(w + (DB + j) * K + k), _MM_HINT_T0);
     __m512bh wv[B];
 #pragma GCC unroll 4
-    for (int j = 0; j < B; ++j) wv[j] = masked ? load_bh(w + j * K + k, mask) : load_bh(w + j * K + k);
+    for (int j = 0; j < B; ++j)
+      wv[j] = masked ? load_bh(w + j * K + k, mask) : load_bh(w + j * K + k);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const __m512bh xv = masked ? load_bh(x + r * K + k, mask) : load_bh(x + r * K + k);
