@@ -4,6 +4,8 @@ the calls it must leave to SGLang. The kernel itself: tests/unit/test_native_lin
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -199,6 +201,19 @@ def test_the_kernel_is_set_for_this_process(monkeypatch: pytest.MonkeyPatch) -> 
             assert cpu_gemm.kernel() is module and module.linear_dot_serial_macs() == want
     finally:
         module.set_linear_dot_serial_macs(default)
+
+
+def test_the_builds_own_threshold_is_serial_macs_default() -> None:
+    """linear.cpp's threshold before any process sets it is the one cpu_gemm calls its default:
+    a fresh process that loads the build and sets nothing reads SERIAL_MACS_DEFAULT."""
+    from sgl_ragged import native
+
+    if not (native.is_built() and native.available()):
+        pytest.skip(f"native kernels: {native.reason()}")
+    code = "from sgl_ragged import native; print(native.load().linear_dot_serial_macs())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=300)
+    assert int(out.stdout.split()[-1]) == cpu_gemm.SERIAL_MACS_DEFAULT, out.stdout
 
 
 def test_the_flags_are_this_machines() -> None:
