@@ -10,13 +10,16 @@ and lm_head), and with more than one --ops every pair of a choice and a RAGGED_C
 `--attention-backend ragged` and the default profile and precision), warmed up, and sent rounds
 of `c` concurrent chat requests with distinct short prompts whose answers run to exactly
 --max-tokens tokens (`min_tokens`), greedy. A round's decode rate is its output tokens over its
-wall time; TPOT is each request's time per output token after the first. The servers run one
-after the other on a quiet machine; the rounds of a choice alternate over concurrencies, medians
-over --repeats rounds. Then, with --prefill-tokens N (0: none), rounds of one request whose
-prompt is a distinct document of about N tokens (distinct from its first words, so the radix
-cache holds nothing of it but the chat template's system prompt) and a 2-token answer: the
-prefill rate is its prompt tokens (as the server counts them, less those it had cached) over its
-time to first token. Ratios are against the first choice; without --choices, the route `auto`
+wall time; TPOT is each request's time per output token after the first. Every configuration's
+server is alive at once (idle ones sleep, `--sleep-on-idle`) and the rounds alternate over them,
+the order of the configurations reversed every other round (`cpu_sweep.round_order`: a fixed
+order biased a served A/B by up to 14%), and within a configuration's turn over the
+concurrencies; medians over --repeats rounds after --warmup. Then, with --prefill-tokens N (0:
+none), rounds of one request per configuration, alternating the same way, whose prompt is a
+distinct document of about N tokens (distinct from its first words, so the radix cache holds
+nothing of it but the chat template's system prompt) and a 2-token answer: the prefill rate is
+its prompt tokens (as the server counts them, less those it had cached) over its time to first
+token. Ratios are against the first choice; without --choices, the route `auto`
 replaces on this CPU (`default_choices`) and `auto`. Writes gemm_serving.json and
 gemm_serving.md; each server's log beside them.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import time
 from pathlib import Path
@@ -112,28 +116,44 @@ async def prefill_round(base_url: str, tokens: int, seed: int) -> dict[str, Any]
             "ttft_s": record.ttft, "prefill_tok_s": fresh / record.ttft}
 
 
-def measure_prefill(base_url: str, tokens: int, warmup: int, repeats: int) -> dict[str, float]:
-    """Median prefill rate and TTFT over `repeats` rounds after `warmup`, a new document each."""
-    rounds = [asyncio.run(prefill_round(base_url, tokens, seed=1000 + r))
-              for r in range(warmup + repeats)][warmup:]
-    return {"prefill_tok_s": statistics.median(x["prefill_tok_s"] for x in rounds),
-            "ttft_s": statistics.median(x["ttft_s"] for x in rounds),
-            "prompt_tokens": statistics.median(x["prompt_tokens"] for x in rounds),
-            "cached_tokens": max(x["cached_tokens"] for x in rounds), "rounds": len(rounds)}
-
-
-def measure(base_url: str, concurrency: list[int], max_tokens: int, warmup: int,
-            repeats: int) -> dict[int, dict[str, float]]:
-    """Median tokens/s and TPOT per concurrency (rounds alternate over the concurrencies)."""
-    rounds: dict[int, list[dict[str, Any]]] = {c: [] for c in concurrency}
+def measure_prefill(servers: dict[str, str], tokens: int, warmup: int,
+                    repeats: int) -> dict[str, dict[str, float]]:
+    """Per configuration (label -> base URL), the median prefill rate and TTFT over `repeats`
+    rounds after `warmup`; a round prefills a new document on every server, in
+    `cpu_sweep.round_order`."""
+    rounds: dict[str, list[dict[str, Any]]] = {label: [] for label in servers}
     for r in range(warmup + repeats):
-        for c in concurrency:
-            result = asyncio.run(one_round(base_url, c, max_tokens, seed=100 * r + c))
+        for label, url in cpu_sweep.round_order(servers.items(), r):
+            result = asyncio.run(prefill_round(url, tokens, seed=1000 + r))
             if r >= warmup:
-                rounds[c].append(result)
-    return {c: {"tok_s": statistics.median(x["tok_s"] for x in rs),
-                "tpot_s": statistics.median(x["tpot_s"] for x in rs if x["tpot_s"] is not None),
-                "rounds": len(rs)} for c, rs in rounds.items()}
+                rounds[label].append(result)
+    return {label: {"prefill_tok_s": statistics.median(x["prefill_tok_s"] for x in rs),
+                    "ttft_s": statistics.median(x["ttft_s"] for x in rs),
+                    "prompt_tokens": statistics.median(x["prompt_tokens"] for x in rs),
+                    "cached_tokens": max(x["cached_tokens"] for x in rs), "rounds": len(rs)}
+            for label, rs in rounds.items()}
+
+
+def measure(servers: dict[str, str], concurrency: list[int], max_tokens: int, warmup: int,
+            repeats: int) -> dict[str, dict[int, dict[str, float]]]:
+    """Per configuration (label -> base URL), the median tokens/s and TPOT per concurrency. A
+    round visits every server in `cpu_sweep.round_order` (who goes first swaps every round), and
+    on each runs the concurrencies in turn; the same prompts go to every server in a round."""
+    rounds: dict[str, dict[int, list[dict[str, Any]]]] = {
+        label: {c: [] for c in concurrency} for label in servers}
+    total = warmup + repeats
+    for r in range(total):
+        for label, url in cpu_sweep.round_order(servers.items(), r):
+            for c in concurrency:
+                result = asyncio.run(one_round(url, c, max_tokens, seed=100 * r + c))
+                if r >= warmup:
+                    rounds[label][c].append(result)
+        print(f"    round {r + 1}/{total} done", flush=True)
+    return {label: {c: {"tok_s": statistics.median(x["tok_s"] for x in rs),
+                        "tpot_s": statistics.median(x["tpot_s"] for x in rs
+                                                    if x["tpot_s"] is not None),
+                        "rounds": len(rs)} for c, rs in per_c.items()}
+            for label, per_c in rounds.items()}
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -216,20 +236,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "launch_args": server_args, "max_tokens": args.max_tokens, "repeats": args.repeats,
         "concurrency": args.concurrency, "prefill_tokens": args.prefill_tokens, "choices": {}}
     runs = configurations(args.choices or default_choices(native.cpu_flags()), args.ops)
-    for i, (choice, env) in enumerate(runs.items()):
-        print(f"[{i + 1}/{len(runs)}] {' '.join(f'{k}={v}' for k, v in env.items())}: "
-              "starting the server ...", flush=True)
-        log = args.out / f"server-{choice.replace(' ops=', '-ops-')}.log"
-        with ServerProcess(server_args, env=env, log_path=log, startup_timeout=900) as srv:
-            print(f"    measuring concurrency {args.concurrency} ...", flush=True)
-            result = measure(srv.base_url, args.concurrency, args.max_tokens, args.warmup,
-                             args.repeats)
-            report["choices"][choice] = {str(c): m for c, m in result.items()}
-            if args.prefill_tokens:
-                print(f"    measuring the prefill of {args.prefill_tokens}-token prompts ...",
-                      flush=True)
-                report["choices"][choice]["prefill"] = measure_prefill(
-                    srv.base_url, args.prefill_tokens, args.warmup, args.repeats)
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, str] = {}
+        for i, (choice, env) in enumerate(runs.items()):
+            print(f"[{i + 1}/{len(runs)}] {' '.join(f'{k}={v}' for k, v in env.items())}: "
+                  "starting the server ...", flush=True)
+            log = args.out / f"server-{choice.replace(' ops=', '-ops-')}.log"
+            srv = stack.enter_context(ServerProcess(server_args, env=env, log_path=log,
+                                                    startup_timeout=900))
+            servers[choice] = srv.base_url
+        print(f"measuring concurrency {args.concurrency}, {args.warmup} + {args.repeats} rounds "
+              "alternating over the servers ...", flush=True)
+        decode = measure(servers, args.concurrency, args.max_tokens, args.warmup, args.repeats)
+        report["choices"] = {label: {str(c): m for c, m in per_c.items()}
+                             for label, per_c in decode.items()}
+        if args.prefill_tokens:
+            print(f"measuring the prefill of {args.prefill_tokens}-token prompts ...", flush=True)
+            for label, m in measure_prefill(servers, args.prefill_tokens, args.warmup,
+                                            args.repeats).items():
+                report["choices"][label]["prefill"] = m
     cpu_sweep.write(args.out, "gemm_serving", report, markdown(report))
     return report
 

@@ -1,5 +1,6 @@
-"""bench.gemm_serving: rounds alternate over the concurrencies, medians after warm-up, the table's
-ratios against the first choice, and the requests it sends (the server itself: a manual run)."""
+"""bench.gemm_serving: rounds alternate over the servers (who goes first swaps) and the
+concurrencies, medians after warm-up, the table's ratios against the first choice, and the
+requests it sends (the servers themselves: a manual run)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,27 @@ from bench import gemm_serving
 
 
 def test_rounds_alternate_and_medians_skip_the_warmup(monkeypatch: pytest.MonkeyPatch) -> None:
-    order: list[tuple[int, int]] = []
+    order: list[tuple[str, int, int]] = []
 
     async def fake_round(base_url: str, c: int, max_tokens: int, seed: int) -> dict[str, Any]:
-        order.append((c, seed))
+        order.append((base_url, c, seed))
         r = len(order)
-        return {"tok_s": 1000.0 if r <= 2 else 10.0 * c + r, "tpot_s": 0.1 * r}
+        return {"tok_s": 1000.0 if r <= 4 else 10.0 * c + r, "tpot_s": 0.1 * r}
 
     monkeypatch.setattr(gemm_serving, "one_round", fake_round)
-    out = gemm_serving.measure("http://x", [1, 8], 16, warmup=1, repeats=3)
-    assert [c for c, _ in order] == [1, 8] * 4
-    assert len({seed for _, seed in order}) == 8  # every round's prompts are new
-    assert out[1] == {"tok_s": 10.0 + 5, "tpot_s": 0.1 * 5, "rounds": 3}
-    assert out[8]["tok_s"] == 80.0 + 6 and out[8]["rounds"] == 3
+    out = gemm_serving.measure({"a": "url-a", "b": "url-b"}, [1, 8], 16, warmup=1, repeats=3)
+    # every server in a round, who goes first swapping every round (session 33: a fixed order
+    # biased a served A/B by up to 14%), the concurrencies in turn on each
+    assert [(u, c) for u, c, _ in order] == (
+        [("url-a", 1), ("url-a", 8), ("url-b", 1), ("url-b", 8)]
+        + [("url-b", 1), ("url-b", 8), ("url-a", 1), ("url-a", 8)]) * 2
+    seeds = [(u, seed) for u, _, seed in order]
+    assert len({seed for _, seed in seeds}) == 8  # every round's prompts are new ...
+    assert sorted(s for u, s in seeds if u == "url-a") == \
+        sorted(s for u, s in seeds if u == "url-b")  # ... and the same on every server
+    # rounds 2-4 (after the warm-up): url-a's 1-request rounds were calls 7, 9, 15
+    assert out["a"][1] == {"tok_s": 10.0 + 9, "tpot_s": 0.1 * 9, "rounds": 3}
+    assert out["b"][8]["tok_s"] == 80.0 + 12 and out["b"][8]["rounds"] == 3
 
 
 def test_the_table_and_its_ratios() -> None:
@@ -103,12 +112,25 @@ def test_a_prefill_round_counts_only_the_tokens_it_prefilled(
         return record
 
     monkeypatch.setattr(gemm_serving, "stream_chat", fake)
-    out = gemm_serving.measure_prefill("http://x", 2048, warmup=1, repeats=2)
-    assert out == {"prefill_tok_s": 500.0, "ttft_s": 4.0, "prompt_tokens": 2100,
-                   "cached_tokens": 100, "rounds": 2}
+    out = gemm_serving.measure_prefill({"a": "url-a", "b": "url-b"}, 2048, warmup=1, repeats=2)
+    assert out["a"] == out["b"] == {"prefill_tok_s": 500.0, "ttft_s": 4.0, "prompt_tokens": 2100,
+                                    "cached_tokens": 100, "rounds": 2}
     prompts = [p["messages"][0]["content"] for p in sent]
-    assert len(prompts) == 3 and len(set(prompts)) == 3  # a new document every round
+    assert len(prompts) == 6 and len(set(prompts)) == 3  # a new document every round, the same
+    assert prompts[0] == prompts[1] and prompts[2] == prompts[3]  # one on every server
     assert all(p["max_tokens"] == 2 for p in sent)
+
+
+def test_prefill_rounds_take_turns_going_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str] = []
+
+    async def fake(base_url: str, tokens: int, seed: int) -> dict[str, Any]:
+        seen.append(base_url)
+        return {"prefill_tok_s": 1.0, "ttft_s": 1.0, "prompt_tokens": tokens, "cached_tokens": 0}
+
+    monkeypatch.setattr(gemm_serving, "prefill_round", fake)
+    gemm_serving.measure_prefill({"a": "url-a", "b": "url-b"}, 64, warmup=0, repeats=3)
+    assert seen == ["url-a", "url-b", "url-b", "url-a", "url-a", "url-b"]
 
 
 def test_the_prefill_table() -> None:
