@@ -56,8 +56,9 @@ def launch_args(model: str, args: argparse.Namespace) -> list[str]:
               else ["--attention-backend", "torch_native"])
     return ["--model-path", model, "--device", "cpu", *served,
             "--max-total-tokens", str(args.max_total_tokens),
-            "--max-running-requests", str(max(args.concurrency)), "--page-size", "16",
-            "--chunked-prefill-size", "512", "--enable-cache-report"]
+            "--max-running-requests", str(max(args.concurrency)), "--page-size",
+            str(args.page_size), "--chunked-prefill-size", str(args.chunked_prefill_size),
+            "--enable-cache-report"]
 
 
 async def one_round(base_url: str, concurrency: int, max_tokens: int, seed: int) -> dict[str, Any]:
@@ -220,6 +221,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="the served profile (an empty string: stock torch_native)")
     p.add_argument("--precision", default=DEFAULT_PRECISION)
     p.add_argument("--max-total-tokens", type=int, default=8192)
+    p.add_argument("--page-size", type=int, default=64,
+                   help="the ragged backend's default, as scripts/serve.sh serves (before "
+                        "session 34 this bench served pages of 16)")
+    p.add_argument("--chunked-prefill-size", type=int, default=4096,
+                   help="what SGLang 0.5.23 picks for scripts/serve.sh's CPU server (before "
+                        "session 34 this bench served chunks of 512)")
     p.add_argument("--out", type=Path, default=Path("results/gemm-serving"))
     args = p.parse_args(argv)
     if min(args.concurrency) < 1 or args.repeats < 1 or args.max_tokens < 2 \

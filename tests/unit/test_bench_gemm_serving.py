@@ -85,8 +85,11 @@ def test_the_launch_is_the_readme_server_or_stock() -> None:
     import argparse
 
     args = argparse.Namespace(profile="p.json", precision="mixed", max_total_tokens=8192,
-                              concurrency=[1, 16])
+                              concurrency=[1, 16], page_size=64, chunked_prefill_size=4096)
     launch = gemm_serving.launch_args("/m", args)
+    # scripts/serve.sh's pages and chunks (the bench served pages of 16 before session 34)
+    assert launch[launch.index("--page-size") + 1] == "64"
+    assert launch[launch.index("--chunked-prefill-size") + 1] == "4096"
     assert launch[launch.index("--attention-backend") + 1] == "ragged"
     assert launch[launch.index("--max-running-requests") + 1] == "16"
     assert "--enable-cache-report" in launch  # the prefill rounds' cached tokens
