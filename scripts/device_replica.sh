@@ -8,10 +8,10 @@
 #   ./scripts/device_replica.sh                     # build it (~3 GB, a few minutes), print its python
 #   ./scripts/device_replica.sh python -m bench.multiturn --launch baseline ...   # run in it
 # The venv lives at ${RAGGED_CACHE:-~/.cache/sgl-ragged}/device-replica-<hash of this script and
-# gpu_wheels.txt>. The machine's packages: the tool library's device/KINDS.md records the H200
-# image's package names (read 2026-11-17) and some versions (a session's pip list, 2026-11);
-# MACHINE below pins those versions, OTHERS the image's packages that SGLang's server imports
-# and bundle 1 leaves out, at the project venv's versions where KINDS.md gives none.
+# gpu_wheels.txt>. The machine's packages: every version below is the H200 image's own, from
+# the pip list a device call brought back in session 34 (docs/figures/h200-s34/pip_list.txt);
+# MACHINE: what the tests and servers import directly, OTHERS: the image's packages that SGLang's
+# server imports and bundle 1 leaves out, TESTS: the tests' extra packages, on the image too.
 # numpy is the machine's 2.5.2: Triton 3.6's interpreter fails on numpy 2.5 (a 1-element loop
 # bound is no longer a Python int), so to run the interpreter's kernel tests here pass
 # RAGGED_REPLICA_NUMPY=2.3.5 (the project venv's; a venv of its own).
@@ -23,11 +23,13 @@ hash=$( (cat scripts/device_replica.sh scripts/gpu_wheels.txt; echo "$numpy") | 
 venv="$cache/device-replica-$hash"
 MACHINE=(torch==2.11.0 triton==3.6.0 transformers==5.17.0 torchvision==0.26.0 "numpy==$numpy"
          huggingface_hub==1.33.0 tokenizers==0.23.2 safetensors==0.8.0 sentencepiece==0.2.2
-         tiktoken==0.14.0 accelerate==1.15.0 aiohttp requests psutil pillow pytest)
-OTHERS=(uvloop==0.23.0 prometheus-client==0.26.0 einops==0.8.2 scipy==1.17.1
-        python-dateutil==2.9.0.post0 xxhash==4.1.0 ninja==1.13.2 nvidia-ml-py==13.615.71
-        numba==0.65.1 llvmlite==0.47.0 msgpack pyyaml jinja2 regex tqdm rich)
-TESTS=(hypothesis==6.170.15 sortedcontainers==2.4.0)  # not on the machine: for tests/unit here
+         tiktoken==0.14.0 accelerate==1.15.0 aiohttp==3.14.3 requests==2.34.2 psutil==7.2.2
+         pillow==12.3.0 pytest==9.1.1 pytest-xdist==3.8.0)
+OTHERS=(uvloop==0.23.0 prometheus-client==0.26.0 einops==0.8.2 scipy==1.18.1
+        python-dateutil==2.9.0.post0 xxhash==4.0.1 ninja==1.13.2 nvidia-ml-py==13.610.43
+        numba==0.68.0 llvmlite==0.50.0 msgpack==1.2.3 pyyaml==6.0.3 jinja2==3.1.6
+        regex==2026.9.3 tqdm==4.70.1 rich==15.0.0)
+TESTS=(hypothesis==6.168.3 sortedcontainers==2.4.0)
 if [[ ! -f "$venv/.complete" ]]; then
   py=$(command -v python3.12 || true)
   [[ -n "$py" ]] && "$py" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null \

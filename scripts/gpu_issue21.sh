@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 21's device steps in ONE call (docs/results.md, "The next GPU session"): a session has 15
+# Issue 21's device steps in ONE call (docs/results.md, "The one-call GPU plan"; it ran in session
+# 34: "The H200 run (session 34)"): a session has 15
 # device minutes in all, starts included, and a machine stays warm only 30 s after a call, so a
 # second call would most likely start a fresh machine (a minute or more) without the SGLang
 # install of the first. Phases run in order of what the issue needs first, each under `timeout`,
