@@ -1,11 +1,12 @@
 """Where decode attention's time goes: the split, tail and merge kernels of one decode step,
 eager and under a CUDA graph, for several split maps (`--splits`), caps on the split kernel's
 programs per SM (`--programs-per-sm`) and launch configurations of the split kernel
-(`--sweep WARPS:BLOCK_N[:STAGES] ...`).
+(`--sweep WARPS:BLOCK_N[:STAGES] ...`), with the low tier attended page by page or pages packed
+into the dots' rows (`--pack off on`, launch.packed_pages).
 
     python -m bench.decode_breakdown [--precision int4] [--batch 4 16] [--context 8192 65536] \
         [--programs-per-sm 2 4 8] [--sweep shipped 2:16 2:16:3] [--splits uniform aot cost] \
-        --out results/decode_breakdown
+        [--pack off on] --out results/decode_breakdown
 
 Same shapes and synthetic profile as bench.decode_attention; with `--precision`, every case also
 runs rows with that low tier composed from the same budgets (equal bytes), beside the drop-only
@@ -22,6 +23,9 @@ replayed from a CUDA graph (no launch overhead), and each kernel's device time p
   for the split kernel and another BLOCK_N (split and tail kernels) at the same N_CTA;
   `shipped` is decode.DECODE_LAUNCH's launch for the case's rows, and WARPS:BLOCK_N without
   STAGES takes its stages.
+- `--pack on` also times every quantized case with RAGGED_TRITON_PACK=1 (launch.packed_pages:
+  the split kernel attends several low-tier pages at once, one per repeat of the query heads'
+  rows); drop-only rows have nothing to pack.
 
 The table marks the rows serving runs (its launch, split map and cap). Writes
 decode_breakdown.json and decode_breakdown.md after every case (a run cut short keeps what it
@@ -69,6 +73,7 @@ SWEEP = ((2, 16), (1, 16), (4, 16), (2, 32), (4, 32))  # (split-kernel warps, BL
 Launch = tuple[int, int, int]  # (split-kernel warps, BLOCK_N, split-kernel stages)
 SHIPPED = "shipped"  # a --sweep entry: decode.DECODE_LAUNCH's launch for the case's rows
 SPLITS = ("aot", "uniform")  # default --splits
+PACK = {"off": False, "on": True}  # --pack choices: launch.packed_pages' RAGGED_TRITON_PACK
 
 
 @dataclass(frozen=True)
@@ -80,20 +85,22 @@ class Variants:
     programs_per_sm: tuple[int, ...] = (MAX_PROGRAMS_PER_SM,)
     sweep: tuple[tuple[int, ...] | str, ...] = SWEEP
     splits: tuple[str, ...] = SPLITS
+    pack: tuple[bool, ...] = (False,)
 
-    def launches(self, precision: str) -> list[Launch]:
-        """The sweep's (warps, BLOCK_N, stages) for rows of `precision`, SHIPPED and missing
-        stages read from decode.DECODE_LAUNCH; each once, in order."""
+    def launches(self, precision: str, pack: bool = False) -> list[Launch]:
+        """The sweep's (warps, BLOCK_N, stages) for rows of `precision` (with packed pages or
+        not), SHIPPED and missing stages read from decode.DECODE_LAUNCH; each once, in order."""
         from sgl_ragged.kernels.decode import DECODE_LAUNCH
 
-        shipped = DECODE_LAUNCH[launch_kind(precision)]
+        shipped = DECODE_LAUNCH[launch_kind(precision, pack)]
         return list(dict.fromkeys(shipped if c == SHIPPED else (*c, *shipped[len(c):])
                                   for c in self.sweep))
 
 
-def launch_kind(precision: str) -> str:
-    """decode.DECODE_LAUNCH's key for rows of `precision`: "rows" drop-only, "codes" quantized."""
-    return "rows" if precision == FULL_PRECISION else "codes"
+def launch_kind(precision: str, pack: bool = False) -> str:
+    """decode.DECODE_LAUNCH's key for rows of `precision`: "rows" drop-only, "codes" quantized,
+    "packed" quantized with packed pages."""
+    return "rows" if precision == FULL_PRECISION else "packed" if pack else "codes"
 
 
 @contextmanager
@@ -109,6 +116,23 @@ def split_config(launch: Launch) -> Iterator[None]:
         yield
     finally:
         decode.DECODE_LAUNCH = saved
+
+
+@contextmanager
+def packed(on: bool) -> Iterator[None]:
+    """RAGGED_TRITON_PACK as `on` says while the kernels are built and launched (the split
+    kernel's GP is a constexpr: each setting compiles its own build)."""
+    import os
+
+    saved = os.environ.get("RAGGED_TRITON_PACK")
+    os.environ["RAGGED_TRITON_PACK"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("RAGGED_TRITON_PACK")
+        else:
+            os.environ["RAGGED_TRITON_PACK"] = saved
 
 
 def split_plan_of(split: str, storage, profile, num_ctas: int, block_n: int) -> SplitPlan:
@@ -167,9 +191,11 @@ def kernel_seconds(step: Callable[[], object], steps: int = 3) -> dict[str, floa
     return result
 
 
-def timings(step: Callable[[], object], launch: Launch, warmup: int, repeats: int) -> dict:
-    """eager_s, graph_s and kernels_s of `step` with the split kernel built for this launch."""
-    with split_config(launch):
+def timings(step: Callable[[], object], launch: Launch, warmup: int, repeats: int,
+            pack: bool = False) -> dict:
+    """eager_s, graph_s and kernels_s of `step` with the split kernel built for this launch
+    (and packed pages or not)."""
+    with split_config(launch), packed(pack):
         return {"eager_s": timed(step, warmup, repeats), "graph_s": graph_seconds(step, repeats),
                 "kernels_s": kernel_seconds(step)}
 
@@ -182,7 +208,7 @@ def measure(profile, batch: int, context: int, warmup: int, repeats: int,
     from sgl_ragged.attention_backend.triton_impl import decode_parallelism
     from sgl_ragged.kernels.batch import kernel_batch
     from sgl_ragged.kernels.decode import decode_attention
-    from sgl_ragged.kernels.launch import joined_safe, split_planes
+    from sgl_ragged.kernels.launch import block_config, joined_safe, packed_pages, split_planes
     from sgl_ragged.kernels.tables import all_layer_tables
 
     storage, plans, (q, k, v) = build_case(profile, batch, context, precision)
@@ -191,8 +217,13 @@ def measure(profile, batch: int, context: int, warmup: int, repeats: int,
     rows, nbytes = [], bytes_read(storage, batch, context)
     for per_sm in variants.programs_per_sm:
         ctas = decode_parallelism(storage, tables[0], ratios, HEADS * GQA, per_sm)
-        for warps, block_n, stages in variants.launches(precision):
-            for split in variants.splits:
+        for pack in variants.pack:
+            with packed(pack):
+                gp = packed_pages(q, tables[0], block_config(q, GQA, HEAD_DIM))
+            if pack and not gp:
+                continue  # nothing to pack: the same kernel as unpacked
+            for (warps, block_n, stages), split in ((c, s) for c in variants.launches(precision, pack)
+                                                    for s in variants.splits):
                 splits = split_plan_of(split, storage, profile, ctas, block_n)
 
                 def step(splits=splits):
@@ -207,9 +238,9 @@ def measure(profile, batch: int, context: int, warmup: int, repeats: int,
                        "programs_per_sm": per_sm, "num_ctas": ctas, "warps": warps,
                        "launch": [warps, block_n, stages], "block_n": ran, "stages": stages,
                        "split_planes": split_planes(q, tables[0], HEAD_DIM),
-                       "strategy": split,
+                       "strategy": split, "packed_pages": gp,
                        "max_splits": max(s.max_splits for s in splits.layers),
-                       **timings(step, (warps, block_n, stages), warmup, repeats)}
+                       **timings(step, (warps, block_n, stages), warmup, repeats, pack)}
                 rows.append({**row, "graph_gbps": nbytes / row["graph_s"] / 1e9})
     return rows
 
@@ -228,7 +259,7 @@ def served(row: dict) -> bool:
     return (DECODE_LAUNCH[kind] == tuple(row.get("launch") or (row["warps"], row["block_n"],
                                                                   row["stages"]))
             and row["strategy"] == (SplitStrategy.AOT if kind == "rows" else SplitStrategy.UNIFORM)
-            and row["programs_per_sm"] == MAX_PROGRAMS_PER_SM)
+            and row["programs_per_sm"] == MAX_PROGRAMS_PER_SM and not row.get("packed_pages"))
 
 
 def markdown(rows: list[dict], device: str) -> str:
@@ -241,7 +272,8 @@ def markdown(rows: list[dict], device: str) -> str:
     for r in rows:
         lines.append(
             f"| {r['batch']} | {r['context']} "
-            f"| {r['precision']}{' (split planes)' if r.get('split_planes') else ''} "
+            f"| {r['precision']}{' (split planes)' if r.get('split_planes') else ''}"
+            f"{' (packed)' if r.get('packed_pages') else ''} "
             f"| {r['programs_per_sm']} "
             f"| {r['num_ctas']} | {r['warps']} | {r['block_n']} | {r['stages']} "
             f"| {r['strategy']} "
@@ -315,6 +347,10 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="split maps to time: uniform, aot (byte-weighted), cost[:F] "
                         f"(aot.cost_split_ratios, fold constant F, default {FOLD_TILES:g}) "
                         "(default: " + " ".join(SPLITS) + ")")
+    parser.add_argument("--pack", choices=list(PACK), nargs="+", default=["off"],
+                        help="the low tier page by page (off) and/or several pages packed into "
+                        "the split kernel's rows (on: RAGGED_TRITON_PACK=1, launch.packed_pages; "
+                        "quantized rows only) (default: off)")
     parser.add_argument("--out", type=Path, default=Path("results/decode_breakdown"))
     return parser
 
@@ -322,7 +358,8 @@ def argument_parser() -> argparse.ArgumentParser:
 def variants_of(args: argparse.Namespace) -> Variants:
     """The parsed options' variants, each value once."""
     return Variants(*(tuple(dict.fromkeys(x)) for x in (args.programs_per_sm, args.sweep,
-                                                          args.splits)))
+                                                          args.splits)),
+                    pack=tuple(dict.fromkeys(PACK[p] for p in args.pack)))
 
 
 def write(out: Path, rows: list[dict], device: str, profile_name: str) -> str:

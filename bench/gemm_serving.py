@@ -233,8 +233,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             or args.prefill_tokens < 0:
         p.error("--concurrency and --repeats must be at least 1, --max-tokens at least 2, "
                 "--prefill-tokens at least 0")
+    from bench.servers import start_all
     from sgl_ragged.models.smollm2 import ensure_smollm2
-    from sgl_ragged.testing.server import ServerProcess
 
     server_args = launch_args(args.model or str(ensure_smollm2()), args)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -244,14 +244,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "concurrency": args.concurrency, "prefill_tokens": args.prefill_tokens, "choices": {}}
     runs = configurations(args.choices or default_choices(native.cpu_flags()), args.ops)
     with contextlib.ExitStack() as stack:
-        servers: dict[str, str] = {}
-        for i, (choice, env) in enumerate(runs.items()):
-            print(f"[{i + 1}/{len(runs)}] {' '.join(f'{k}={v}' for k, v in env.items())}: "
-                  "starting the server ...", flush=True)
-            log = args.out / f"server-{choice.replace(' ops=', '-ops-')}.log"
-            srv = stack.enter_context(ServerProcess(server_args, env=env, log_path=log,
-                                                    startup_timeout=900))
-            servers[choice] = srv.base_url
+        urls = start_all(stack, server_args, [
+            (" ".join(f"{k}={v}" for k, v in env.items()), env,
+             args.out / f"server-{choice.replace(' ops=', '-ops-')}.log")
+            for choice, env in runs.items()])
+        servers = dict(zip(runs, urls, strict=True))
         print(f"measuring concurrency {args.concurrency}, {args.warmup} + {args.repeats} rounds "
               "alternating over the servers ...", flush=True)
         decode = measure(servers, args.concurrency, args.max_tokens, args.warmup, args.repeats)

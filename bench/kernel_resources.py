@@ -60,7 +60,8 @@ class Build:
     wide_loads: int  # 16-byte global loads (LDG .128, and cp.async LDGSTS .128)
     inner_loops: list[int]  # SASS instructions of each innermost loop body (distinct, largest first)
     loop_mix: dict[str, int]  # the largest innermost loop's instructions by class (OP_CLASSES)
-    block_n: int  # key tokens per tile (the kernel's BLOCK_N as launched; 0 without one)
+    block_n: int  # key tokens per tile (BLOCK_N as launched, times the pages a packed split
+    # kernel attends at once; 0 without one)
     warp_instructions_per_token: float  # largest innermost loop x warps / block_n (0: no loop)
 
 
@@ -291,7 +292,11 @@ def measure(precision: str, head_dim: int, arch: int,
         warps = launch.kwargs.get("num_warps", 4)
         per_sm = programs_per_sm(KernelResources(usage["registers"], shared, warps), SMLimits())
         counts = sass_counts(sass)
-        block_n = int(launch.kwargs.get("BLOCK_N", 0))
+        # Key tokens per pass of the tile loop: BLOCK_N, of each of BLOCK_G // GP pages where
+        # the split kernel packs pages (launch.packed_pages, RAGGED_TRITON_PACK=1).
+        gp = int(launch.kwargs.get("GP", 0))
+        block_n = int(launch.kwargs.get("BLOCK_N", 0)) * (
+            int(launch.kwargs["BLOCK_G"]) // gp if gp else 1)
         loop = counts["inner_loops"][0] if counts["inner_loops"] else 0
         per_token = round(loop * warps / block_n, 1) if block_n else 0.0
         builds.append(Build(name, precision, head_dim, warps, usage["registers"],

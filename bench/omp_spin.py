@@ -177,8 +177,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "--max-tokens at least 2, --long-prompt at least 0")
     if len(set(args.spins)) != len(args.spins):
         p.error(f"--spins repeats a value: {args.spins}")
+    from bench.servers import start_all
     from sgl_ragged.models.smollm2 import ensure_smollm2
-    from sgl_ragged.testing.server import ServerProcess
 
     server_args = launch_args(args.model or str(ensure_smollm2()), args)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -189,16 +189,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "contention": args.contention, "spins": {}}
     per_spin = 2 if args.contention else 1
     with contextlib.ExitStack() as stack:
-        servers: dict[str, list[str]] = {}
-        for spin in args.spins:
-            servers[spin] = []
-            for j in range(per_spin):
-                env = setting_env(spin)
-                print(f"starting server {j + 1}/{per_spin} with {env} ...", flush=True)
-                log = args.out / f"server-spin{spin.replace(':', '-')}-{j}.log"
-                srv = stack.enter_context(ServerProcess(server_args, env=env, log_path=log,
-                                                        startup_timeout=900))
-                servers[spin].append(srv.base_url)
+        urls = iter(start_all(stack, server_args, [
+            (f"{setting_env(spin)} ({j + 1} of {per_spin})", setting_env(spin),
+             args.out / f"server-spin{spin.replace(':', '-')}-{j}.log")
+            for spin in args.spins for j in range(per_spin)]))
+        servers = {spin: [next(urls) for _ in range(per_spin)] for spin in args.spins}
         print(f"measuring {args.warmup} + {args.repeats} rounds ...", flush=True)
         report["spins"] = measure(servers, args)
     cpu_sweep.write(args.out, "omp_spin", report, markdown(report))

@@ -15,7 +15,9 @@ tokens each server reports).
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -181,3 +183,20 @@ def _check_device(device: str) -> None:
     if device not in STOCK_BACKEND:
         raise ValueError(f"--device {device!r}: the harness launches servers on "
                          f"{' or '.join(STOCK_BACKEND)}")
+
+
+def start_all(stack: contextlib.ExitStack, server_args: Sequence[str],
+              runs: Sequence[tuple[str, dict[str, str], Path]],
+              startup_timeout: float = 900) -> list[str]:
+    """Start one server per run (what to print while it starts, its environment, its log),
+    each alive until `stack` closes, one after the other (a start is a minute or more of
+    single-threaded imports); their base URLs, in order. For A/B benchmarks whose servers are
+    all alive at once and measured in alternating rounds (cpu_sweep.round_order)."""
+    from sgl_ragged.testing import ServerProcess
+
+    urls = []
+    for i, (what, env, log) in enumerate(runs):
+        print(f"[{i + 1}/{len(runs)}] {what}: starting the server ...", flush=True)
+        urls.append(stack.enter_context(ServerProcess(list(server_args), env=env, log_path=log,
+                                                      startup_timeout=startup_timeout)).base_url)
+    return urls

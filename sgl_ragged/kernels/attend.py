@@ -63,13 +63,15 @@ def attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_row, table_row, hi_g, lo
                   scale, H_P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr,
                   LOW_FLOAT: tl.constexpr, NATIVE: tl.constexpr, HIGH_BITS: tl.constexpr,
-                  HIGH_FLOAT: tl.constexpr, PLANES: tl.constexpr):
+                  HIGH_FLOAT: tl.constexpr, PLANES: tl.constexpr, GP: tl.constexpr = 0):
     """Member head j's sealed pages table_row[p0:p1] of a group with hi_g high and lo_g
     low-tier slots per page: first every page's high slots (k_base / v_base rows
     [pages, hi_g, H_p, D]; with HIGH_BITS > 0 a quantized high tier, read on its codes like the
     low one through columns 6-11 of the low_ptr row, tables.py), then each page's low tier on
     its codes (LOW_BITS 0: the layout has no low tier and that loop is not compiled). PLANES
-    (launch.split_planes): 2- and 4-bit tiers plane by plane (_attend_code_pages)."""
+    (launch.split_planes): 2- and 4-bit tiers plane by plane (_attend_code_pages). GP > 0
+    (decode, launch.packed_pages): q's rows are its GP query-head rows repeated, and the low
+    tier attends ROWS // GP pages at once, one per repeat (_attend_low_packed)."""
     if split_planes(PLANES, HIGH_BITS, HIGH_FLOAT):
         p_hi = tl.where(hi_g > 0, p1, p0)
         m_i, l_i, acc = _attend_code_pages(q, m_i, l_i, acc, low_row + 6, table_row, p0, p_hi,
@@ -94,6 +96,14 @@ def attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_row, table_row, hi_g, lo
         m_i, l_i, acc = _attend_code_pages(q, m_i, l_i, acc, low_row, table_row, p0, p_lo, lo_g,
                                            j, scale, H_P, D, BLOCK_N, PRECISION, LOW_BITS,
                                            NATIVE)
+    elif LOW_BITS > 0 and GP > 0:
+        p_lo = tl.where(lo_g > 0, p1, p0)
+        q_lo = interleaved(q, LOW_BITS, LOW_FLOAT, q.dtype)
+        acc = interleaved(acc, LOW_BITS, LOW_FLOAT, q.dtype)
+        m_i, l_i, acc = _attend_low_packed(q_lo, m_i, l_i, acc, low_row, table_row, p0, p_lo,
+                                           lo_g, j, scale, GP, H_P, D, BLOCK_N, PRECISION,
+                                           LOW_BITS, LOW_FLOAT, NATIVE)
+        acc = planar(acc, LOW_BITS, LOW_FLOAT, q.dtype)
     elif LOW_BITS > 0:
         # A group without low slots has no low-tier tensors (null addresses): skip its pages.
         p_lo = tl.where(lo_g > 0, p1, p0)
@@ -186,6 +196,115 @@ def _attend_low_page(q, m_i, l_i, acc, low_row, page, lo_g, j, scale, H_P: tl.co
 
 
 @triton.jit
+def _attend_low_packed(q, m_i, l_i, acc, low_row, table_row, p0, p1, lo_g, j, scale,
+                       GP: tl.constexpr, H_P: tl.constexpr, D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr,
+                       LOW_FLOAT: tl.constexpr, NATIVE: tl.constexpr):
+    """Pages table_row[p0:p1] of member head j's quantized low tier (lo_g slots a page, low_row
+    its six addresses), PACK = ROWS // GP pages at once: a decode program's rows are its GP
+    query heads repeated PACK times (q [ROWS, D], row r * GP + g = head g, in `low_codes`'
+    channel order; rows of padded heads zero), and repeat r attends page pi + r of each step
+    with its own online softmax. `_attend_low_page`'s arithmetic, page by page, but with the
+    rows a tensor core's dot pads to (16) filled: one fold of the key parameters into q for
+    PACK pages, one softmax over [ROWS, BLOCK_N] logits for PACK tiles of tokens (each row's
+    logits from its own page's dot), and each page's values dotted with the probabilities of
+    its own rows (the others zeroed), where a program of GP < 16 heads otherwise folds,
+    exponentiates and rescales 16 rows of which GP are used. At the end the PACK softmaxes
+    of each head are merged (one max, one weighted sum) into every repeat of its row.
+
+    m_i, l_i, acc: the state so far, read from rows [0, GP) (repeat 0; the other rows are
+    restarted)."""
+    ROWS: tl.constexpr = q.shape[0]
+    PACK: tl.constexpr = ROWS // GP
+    CB: tl.constexpr = D * LOW_BITS // 8
+    OFFSET: tl.constexpr = code_offset(LOW_BITS, LOW_FLOAT, q.dtype)
+    rows = tl.arange(0, ROWS)
+    rep = rows // GP  # the page of a step each row attends
+    reps = tl.arange(0, PACK)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, CB)
+    pos = interleaved_channels(D, LOW_BITS, LOW_FLOAT, q.dtype)
+    q32 = q.to(tl.float32)
+    first = rows < GP
+    m_i = tl.where(first, m_i, float("-inf"))
+    l_i = tl.where(first, l_i, 0.0)
+    acc = tl.where(first[:, None], acc, 0.0)
+    for pi in range(p0, p1, PACK):
+        live = pi + rep < p1
+        page_of = tl.load(table_row + pi + rep, mask=live, other=0).to(tl.int64)  # [ROWS]
+        pages = tl.load(table_row + pi + reps, mask=pi + reps < p1, other=0).to(tl.int64)
+        # 1. Each row's page's key parameters folded into it: q_s [ROWS, D], bias [ROWS].
+        chan = (page_of[:, None] * H_P + j) * D + pos[None, :]
+        q_s = (q32 * tl.load(param_ptr(low_row, 1) + chan).to(tl.float32)).to(q.dtype)
+        if LOW_FLOAT:
+            bias = tl.zeros([ROWS], tl.float32)
+        else:
+            bias = tl.sum(q32 * tl.load(param_ptr(low_row, 2) + chan).to(tl.float32), 1)
+        if OFFSET != 0.0:
+            bias -= OFFSET * tl.sum(q_s.to(tl.float32), 1)
+        shift = tl.zeros([ROWS], tl.float32)
+        # 2. The pages' low slots, BLOCK_N of each page a step.
+        for s0 in range(0, lo_g, BLOCK_N):
+            slot = s0 + offs_n
+            valid = slot < lo_g
+            logits = tl.full([ROWS, BLOCK_N], float("-inf"), tl.float32)
+            for r in tl.static_range(PACK):
+                has = pi + r < p1
+                page = tl.load(table_row + pi + r, mask=has, other=0).to(tl.int64)
+                ok = valid & has
+                tok = (page * lo_g + slot) * H_P + j
+                k = low_codes(tl.load(code_ptr(low_row, 0) + tok[:, None] * CB + offs_c[None, :],
+                                      mask=ok[:, None], other=0),
+                              BLOCK_N, D, LOW_BITS, LOW_FLOAT, NATIVE, q.dtype)
+                logits = tl.where((rep == r)[:, None] & ok[None, :],
+                                  mma(q_s, tl.trans(k), PRECISION), logits)
+            logits = (logits + bias[:, None]) * scale
+            # The value parameters of the PACK pages' tiles [PACK, BLOCK_N], repeated for
+            # each page's rows [ROWS, BLOCK_N].
+            seen = (pi + reps < p1)[:, None] & valid[None, :]
+            tok_p = (pages[:, None] * lo_g + slot[None, :]) * H_P + j
+            v_scale = _rows_of(tl.load(param_ptr(low_row, 4) + tok_p, mask=seen,
+                                       other=0.0).to(tl.float32), GP)
+            if LOW_FLOAT:
+                v_zero = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            else:
+                v_zero = _rows_of(tl.load(param_ptr(low_row, 5) + tok_p, mask=seen,
+                                          other=0.0).to(tl.float32), GP)
+            m_new, alpha, l_i, p_s, shift = _folded_probs(logits, v_scale, v_zero, m_i, l_i,
+                                                          shift, OFFSET, q.dtype)
+            acc = rescaled(acc, alpha, m_new > m_i)
+            for r in tl.static_range(PACK):
+                has = pi + r < p1
+                page = tl.load(table_row + pi + r, mask=has, other=0).to(tl.int64)
+                ok = valid & has
+                tok = (page * lo_g + slot) * H_P + j
+                v = low_codes(tl.load(code_ptr(low_row, 3) + tok[:, None] * CB + offs_c[None, :],
+                                      mask=ok[:, None], other=0),
+                              BLOCK_N, D, LOW_BITS, LOW_FLOAT, NATIVE, q.dtype)
+                acc += mma(tl.where((rep == r)[:, None], p_s, 0.0).to(q.dtype), v, PRECISION)
+            m_i = m_new
+        acc += shift[:, None]
+    # 3. Each head's PACK softmaxes merged, into every repeat of its row.
+    m3 = tl.reshape(m_i, [PACK, GP])
+    m_max = tl.max(m3, 0)
+    w = tl.exp(m3 - tl.where(m_max == float("-inf"), 0.0, m_max)[None, :])  # [PACK, GP]
+    l_sum = tl.sum(tl.reshape(l_i, [PACK, GP]) * w, 0)
+    a_sum = tl.sum(tl.reshape(acc, [PACK, GP, D]) * w[:, :, None], 0)
+    m_i = tl.reshape(tl.broadcast_to(m_max[None, :], [PACK, GP]), [ROWS])
+    l_i = tl.reshape(tl.broadcast_to(l_sum[None, :], [PACK, GP]), [ROWS])
+    acc = tl.reshape(tl.broadcast_to(a_sum[None, :, :], [PACK, GP, D]), [ROWS, D])
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _rows_of(x, GP: tl.constexpr):
+    """x [PACK, N] as [PACK * GP, N]: row r repeated GP times (a packed program's rows)."""
+    PACK: tl.constexpr = x.shape[0]
+    N: tl.constexpr = x.shape[1]
+    return tl.reshape(tl.broadcast_to(x[:, None, :], [PACK, GP, N]), [PACK * GP, N])
+
+
+@triton.jit
 def _plane_of(x, p: tl.constexpr, P: tl.constexpr):
     """Channels [p CB, (p + 1) CB) of x [R, D] (CB = D / P) as [R, CB] float32: a masked sum
     over x's P planes (exact: the others add zeros), no join."""
@@ -270,8 +389,9 @@ def _attend_code_pages(q, m_i, l_i, acc, low_row, table_row, p0, p1, lo_g, j, sc
                 q.dtype, NATIVE)
             v_scale = tl.load(param_ptr(low_row, 4) + tok, mask=valid, other=0.0).to(tl.float32)
             v_zero = tl.load(param_ptr(low_row, 5) + tok, mask=valid, other=0.0).to(tl.float32)
-            m_new, alpha, l_i, p_s, shift = _folded_probs(logits, v_scale, v_zero, m_i, l_i,
-                                                          shift, OFFSET, q.dtype)
+            m_new, alpha, l_i, p_s, shift = _folded_probs(logits, v_scale[None, :],
+                                                          v_zero[None, :], m_i, l_i, shift,
+                                                          OFFSET, q.dtype)
             grew = m_new > m_i
             a0 = rescaled(a0, alpha, grew) + mma(p_s, v0, PRECISION)
             a1 = rescaled(a1, alpha, grew) + mma(p_s, v1, PRECISION)
@@ -293,8 +413,8 @@ def _softmax_step_folded(logits, codes, v_scale, v_zero, m_i, l_i, acc, shift,
     the scales; the zeros' term (less OFFSET times the scaled probabilities), the same for
     every channel, accumulates in shift [ROWS] beside acc (acc + shift[:, None] is the
     output's numerator)."""
-    m_new, alpha, l_i, p_s, shift = _folded_probs(logits, v_scale, v_zero, m_i, l_i, shift,
-                                                  OFFSET, codes.dtype)
+    m_new, alpha, l_i, p_s, shift = _folded_probs(logits, v_scale[None, :], v_zero[None, :],
+                                                  m_i, l_i, shift, OFFSET, codes.dtype)
     acc = rescaled(acc, alpha, m_new > m_i) + mma(p_s, codes, PRECISION)
     return m_new, l_i, acc, shift
 
@@ -304,14 +424,15 @@ def _folded_probs(logits, v_scale, v_zero, m_i, l_i, shift, OFFSET: tl.constexpr
                   DOT: tl.constexpr):
     """The online-softmax step of values stored as codes, before the values' dot: the new
     running max, the rescale alpha, the normalizer, the probabilities with the value scales
-    folded in (p_s [ROWS, BLOCK_N] in DOT) and shift with this tile's zero-point term."""
+    folded in (p_s [ROWS, BLOCK_N] in DOT) and shift with this tile's zero-point term. v_scale
+    and v_zero: [1, BLOCK_N] (every row's tokens the same) or [ROWS, BLOCK_N] float32."""
     m_new = tl.maximum(m_i, tl.max(logits, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp(m_i - m_use)
     p = tl.exp(logits - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    p_s = (p * v_scale[None, :]).to(DOT)
-    shift = shift * alpha + tl.sum(p * v_zero[None, :], 1)
+    p_s = (p * v_scale).to(DOT)
+    shift = shift * alpha + tl.sum(p * v_zero, 1)
     if OFFSET != 0.0:
         shift -= OFFSET * tl.sum(p_s.to(tl.float32), 1)
     return m_new, alpha, l_i, p_s, shift

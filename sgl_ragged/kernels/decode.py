@@ -31,6 +31,7 @@ from sgl_ragged.kernels.launch import (
     compiled_for_gpu,
     joined_safe,
     native_level,
+    packed_pages,
     rows_contiguous,
     split_planes,
 )
@@ -38,7 +39,7 @@ from sgl_ragged.kernels.occupancy import KernelResources
 from sgl_ragged.kernels.quant import table_ptr
 from sgl_ragged.kernels.tables import LayerTables, tl_dtype
 
-DECODE_LAUNCH = {"rows": (2, 16, 2), "codes": (1, 16, 1)}
+DECODE_LAUNCH = {"rows": (2, 16, 2), "codes": (1, 16, 1), "packed": (2, 32, 1)}
 """(warps of the split kernel, BLOCK_N of the split and tail kernels, software-pipelining
 stages of the split kernel) on a GPU: "rows" for layouts whose sealed rows are all in the model
 dtype (drop-only), "codes" for layouts with a quantized tier. Warps and BLOCK_N: the fastest of
@@ -53,7 +54,9 @@ registers at D = 128, 80 at D = 64; docs/results.md, "What the compiled kernels 
 token"). Under the interpreter BLOCK_N stays block_config's. On a GPU, launch.joined_safe
 raises BLOCK_N to 32 for 2- and 4-bit codes in 16-bit dots (1 warp, 32 tokens: 250-254
 registers at D = 128, no spill, 8 programs per SM; session 18): at 16 their dots came out
-wrong on an H100."""
+wrong on an H100. "packed": quantized layouts with packed pages (launch.packed_pages, opt-in):
+chosen from the sm_90 builds alone (session 35: at 1 warp the packed kernel spills 2 KB a
+thread; at 2 warps and BLOCK_N 32 it spills nothing, 255 registers), untimed."""
 
 MERGE_BLOCK_S = 32
 """Partials the merge kernel reads per tile."""
@@ -68,7 +71,7 @@ def _sealed_splits_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT: tl.constexpr, PRECISION: tl.constexpr, LOW_BITS: tl.constexpr, LOW_FLOAT: tl.constexpr,
     NATIVE: tl.constexpr, HIGH_BITS: tl.constexpr, HIGH_FLOAT: tl.constexpr,
-    PLANES: tl.constexpr,
+    PLANES: tl.constexpr, GP: tl.constexpr,
 ):
     w = tl.program_id(0)
     b = tl.program_id(1)
@@ -87,18 +90,22 @@ def _sealed_splits_kernel(
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     mask_q = (offs_g < GSIZE)[:, None] & (offs_d < D)[None, :]
+    # GP > 0 (launch.packed_pages): rows r * GP + g all hold query head g, one repeat per page
+    # the low tier attends at once (attend._attend_low_packed).
+    head_g = offs_g % GP if GP > 0 else offs_g
     row = tl.load(q_start + b).to(tl.int64)
     for j in tl.static_range(H_P):
-        qh = tl.load(group_heads + g * H_P + j) * GSIZE + offs_g  # [BLOCK_G] query heads
-        q = tl.load(Q + row * s_qn + qh[:, None] * s_qh + offs_d[None, :], mask=mask_q,
-                    other=0.0).to(DOT)
+        head0 = tl.load(group_heads + g * H_P + j) * GSIZE
+        qh = head0 + offs_g  # [BLOCK_G] query heads
+        q = tl.load(Q + row * s_qn + (head0 + head_g)[:, None] * s_qh + offs_d[None, :],
+                    mask=(head_g < GSIZE)[:, None] & (offs_d < D)[None, :], other=0.0).to(DOT)
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         m_i, l_i, acc = attend_sealed(q, m_i, l_i, acc, k_base, v_base, low_ptr + g * 12,
                                       sealed_table + b * s_tb, hi_g, lo_g, j, p0, p1, scale,
                                       H_P, D, BLOCK_N, BLOCK_D, PRECISION, LOW_BITS, LOW_FLOAT,
-                                      NATIVE, HIGH_BITS, HIGH_FLOAT, PLANES)
+                                      NATIVE, HIGH_BITS, HIGH_FLOAT, PLANES, GP)
         # Empty share (short request): lse = -inf, output 0.
         has = l_i > 0
         o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -220,8 +227,9 @@ def decode_launch(q: torch.Tensor, tables: LayerTables, gsize: int,
     """Block sizes of the decode kernels for these rows, and the split kernel's warps and
     pipelining stages (DECODE_LAUNCH)."""
     cfg = block_config(q, gsize, d)
-    warps, block_n, stages = DECODE_LAUNCH["codes" if tables.low_bits or tables.high_bits
-                                           else "rows"]
+    kind = ("rows" if not (tables.low_bits or tables.high_bits)
+            else "packed" if packed_pages(q, tables, cfg) else "codes")
+    warps, block_n, stages = DECODE_LAUNCH[kind]
     if compiled_for_gpu(q):
         cfg["BLOCK_N"] = block_n
     return joined_safe(cfg, q, tables), warps, stages
@@ -242,7 +250,7 @@ def _split_launch(q: torch.Tensor, tables: LayerTables, splits: LayerSplits, bat
                "HIGH_BITS": tables.high_bits, "HIGH_FLOAT": tables.high_float,
                "NATIVE": native_level(q, tables, cfg["BLOCK_N"], q.shape[-1], warps),
                "PLANES": split_planes(q, tables, q.shape[-1]),
-               "num_warps": warps, "num_stages": stages}
+               "GP": packed_pages(q, tables, cfg), "num_warps": warps, "num_stages": stages}
     return args, options
 
 

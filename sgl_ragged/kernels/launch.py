@@ -36,6 +36,20 @@ def native_level(q: torch.Tensor, tables: LayerTables, block_n: int, d: int, war
     return 2 if all(block_n * d * b // 8 >= 4 * 32 * warps for b in bits) else 1
 
 
+def packed_pages(q: torch.Tensor, tables: LayerTables, cfg: dict[str, object]) -> int:
+    """The decode split kernel's GP: 0 attends a low tier page by page; GP > 0 (the query
+    heads of a KV head, padded to a power of two) has BLOCK_G // GP pages of it attended at
+    once, one per repeat of the GP heads' rows (attend._attend_low_packed), so that the rows
+    a 16-bit dot pads to are used. Opt-in, RAGGED_TRITON_PACK=1, until a GPU has timed it;
+    needs a low tier attended on joined codes (not split_planes) and at least 2 repeats."""
+    if os.environ.get("RAGGED_TRITON_PACK", "0") != "1" or tables.low is None:
+        return 0
+    if split_planes(q, tables, int(cfg["D"])):
+        return 0
+    gp = next_pow2(int(cfg["GSIZE"]))
+    return gp if int(cfg["BLOCK_G"]) // gp >= 2 else 0
+
+
 JOINED_MIN_K = 32
 """The shortest reduction a 16-bit dot on joined code planes gets on a GPU (`joined_safe`)."""
 

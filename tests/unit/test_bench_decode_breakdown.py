@@ -41,6 +41,34 @@ def test_options_give_the_variants() -> None:
 
 def test_defaults_are_servings_cap_the_sweep_and_aot_against_uniform() -> None:
     assert parse([]) == bd.Variants((MAX_PROGRAMS_PER_SM,), bd.SWEEP, ("aot", "uniform"))
+    assert parse([]).pack == (False,)
+
+
+def test_pack_times_packed_pages_beside_the_shipped_kernel() -> None:
+    assert parse(["--pack", "off", "on", "on"]).pack == (False, True)
+    assert parse(["--pack", "on"]).pack == (True,)
+    with pytest.raises(SystemExit):
+        bd.argument_parser().parse_args(["--pack", "yes"])
+
+
+def test_packed_sets_the_kernels_switch_and_restores_it(monkeypatch) -> None:
+    import os
+
+    from sgl_ragged.kernels.launch import block_config, packed_pages
+    from sgl_ragged.kernels.tables import layer_tables
+
+    monkeypatch.delenv("RAGGED_TRITON_PACK", raising=False)
+    profile = synthetic_profile(2)
+    storage = make_storage(profile, PAGE, HEAD_DIM, 2, 1, torch.bfloat16, "cpu", "int4")
+    q = torch.zeros(1, 4, HEAD_DIM, dtype=torch.bfloat16)
+    cfg = block_config(q, 4, HEAD_DIM)
+    tables = layer_tables(storage, 0)
+    with bd.packed(True):
+        assert packed_pages(q, tables, cfg) == 4  # 4 query heads a KV head: 4 pages a dot
+    assert "RAGGED_TRITON_PACK" not in os.environ and packed_pages(q, tables, cfg) == 0
+    drop = make_storage(profile, PAGE, HEAD_DIM, 2, 1, torch.bfloat16, "cpu", "bf16")
+    with bd.packed(True):
+        assert packed_pages(q, layer_tables(drop, 0), cfg) == 0  # no low tier: nothing to pack
 
 
 @pytest.mark.parametrize("argv", [["--programs-per-sm", "0"], ["--programs-per-sm", "x"],
@@ -63,6 +91,7 @@ def test_shipped_is_the_launch_of_the_rows() -> None:
         assert launches[0] == DECODE_LAUNCH[kind]
         assert sorted(launches) == sorted({DECODE_LAUNCH[kind], (2, 16, stages),
                                            (1, 16, stages), (4, 32, stages), (2, 16, 4)})
+    assert variants.launches("int4", pack=True)[0] == DECODE_LAUNCH["packed"]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int4"])
@@ -97,9 +126,13 @@ def test_the_table_marks_what_serving_runs() -> None:
             row("bf16", "aot", MAX_PROGRAMS_PER_SM + 2, DECODE_LAUNCH["rows"]),
             row("int4", "uniform", MAX_PROGRAMS_PER_SM, DECODE_LAUNCH["codes"]),
             row("int4", "aot", MAX_PROGRAMS_PER_SM, DECODE_LAUNCH["codes"]),
-            row("int4", "cost:1", MAX_PROGRAMS_PER_SM, DECODE_LAUNCH["codes"])]
+            row("int4", "cost:1", MAX_PROGRAMS_PER_SM, DECODE_LAUNCH["codes"]),
+            {**row("int4", "uniform", MAX_PROGRAMS_PER_SM, DECODE_LAUNCH["codes"]),
+             "packed_pages": 4}]
     lines = bd.markdown(rows, "NVIDIA H200").splitlines()[4:]
-    assert [line.endswith("| yes |") for line in lines] == [True, False, True, False, False]
+    assert [line.endswith("| yes |") for line in lines] == [True, False, True, False, False,
+                                                            False]
+    assert "| int4 (packed) |" in lines[5]
     assert lines[4].startswith(f"| 4 | 8192 | int4 | {MAX_PROGRAMS_PER_SM} | ")
     assert "| cost:1 | 66 | 0.50 | 0.00 | 0.00 | 2.00 | 1.00 | 900 |" in lines[4]
 

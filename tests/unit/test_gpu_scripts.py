@@ -19,7 +19,7 @@ from sgl_ragged.testing.server import ServerError
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("gpu_setup.sh", "gpu_serve.sh", "gpu_multiturn.sh", "gpu_check.sh", "gpu_wheels.sh",
-           "gpu_issue21.sh", "device_replica.sh")
+           "gpu_issue21.sh", "gpu_pack_ab.sh", "device_replica.sh")
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -124,3 +124,30 @@ def test_issue21_call_fits_one_device_call(tmp_path: Path) -> None:
     assert named == {w for w in check.split() if w.startswith("tests/unit/test_")}
     assert all((ROOT / name).is_file() for name in named)
     assert "gpu_serve.sh --layers 8 --precision int4" in lines[phases.index("serve")]
+
+
+def test_pack_ab_times_both_kernels_in_one_run(tmp_path: Path) -> None:
+    """scripts/gpu_pack_ab.sh (RAGGED_GPU_DRY_RUN=1): the kernel tests with packed pages on,
+    then one bench.decode_breakdown run of int4 rows with packing off and on whose options
+    parse; arguments replace its cases."""
+    from bench import decode_breakdown as bd
+
+    def plan(*args: str) -> dict[str, list[str]]:
+        env = {**os.environ, "RAGGED_GPU_DRY_RUN": "1", "OUT": str(tmp_path)}
+        done = subprocess.run([str(ROOT / "scripts" / "gpu_pack_ab.sh"), *args], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return {line.split(":")[0]: line.split(": ", 1)[1].split()
+                for line in done.stdout.strip().splitlines()}
+
+    steps = plan()
+    assert steps["tests"][0] == "RAGGED_TRITON_PACK=1"
+    assert "tests/unit/test_kernels_attention.py" in steps["tests"]
+    bench = steps["bench"]
+    assert bench[:3] == ["python3", "-m", "bench.decode_breakdown"]
+    args = bd.argument_parser().parse_args(bench[3:])
+    assert args.precision == "int4" and bd.variants_of(args).pack == (False, True)
+    assert bd.cases(args.batch, args.context) == [(16, 8192), (16, 65536), (64, 8192),
+                                                   (64, 65536)]
+    args = bd.argument_parser().parse_args(plan("--batch", "4", "--context", "8192")["bench"][3:])
+    assert bd.cases(args.batch, args.context) == [(4, 8192)]

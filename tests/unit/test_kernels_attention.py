@@ -295,6 +295,55 @@ def test_extend_gpu_shapes(precision):
         torch.testing.assert_close(out[rows].float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("gqa", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("precision", [*LOW, "mixed"])
+def test_packed_pages_match_reference(kernel_device, monkeypatch, precision, dtype, gqa):
+    """RAGGED_TRITON_PACK=1 (launch.packed_pages): the decode split kernel attends
+    BLOCK_G / GP low-tier pages at once, one per repeat of the query heads' rows
+    (attend._attend_low_packed: 8 pages at GQA 2, 4 at GQA 3, whose fourth head row is
+    padding), each with its own softmax, merged per head at the end. Random split maps give
+    shares of pages that are not a multiple of the pack (a last step with absent pages), empty
+    shares and groups without low slots. The same arithmetic per page as unpacked, merged in
+    another order: float32 as tight as the other float32 cases, 16-bit as
+    test_decode_16_bit_rows."""
+    monkeypatch.setenv("RAGGED_TRITON_PACK", "1")
+    from sgl_ragged.kernels.launch import block_config, packed_pages
+
+    shape = Shape(gqa=gqa)
+    rng = random.Random(53 + gqa)
+    storage = random_storage(rng, kernel_device, layers=3, dtype=dtype, precision=precision,
+                             shape=shape)
+    # A layer with low slots (random budgets can leave a layer none).
+    layer = next(i for i in range(3) if layer_tables(storage, i).low is not None)
+    tables = layer_tables(storage, layer)
+    parts = format_parts(tables, storage.layout, layer)
+    h_q = shape.kv_heads * gqa
+    probe = torch.zeros(1, h_q, shape.head_dim, dtype=dtype)
+    gp = packed_pages(probe, tables, block_config(probe, gqa, shape.head_dim))
+    assert gp == (2 if gqa == 2 else 4)  # the packed kernel is the one under test
+    tol = ({"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32
+           else {"atol": 2e-2, "rtol": 2e-2})
+    for seed in (0, 1):
+        plans = random_plans(storage, DECODE, rng, gap=1)
+        q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), kernel_device, dtype,
+                             shape)
+        ratios = [[rng.random() for _ in range(2)]]
+        whole = split_plan(ratios, device_parallelism(kernel_device), kernel_device).layer(0)
+        out, lse = _poisoned(q)
+        decode_attention(q, k, v, storage.stage_k[layer], storage.stage_v[layer], tables, whole,
+                         kernel_batch(plans, kernel_device), SCALE, out, lse,
+                         parts=[(t, whole.of_groups(t.groups)) for t in parts])
+        _check_untouched(plans, out, lse)
+        for p in plans:
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            want = request_forward(storage, layer, p, q[rows], k[rows], v[rows], SCALE)
+            torch.testing.assert_close(out[rows].float(), want.float(), **tol)
+            if dtype == torch.float32:
+                want_lse = reference_lse(storage, layer, p, q[rows], k[rows], SCALE)
+                torch.testing.assert_close(lse[rows].cpu(), want_lse, **tol)
+
+
 PLANES_SHAPE = Shape(head_dim=64)  # int2 planes are 16 channels wide: a dot's smallest side
 
 

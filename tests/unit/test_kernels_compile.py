@@ -84,6 +84,35 @@ def test_split_launch_compiles_the_split_kernel_as_asked(tmp_path):
             parse_launch(bad)
 
 
+def test_packed_pages_compile_for_sm90(tmp_path):
+    """RAGGED_TRITON_PACK=1 (launch.packed_pages): the split kernel that attends several
+    low-tier pages at once builds for sm_90 at decode.DECODE_LAUNCH["packed"], loads codes 16
+    bytes wide, converts no 2- or 4-bit codes, and at 2 or 4 bits spills nothing at head size
+    64; its tokens per tile count every packed page (BLOCK_N x 4 at GQA 4)."""
+    from sgl_ragged.kernels.decode import DECODE_LAUNCH
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["RAGGED_TRITON_PACK"] = "1"
+    precisions = ["int4", "int2", "int8", "fp8", "int8+int4"]
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.kernel_resources", "--head-dim", "64", "--precision",
+         *precisions, "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    builds = json.loads((tmp_path / "kernel_resources.json").read_text())["builds"]
+    split = {b["precision"]: b for b in builds if b["kernel"] == "decode split"}
+    assert set(split) == set(precisions)
+    warps, block_n, _ = DECODE_LAUNCH["packed"]
+    for precision, b in split.items():
+        assert b["num_warps"] == warps and b["block_n"] == block_n * 4, b
+        assert b["byte_loads"] == 0 and b["wide_loads"] > 0, b
+        if "int8" not in precision:
+            assert b["int_to_float"] < 16, b
+        if precision in ("int4", "int2", "int8+int4"):
+            assert b["spill_bytes"] == 0, b
+
+
 def test_sass_counts_read_loads_conversions_and_inner_loops():
     from bench.kernel_resources import sass_counts
 
