@@ -4,9 +4,9 @@ One decode step, one layer, the whole batch, three launches:
 
 1. `_sealed_splits_kernel`, grid (W, B): work item w = (group g, split s) from the static
    split map (aot.py); the program covers the s-th of S[l,g] equal shares of request b's
-   sealed pages (whole pages) of group g -- their high slots, then each page's low tier on
-   its codes (attend.attend_sealed) -- for each of the group's H_p heads, and writes partial
-   outputs and log-sum-exps.
+   sealed pages (whole pages; whole packed steps with launch.packed_pages) of group g -- their
+   high slots, then each page's low tier on its codes (attend.attend_sealed) -- for each of
+   the group's H_p heads, and writes partial outputs and log-sum-exps.
 2. `_tail_kernel`, grid (B, H): attention of KV head h's query heads over the request's
    tail (staged tokens + the new token), written as one more partial.
 3. `_merge_kernel`, grid (B, H_q, channel blocks): each query head's S[l,g] + 1 partials
@@ -83,6 +83,11 @@ def _sealed_splits_kernel(
     # tier shares its key parameters).
     n_pages = tl.load(num_sealed + b)
     chunk = tl.cdiv(n_pages, tl.load(split_counts + g))
+    if GP > 0:
+        # Packed pages (launch.packed_pages): shares of whole packed steps, so that no step
+        # but a request's last runs with absent pages (fewer splits get work where a share
+        # would be shorter than a step: 2 pages a share at 4 x 8K with uniform splits).
+        chunk = tl.cdiv(chunk, BLOCK_G // GP) * (BLOCK_G // GP)
     p0 = s * chunk
     p1 = tl.maximum(tl.minimum(p0 + chunk, n_pages), p0)
     k_base = table_ptr(rows_k_ptr + g, DTYPE)
