@@ -19,21 +19,24 @@ history); `--request-rate R` (repeatable: a sweep) additionally releases request
 times of rate R per second. The cache is flushed and one warm-up request sent before each run.
 Writes multiturn.json (every request, the /metrics timeline, summaries, ratios against the
 baseline), multiturn.md and PNG plots (bench/report.py); launched servers are written after each
-one (a server that fails to start is reported, and the next one runs). `--dry-run` prints what
-each launched server would get (budget, arguments, environment) and starts nothing.
+one (a server that fails to start is reported, and the next one runs); `--start-together` starts
+them all at once first and still measures one at a time. `--dry-run` prints what each launched
+server would get (budget, arguments, environment) and starts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -217,6 +220,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     where.add_argument("--device", default="cpu", choices=tuple(STOCK_BACKEND),
                        help="of launched servers; cuda: the lent GPU machine's environment and "
                             "arguments (bench.servers.GPU_ENV, GPU_ARGS), stock on triton")
+    where.add_argument("--start-together", action="store_true",
+                       help="start every --launch server at once, then measure them one after "
+                            "the other as usual (each alone; the others idle, each stopped after "
+                            "its runs): one start's time instead of one per server, where the "
+                            "machine holds them all (a lent GPU). A server that fails to start "
+                            "beside the others is started again alone after them")
     where.add_argument("--dry-run", action="store_true",
                        help="print each --launch target's budget, arguments and environment "
                             "(and write plan.json); start nothing")
@@ -300,29 +309,95 @@ def dry_run(args: argparse.Namespace, model: str, sessions: list[Session]) -> di
 def run_launched(args: argparse.Namespace, model: str, sessions: list[Session],
                  loads: list[LoadConfig], save: Callable[[Launched], None]) -> Launched:
     """Each --launch target in turn at the common budget, every rate on each; `save` after each
-    target. A target whose server fails (to start, or while it serves) is recorded and skipped."""
+    target. A target whose server fails (to start, or while it serves) is recorded and skipped.
+    With --start-together every server starts at once first (`_start_together`); those that
+    came up are measured in launch order, then the others, each started alone."""
     from sgl_ragged.testing.server import ServerError
 
     launches, env = plan_launches(args, model), launch_env(args.device)
+    logs = [args.out / "logs" / f"{t.label.replace(':', '_').replace('/', '_')}.log"
+            for t, _, _ in launches]
+    started: dict[int, tuple[Any, Any]] = {}
+    if args.start_together and len(launches) > 1:
+        started = _start_together(launches, env, logs)
+    order = sorted(range(len(launches)), key=lambda i: i not in started)  # stable
     done = Launched([], [])
-    for i, (target, budget, server_args) in enumerate(launches, 1):
-        print(f"[{i}/{len(launches)}] {target.label}: --max-total-tokens {budget.kv_tokens} "
-              f"(retention {budget.retention:.3f}), starting ...", file=sys.stderr, flush=True)
-        log = args.out / "logs" / f"{target.label.replace(':', '_').replace('/', '_')}.log"
-        about = {"budget": budget._asdict(), "launch_args": server_args,
-                 "workers": target.workers, "router_policy": target.policy}
-        try:
-            with _deployment(target, server_args, env, log) as server:
-                for load in loads:
-                    run = run_one(server.base_url, target.label, sessions, load, not args.no_flush)
-                    done.runs.append({**run, **about})
-        except (ServerError, OSError) as exc:
-            print(f"{target.label}: FAILED {type(exc).__name__}: {str(exc)[-1500:]}",
-                  file=sys.stderr, flush=True)
-            done.failed.append({"label": target.label, "launch_args": server_args,
-                                "error": f"{type(exc).__name__}: {str(exc)[-4000:]}"})
-        save(done)
+    try:
+        for i in order:
+            target, budget, server_args = launches[i]
+            if i not in started:
+                print(f"[{i + 1}/{len(launches)}] {target.label}: --max-total-tokens "
+                      f"{budget.kv_tokens} (retention {budget.retention:.3f}), starting ...",
+                      file=sys.stderr, flush=True)
+            about = {"budget": budget._asdict(), "launch_args": server_args,
+                     "workers": target.workers, "router_policy": target.policy}
+            try:
+                with (_up(*started.pop(i)) if i in started
+                      else _deployment(target, server_args, env, logs[i])) as server:
+                    for load in loads:
+                        run = run_one(server.base_url, target.label, sessions, load,
+                                      not args.no_flush)
+                        done.runs.append({**run, **about})
+            except (ServerError, OSError) as exc:
+                print(f"{target.label}: FAILED {type(exc).__name__}: {str(exc)[-1500:]}",
+                      file=sys.stderr, flush=True)
+                done.failed.append({"label": target.label, "launch_args": server_args,
+                                    "error": f"{type(exc).__name__}: {str(exc)[-4000:]}"})
+            save(done)
+    finally:
+        for deployment, _ in started.values():  # cut short: stop the ones not measured yet
+            deployment.__exit__(None, None, None)
     return done
+
+
+def _start_together(launches: list[Launch], env: dict[str, str],
+                    logs: list[Path]) -> dict[int, tuple[Any, Any]]:
+    """Every launch's deployment started at once, a thread each (a start is mostly waiting on
+    the child's imports, weights and graph captures): {launch index: (deployment, what entering
+    it gave)} of those that came up. One that failed beside the others is printed and left out
+    (run_launched starts it alone later); if this is interrupted, everything started stops."""
+    from sgl_ragged.testing.server import ServerError
+
+    deployments = [_deployment(t, a, env, log) for (t, _, a), log in zip(launches, logs,
+                                                                        strict=True)]
+    for i, (target, budget, _) in enumerate(launches, 1):
+        print(f"[{i}/{len(launches)}] {target.label}: --max-total-tokens {budget.kv_tokens} "
+              f"(retention {budget.retention:.3f}), starting beside the others ...",
+              file=sys.stderr, flush=True)
+
+    def start(deployment: Any) -> Any:
+        try:
+            return deployment.__enter__()
+        except (ServerError, OSError) as exc:
+            return exc
+
+    pool = ThreadPoolExecutor(len(deployments))
+    try:
+        entered = [f.result() for f in [pool.submit(start, d) for d in deployments]]
+    except BaseException:
+        for d in deployments:
+            d.__exit__(None, None, None)
+        raise
+    finally:
+        pool.shutdown(wait=False)
+    up = {}
+    for i, (deployment, got) in enumerate(zip(deployments, entered, strict=True)):
+        if isinstance(got, BaseException):
+            print(f"{launches[i].target.label}: did not start beside the others "
+                  f"({type(got).__name__}: {str(got)[-300:]}); it starts alone after them",
+                  file=sys.stderr, flush=True)
+        else:
+            up[i] = (deployment, got)
+    return up
+
+
+@contextlib.contextmanager
+def _up(deployment: Any, server: Any) -> Iterator[Any]:
+    """A deployment `_start_together` started, as `with` gives it (server), stopped after."""
+    try:
+        yield server
+    finally:
+        deployment.__exit__(None, None, None)
 
 
 def _deployment(target: Target, server_args: list[str], env: dict[str, str], log: Path) -> Any:

@@ -2,7 +2,8 @@
 # Issue 21 step 5b's req/s table on a lent GPU machine, in one call: after scripts/gpu_setup.sh
 # (SGLang from the carried wheels, the sgl_kernel stand-in, the random Llama-3.1-8B-shaped
 # checkpoint; a warm machine after scripts/gpu_serve.sh skips most of it), bench.multiturn
-# launches four servers one after the other at the KV bytes of a 16384-token stock bf16 pool
+# starts four servers at once (--start-together: the GPU holds them all) and measures them one
+# after the other at the KV bytes of a 16384-token stock bf16 pool
 # (2 GiB: 32 layers x 8 KV heads x 128 x K,V x 2 B = 128 KiB a token), in this order, so that a
 # timeout still leaves the headline pair: stock `triton` bf16 (16384 tokens), ragged int4@0.3
 # (47296 logical tokens), stock `triton` with --kv-cache-dtype fp8_e4m3 (32768) and ragged
@@ -13,13 +14,13 @@
 # plan and installs nothing; tests/unit/test_gpu_scripts.py checks it).
 # Random weights answer nonsense: accuracy is not measured (the chat task is unscored), only
 # req/s, TTFT, TPOT and the prefix hit rate.
-# Device time, ESTIMATED (no 8B server start has been measured on these machines; if
-# scripts/gpu_serve.sh ran first, its gpu_serve.json has a real startup_s): setup on a warm
-# machine about 20 s (cold: + about 2 min, the wheels and the 16 GB checkpoint); each start
-# about 60 s (SGLang's import, 16 GB of weights from the page cache, Triton compiles, decode
-# CUDA graphs for batch <= 12); each run 10-40 s (stock recomputes about 150K prompt tokens,
-# ragged about 40K, at an assumed 5K prefill tokens/s); each stop up to 20 s: about 7 minutes
-# warm, 9 cold. bench.multiturn writes after each server: a timeout keeps the finished rows.
+# Device time, ESTIMATED: setup on a warm machine about 20 s (cold: + about 1-2 min, the wheels
+# and the checkpoint); the four starts together about as long as one (session 34 measured one
+# server of 2 layers up in 83-107 s and one of 8 in 154 s, one after the other: about 6 minutes
+# for four; a server that fails beside the others starts again alone after them); each run
+# 10-40 s (stock recomputes about 150K prompt tokens, ragged about 40K, at an assumed 5K
+# prefill tokens/s); each stop up to 20 s: about 4-5 minutes at 2 layers. bench.multiturn
+# writes after each server: a timeout keeps the finished rows.
 # Results go to $OUT (or ./results/gpu_multiturn): multiturn.md/.json (plots where matplotlib
 # imports), multiturn.txt, logs/ (the servers'), device.txt. Extra arguments go to
 # bench.multiturn (a later --sessions, --turns, ... wins; a --launch adds a fifth server).
@@ -37,4 +38,5 @@ python3 -m bench.multiturn --device cuda --model "$model" \
   --launch baseline@fp8_e4m3 --launch ragged:uniform:0.3 \
   --kv-budget-tokens 16384 --max-running-requests 12 --chunked-prefill-size 4096 \
   --tasks chat --sessions 12 --turns 4 --context-tokens 2800 --concurrency 12 \
-  --max-tokens 32 --seed 0 --out "$out" "${dry[@]}" "$@" 2>&1 | tee "$out/multiturn.txt"
+  --max-tokens 32 --seed 0 --start-together --out "$out" "${dry[@]}" "$@" 2>&1 \
+  | tee "$out/multiturn.txt"

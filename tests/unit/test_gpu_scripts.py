@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -64,6 +65,8 @@ def test_gpu_multiturn_plan(llama_8b_shape: Path, tmp_path: Path) -> None:
     live = plan["concurrent_context_tokens"]  # a lower bound of the live histories
     assert tokens["baseline@fp8_e4m3"] < live < 0.8 * tokens["ragged@int4:uniform:0.3"]
     assert (tmp_path / "out" / "multiturn.txt").read_text().strip().endswith("}")
+    # the four servers start at once and are measured one after the other
+    assert "--start-together" in (ROOT / "scripts" / "gpu_multiturn.sh").read_text()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU bench.gpu_serve starts servers")
@@ -99,6 +102,92 @@ def test_multiturn_records_a_failed_server_and_goes_on(llama_8b_shape: Path, tmp
     table = report.write(result, tmp_path, plots=False)
     assert "**baseline@fp8_e4m3 failed**: ServerError: server exited with code 1" in table
     assert json.loads((tmp_path / "multiturn.json").read_text())["failed"][0]["label"] == "baseline"
+
+
+def _together_args(model: Path, tmp_path: Path, *labels: str) -> Any:
+    argv = ["--device", "cuda", "--model", str(model), "--start-together", "--out", str(tmp_path)]
+    for label in labels:
+        argv += ["--launch", label]
+    return multiturn.parse_args(argv)
+
+
+def test_start_together_starts_all_then_measures_one_at_a_time(
+        llama_8b_shape: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--start-together: every server is up before the first run (their starts overlap: a
+    barrier all three must reach), each is measured alone in launch order and stopped right
+    after its runs; one that fails beside the others starts again alone after them."""
+    import threading
+
+    events: list[tuple[str, str]] = []
+    barrier = threading.Barrier(3, timeout=20)
+    attempts: dict[str, int] = {}
+
+    class Fake:
+        def __init__(self, target, server_args, env, log) -> None:
+            self.label, self.base_url = target.label, f"http://{target.label}"
+
+        def __enter__(self):
+            attempts[self.label] = attempts.get(self.label, 0) + 1
+            if attempts[self.label] == 1:
+                barrier.wait()  # all three start at once, or this times out
+                if self.label == "ragged:uniform:0.3":
+                    raise ServerError("out of memory beside the others")
+            events.append(("up", self.label))
+            return self
+
+        def __exit__(self, *exc) -> None:
+            events.append(("down", self.label))
+
+    def run_one(base_url, label, sessions, load, flush=True):
+        events.append(("run", label))
+        return {"label": label}
+
+    monkeypatch.setattr(multiturn, "_deployment", Fake)
+    monkeypatch.setattr(multiturn, "run_one", run_one)
+    args = _together_args(llama_8b_shape, tmp_path, "baseline", "ragged:uniform:0.3",
+                          "baseline@fp8_e4m3")
+    saved: list[int] = []
+    done = multiturn.run_launched(args, str(llama_8b_shape), [], [multiturn.LoadConfig()],
+                                  lambda so_far: saved.append(len(so_far.runs)))
+    assert [r["label"] for r in done.runs] == ["baseline", "baseline@fp8_e4m3",
+                                               "ragged:uniform:0.3"]
+    assert done.failed == [] and saved == [1, 2, 3]
+    assert sorted(events[:2]) == [("up", "baseline"), ("up", "baseline@fp8_e4m3")]
+    assert events[2:] == [("run", "baseline"), ("down", "baseline"),
+                          ("run", "baseline@fp8_e4m3"), ("down", "baseline@fp8_e4m3"),
+                          ("up", "ragged:uniform:0.3"), ("run", "ragged:uniform:0.3"),
+                          ("down", "ragged:uniform:0.3")]
+    assert attempts == {"baseline": 1, "baseline@fp8_e4m3": 1, "ragged:uniform:0.3": 2}
+
+
+def test_start_together_stops_every_server_when_cut_short(
+        llama_8b_shape: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interrupted run (a device call's timeout) leaves no server of those started together
+    running: the one measured and the ones still waiting are all stopped."""
+    events: list[tuple[str, str]] = []
+
+    class Fake:
+        def __init__(self, target, server_args, env, log) -> None:
+            self.label, self.base_url = target.label, f"http://{target.label}"
+
+        def __enter__(self):
+            events.append(("up", self.label))
+            return self
+
+        def __exit__(self, *exc) -> None:
+            events.append(("down", self.label))
+
+    def run_one(base_url, label, sessions, load, flush=True):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(multiturn, "_deployment", Fake)
+    monkeypatch.setattr(multiturn, "run_one", run_one)
+    args = _together_args(llama_8b_shape, tmp_path, "baseline", "baseline@fp8_e4m3")
+    with pytest.raises(KeyboardInterrupt):
+        multiturn.run_launched(args, str(llama_8b_shape), [], [multiturn.LoadConfig()],
+                               lambda so_far: None)
+    assert sorted(e for e in events if e[0] == "down") == [("down", "baseline"),
+                                                           ("down", "baseline@fp8_e4m3")]
 
 
 def test_issue21_call_fits_one_device_call(tmp_path: Path) -> None:
