@@ -220,6 +220,7 @@ def test_pack_ab_times_both_kernels_in_one_run(tmp_path: Path) -> None:
     then one bench.decode_breakdown run of int4 rows with packing off and on whose options
     parse; arguments replace its cases."""
     from bench import decode_breakdown as bd
+    from sgl_ragged.kernels.decode import DECODE_LAUNCH
 
     def plan(*args: str) -> dict[str, list[str]]:
         env = {**os.environ, "RAGGED_GPU_DRY_RUN": "1", "OUT": str(tmp_path)}
@@ -235,7 +236,10 @@ def test_pack_ab_times_both_kernels_in_one_run(tmp_path: Path) -> None:
     bench = steps["bench"]
     assert bench[:3] == ["python3", "-m", "bench.decode_breakdown"]
     args = bd.argument_parser().parse_args(bench[3:])
-    assert args.precision == "int4" and bd.variants_of(args).pack == (False, True)
+    variants = bd.variants_of(args)
+    assert args.precision == "int4" and variants.pack == (False, True)
+    assert variants.launches("int4", pack=True)[:2] == [DECODE_LAUNCH["packed"], (4, 32, 1)]
+    assert variants.launches("int4")[0] == DECODE_LAUNCH["codes"]
     assert bd.cases(args.batch, args.context) == [(16, 8192), (16, 65536), (64, 8192),
                                                    (64, 65536)]
     args = bd.argument_parser().parse_args(plan("--batch", "4", "--context", "8192")["bench"][3:])
