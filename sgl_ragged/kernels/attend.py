@@ -216,13 +216,11 @@ def _attend_low_packed(q, m_i, l_i, acc, low_row, table_row, p0, p1, lo_g, j, sc
     restarted)."""
     ROWS: tl.constexpr = q.shape[0]
     PACK: tl.constexpr = ROWS // GP
-    CB: tl.constexpr = D * LOW_BITS // 8
     OFFSET: tl.constexpr = code_offset(LOW_BITS, LOW_FLOAT, q.dtype)
     rows = tl.arange(0, ROWS)
     rep = rows // GP  # the page of a step each row attends
     reps = tl.arange(0, PACK)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, CB)
     pos = interleaved_channels(D, LOW_BITS, LOW_FLOAT, q.dtype)
     q32 = q.to(tl.float32)
     first = rows < GP
@@ -249,13 +247,8 @@ def _attend_low_packed(q, m_i, l_i, acc, low_row, table_row, p0, p1, lo_g, j, sc
             valid = slot < lo_g
             logits = tl.full([ROWS, BLOCK_N], float("-inf"), tl.float32)
             for r in tl.static_range(PACK):
-                has = pi + r < p1
-                page = tl.load(table_row + pi + r, mask=has, other=0).to(tl.int64)
-                ok = valid & has
-                tok = (page * lo_g + slot) * H_P + j
-                k = low_codes(tl.load(code_ptr(low_row, 0) + tok[:, None] * CB + offs_c[None, :],
-                                      mask=ok[:, None], other=0),
-                              BLOCK_N, D, LOW_BITS, LOW_FLOAT, NATIVE, q.dtype)
+                k, ok = _step_codes(low_row, 0, table_row, pi + r, p1, slot, valid, lo_g, j,
+                                    H_P, D, LOW_BITS, LOW_FLOAT, NATIVE, q.dtype)
                 logits = tl.where((rep == r)[:, None] & ok[None, :],
                                   mma(q_s, tl.trans(k), PRECISION), logits)
             logits = (logits + bias[:, None]) * scale
@@ -274,13 +267,8 @@ def _attend_low_packed(q, m_i, l_i, acc, low_row, table_row, p0, p1, lo_g, j, sc
                                                           shift, OFFSET, q.dtype)
             acc = rescaled(acc, alpha, m_new > m_i)
             for r in tl.static_range(PACK):
-                has = pi + r < p1
-                page = tl.load(table_row + pi + r, mask=has, other=0).to(tl.int64)
-                ok = valid & has
-                tok = (page * lo_g + slot) * H_P + j
-                v = low_codes(tl.load(code_ptr(low_row, 3) + tok[:, None] * CB + offs_c[None, :],
-                                      mask=ok[:, None], other=0),
-                              BLOCK_N, D, LOW_BITS, LOW_FLOAT, NATIVE, q.dtype)
+                v, _ = _step_codes(low_row, 3, table_row, pi + r, p1, slot, valid, lo_g, j, H_P,
+                                   D, LOW_BITS, LOW_FLOAT, NATIVE, q.dtype)
                 acc += mma(tl.where((rep == r)[:, None], p_s, 0.0).to(q.dtype), v, PRECISION)
             m_i = m_new
         acc += shift[:, None]
@@ -294,6 +282,23 @@ def _attend_low_packed(q, m_i, l_i, acc, low_row, table_row, p0, p1, lo_g, j, sc
     l_i = tl.reshape(tl.broadcast_to(l_sum[None, :], [PACK, GP]), [ROWS])
     acc = tl.reshape(tl.broadcast_to(a_sum[None, :, :], [PACK, GP, D]), [ROWS, D])
     return m_i, l_i, acc
+
+
+@triton.jit
+def _step_codes(low_row, i: tl.constexpr, table_row, pi, p1, slot, valid, lo_g, j,
+                H_P: tl.constexpr, D: tl.constexpr, LOW_BITS: tl.constexpr,
+                LOW_FLOAT: tl.constexpr, NATIVE: tl.constexpr, DOT: tl.constexpr):
+    """The codes of slots `slot` of page table_row[pi] (absent past p1) of member head j, from
+    low_row's code tensor i (0 keys, 3 values), as low_codes gives them [BLOCK_N, D], and
+    which of them are there (ok [BLOCK_N])."""
+    CB: tl.constexpr = D * LOW_BITS // 8
+    has = pi < p1
+    page = tl.load(table_row + pi, mask=has, other=0).to(tl.int64)
+    ok = valid & has
+    tok = (page * lo_g + slot) * H_P + j
+    packed = tl.load(code_ptr(low_row, i) + tok[:, None] * CB + tl.arange(0, CB)[None, :],
+                     mask=ok[:, None], other=0)
+    return low_codes(packed, slot.shape[0], D, LOW_BITS, LOW_FLOAT, NATIVE, DOT), ok
 
 
 @triton.jit
