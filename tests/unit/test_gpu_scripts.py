@@ -231,6 +231,7 @@ def test_pack_ab_times_both_kernels_in_one_run(tmp_path: Path) -> None:
                 for line in done.stdout.strip().splitlines()}
 
     steps = plan()
+    assert list(steps) == ["bench", "tests"]  # the A/B first: a timeout cuts the tests
     assert steps["tests"][0] == "RAGGED_TRITON_PACK=1"
     assert "tests/unit/test_kernels_attention.py" in steps["tests"]
     bench = steps["bench"]
@@ -238,8 +239,8 @@ def test_pack_ab_times_both_kernels_in_one_run(tmp_path: Path) -> None:
     args = bd.argument_parser().parse_args(bench[3:])
     variants = bd.variants_of(args)
     assert args.precision == "int4" and variants.pack == (False, True)
-    assert variants.launches("int4", pack=True)[:2] == [DECODE_LAUNCH["packed"], (4, 32, 1)]
-    assert variants.launches("int4")[0] == DECODE_LAUNCH["codes"]
+    assert variants.launches("int4", pack=True) == [DECODE_LAUNCH["packed"]]
+    assert variants.launches("int4") == [DECODE_LAUNCH["codes"]]
     assert bd.cases(args.batch, args.context) == [(16, 8192), (16, 65536), (64, 8192),
                                                    (64, 65536)]
     args = bd.argument_parser().parse_args(plan("--batch", "4", "--context", "8192")["bench"][3:])
