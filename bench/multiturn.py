@@ -326,9 +326,7 @@ def run_launched(args: argparse.Namespace, model: str, sessions: list[Session],
         for i in order:
             target, budget, server_args = launches[i]
             if i not in started:
-                print(f"[{i + 1}/{len(launches)}] {target.label}: --max-total-tokens "
-                      f"{budget.kv_tokens} (retention {budget.retention:.3f}), starting ...",
-                      file=sys.stderr, flush=True)
+                _announce(launches, i, "starting ...")
             about = {"budget": budget._asdict(), "launch_args": server_args,
                      "workers": target.workers, "router_policy": target.policy}
             try:
@@ -360,10 +358,8 @@ def _start_together(launches: list[Launch], env: dict[str, str],
 
     deployments = [_deployment(t, a, env, log) for (t, _, a), log in zip(launches, logs,
                                                                         strict=True)]
-    for i, (target, budget, _) in enumerate(launches, 1):
-        print(f"[{i}/{len(launches)}] {target.label}: --max-total-tokens {budget.kv_tokens} "
-              f"(retention {budget.retention:.3f}), starting beside the others ...",
-              file=sys.stderr, flush=True)
+    for i in range(len(launches)):
+        _announce(launches, i, "starting beside the others ...")
 
     def start(deployment: Any) -> Any:
         try:
@@ -389,6 +385,13 @@ def _start_together(launches: list[Launch], env: dict[str, str],
         else:
             up[i] = (deployment, got)
     return up
+
+
+def _announce(launches: list[Launch], i: int, what: str) -> None:
+    """Launch i's line on stderr: its place, label and budget, then `what` is happening."""
+    target, budget, _ = launches[i]
+    print(f"[{i + 1}/{len(launches)}] {target.label}: --max-total-tokens {budget.kv_tokens} "
+          f"(retention {budget.retention:.3f}), {what}", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
