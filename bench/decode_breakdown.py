@@ -249,6 +249,12 @@ def kernel_ms(row: dict, name: str) -> str:
     return f"{sum(t for k, t in row['kernels_s'].items() if name in k) * 1e3:.2f}"
 
 
+def launch_of(row: dict) -> Launch:
+    """A row's split-kernel launch (warps, BLOCK_N as swept, stages); rows written before
+    "launch" was recorded give BLOCK_N as launched."""
+    return tuple(row.get("launch") or (row["warps"], row["block_n"], row["stages"]))
+
+
 def served(row: dict) -> bool:
     """Whether the row is what serving runs for its rows: decode.DECODE_LAUNCH's launch,
     registry.profile_split_ratios' map (the profile's ratios for drop-only rows, equal shares,
@@ -256,19 +262,35 @@ def served(row: dict) -> bool:
     from sgl_ragged.kernels.decode import DECODE_LAUNCH
 
     kind = launch_kind(row["precision"])
-    return (DECODE_LAUNCH[kind] == tuple(row.get("launch") or (row["warps"], row["block_n"],
-                                                                  row["stages"]))
+    return (DECODE_LAUNCH[kind] == launch_of(row)
             and row["strategy"] == (SplitStrategy.AOT if kind == "rows" else SplitStrategy.UNIFORM)
             and row["programs_per_sm"] == MAX_PROGRAMS_PER_SM and not row.get("packed_pages"))
+
+
+def unpacked_ratio(row: dict, rows: list[dict]) -> str:
+    """A packed row's graph step over the unpacked one of its case, cap and split map (at
+    decode.DECODE_LAUNCH's launch for codes where that ran, else the first), as "x0.83"; ""
+    for other rows or where no unpacked row ran."""
+    from sgl_ragged.kernels.decode import DECODE_LAUNCH
+
+    if not row.get("packed_pages"):
+        return ""
+    key = ("batch", "context", "precision", "programs_per_sm", "strategy")
+    same = [r for r in rows if not r.get("packed_pages") and all(r[k] == row[k] for k in key)]
+    same.sort(key=lambda r: launch_of(r) != DECODE_LAUNCH["codes"])
+    return f"x{row['graph_s'] / same[0]['graph_s']:.2f}" if same else ""
 
 
 def markdown(rows: list[dict], device: str) -> str:
     lines = [f"Decode attention per step (32 layers) on {device}: split, tail and merge kernels "
              "(device ms per step), eager and CUDA-graph step; cap/SM: the most programs per "
-             "SM N_CTA counts; served: serving's launch, split map and cap.", "",
+             "SM N_CTA counts; x unpacked: a packed row's graph step over the unpacked one of "
+             "its case and split map (the shipped launch); served: serving's launch, split map "
+             "and cap.", "",
              "| batch | context | rows | cap/SM | N_CTA | warps | BLOCK_N | stages | strategy "
-             "| max S | split ms | tail ms | merge ms | eager ms | graph ms | graph GB/s | served |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| max S | split ms | tail ms | merge ms | eager ms | graph ms | graph GB/s "
+             "| x unpacked | served |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['batch']} | {r['context']} "
@@ -280,7 +302,7 @@ def markdown(rows: list[dict], device: str) -> str:
             f"| {r['max_splits']} | {kernel_ms(r, '_sealed_splits_kernel')} "
             f"| {kernel_ms(r, '_tail_kernel')} | {kernel_ms(r, '_merge_kernel')} "
             f"| {r['eager_s'] * 1e3:.2f} | {r['graph_s'] * 1e3:.2f} | {r['graph_gbps']:.0f} "
-            f"| {'yes' if served(r) else ''} |")
+            f"| {unpacked_ratio(r, rows)} | {'yes' if served(r) else ''} |")
     return "\n".join(lines) + "\n"
 
 

@@ -125,14 +125,24 @@ def test_the_table_marks_what_serving_runs() -> None:
     rows = [row("bf16", "aot", MAX_PROGRAMS_PER_SM, DECODE_LAUNCH["rows"]),
             row("bf16", "aot", MAX_PROGRAMS_PER_SM + 2, DECODE_LAUNCH["rows"]),
             row("int4", "uniform", MAX_PROGRAMS_PER_SM, DECODE_LAUNCH["codes"]),
-            row("int4", "aot", MAX_PROGRAMS_PER_SM, DECODE_LAUNCH["codes"]),
+            {**row("int4", "aot", MAX_PROGRAMS_PER_SM, DECODE_LAUNCH["codes"]),
+             "graph_s": 2e-3},  # another split map: not the packed row's reference
             row("int4", "cost:1", MAX_PROGRAMS_PER_SM, DECODE_LAUNCH["codes"]),
-            {**row("int4", "uniform", MAX_PROGRAMS_PER_SM, DECODE_LAUNCH["codes"]),
-             "packed_pages": 4}]
+            {**row("int4", "uniform", MAX_PROGRAMS_PER_SM, DECODE_LAUNCH["packed"]),
+             "packed_pages": 4, "graph_s": 8e-4}]
     lines = bd.markdown(rows, "NVIDIA H200").splitlines()[4:]
     assert [line.endswith("| yes |") for line in lines] == [True, False, True, False, False,
                                                             False]
     assert "| int4 (packed) |" in lines[5]
+    # the packed row against the unpacked one of its case and split map (uniform), side by side
+    assert lines[5].endswith("| 0.80 | 900 | x0.80 |  |") and "| 1.00 | 900 |  | yes |" in lines[2]
+    # its reference: the same split map, at the shipped unpacked launch where that ran
+    packed = rows[5]
+    others = [{**rows[3], "graph_s": 4e-3}, {**rows[2], "launch": [4, 32, 1], "graph_s": 4e-3},
+              rows[2], packed]
+    assert bd.unpacked_ratio(packed, others) == "x0.80"
+    assert bd.unpacked_ratio(packed, [rows[3], packed]) == ""  # no unpacked uniform row ran
+    assert bd.unpacked_ratio(rows[2], rows) == ""
     assert lines[4].startswith(f"| 4 | 8192 | int4 | {MAX_PROGRAMS_PER_SM} | ")
     assert "| cost:1 | 66 | 0.50 | 0.00 | 0.00 | 2.00 | 1.00 | 900 |" in lines[4]
 
