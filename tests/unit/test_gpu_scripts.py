@@ -216,9 +216,10 @@ def test_issue21_call_fits_one_device_call(tmp_path: Path) -> None:
 
 
 def test_pack_ab_times_both_kernels_in_one_run(tmp_path: Path) -> None:
-    """scripts/gpu_pack_ab.sh (RAGGED_GPU_DRY_RUN=1): the kernel tests with packed pages on,
-    then one bench.decode_breakdown run of int4 rows with packing off and on whose options
-    parse; arguments replace its cases."""
+    """scripts/gpu_pack_ab.sh (RAGGED_GPU_DRY_RUN=1): one bench.decode_breakdown run of int4
+    rows with packing off and on whose options parse (arguments replace its cases), then one
+    of the pipelined launches beside the shipped ones, then the kernel tests with packed pages
+    on."""
     from bench import decode_breakdown as bd
     from sgl_ragged.kernels.decode import DECODE_LAUNCH
 
@@ -231,7 +232,7 @@ def test_pack_ab_times_both_kernels_in_one_run(tmp_path: Path) -> None:
                 for line in done.stdout.strip().splitlines()}
 
     steps = plan()
-    assert list(steps) == ["bench", "tests"]  # the A/B first: a timeout cuts the tests
+    assert list(steps) == ["bench", "stages", "tests"]  # the A/B first: a timeout cuts the tests
     assert steps["tests"][0] == "RAGGED_TRITON_PACK=1"
     assert "tests/unit/test_kernels_attention.py" in steps["tests"]
     bench = steps["bench"]
@@ -243,5 +244,13 @@ def test_pack_ab_times_both_kernels_in_one_run(tmp_path: Path) -> None:
     assert variants.launches("int4") == [DECODE_LAUNCH["codes"]]
     assert bd.cases(args.batch, args.context) == [(16, 8192), (16, 65536), (64, 8192),
                                                    (64, 65536)]
+    # Software pipelining beside the shipped launches, unpacked and packed, at one case.
+    args = bd.argument_parser().parse_args(steps["stages"][3:])
+    variants = bd.variants_of(args)
+    assert variants.pack == (False, True) and bd.cases(args.batch, args.context) == [(16, 65536)]
+    assert variants.launches("int4") == [DECODE_LAUNCH["codes"], (1, 32, 2), (2, 32, 2)]
+    assert variants.launches("int4", pack=True) == [DECODE_LAUNCH["packed"], (1, 32, 2),
+                                                    (2, 32, 2)]
+    assert args.out != bd.argument_parser().parse_args(bench[3:]).out  # its own table
     args = bd.argument_parser().parse_args(plan("--batch", "4", "--context", "8192")["bench"][3:])
     assert bd.cases(args.batch, args.context) == [(4, 8192)]
