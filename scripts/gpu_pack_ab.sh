@@ -11,7 +11,7 @@
 # Results go to $OUT (or ./results/gpu_pack_ab): decode_breakdown.{md,json}, stages/ (the same
 # for the pipelined launches), tests.txt.
 # Arguments replace the first breakdown's cases (default: --batch 16 64 --context 8192 65536).
-#   device run:  PYTHONUNBUFFERED=1 ./scripts/gpu_pack_ab.sh      (estimated 120-170 s on an H200)
+#   device run:  PYTHONUNBUFFERED=1 ./scripts/gpu_pack_ab.sh      (estimated 130-200 s on an H200)
 # RAGGED_GPU_DRY_RUN=1 prints the three commands and runs nothing (tests/unit/test_gpu_scripts.py).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
