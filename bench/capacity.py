@@ -2,11 +2,14 @@
 plus the share of prefill attention time spent scoring and sealing.
 
     python -m bench.capacity --profile uniform:0.3 --out results/capacity
+    python -m bench.capacity --launch ragged@mixed:calib_profiles/smollm2-135m-instruct/mixed-uniform-rho0.3.json
 
 Every server gets the same --mem-fraction-static, so SGLang profiles the same KV byte budget;
-each reports its max_total_num_tokens. The physical limit of a profile is 1/retention (1/rho for
-uniform:<rho>), less the staging pool and the k >= 4 sink floor. Writes capacity.json and
-capacity.md.
+each reports its max_total_num_tokens. `--profile SPEC` serves a profile's rows at the model
+dtype (drop-only); `--launch ragged@<precision>:<profile>` (bench.multiturn's syntax,
+bench.servers.Target) adds --ragged-precision, for row tiers and per-head precision. The
+physical limit of a configuration is 1/retention of its layout (1/rho for uniform:<rho> rows),
+less the staging pool and the k >= 4 sink floor. Writes capacity.json and capacity.md.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench.servers import Target
 from sgl_ragged.attention_backend.plan import RequestPlan
 from sgl_ragged.attention_backend.torch_ref import request_forward
 from sgl_ragged.mem_pool.layout import RaggedLayout
@@ -83,38 +87,61 @@ def sealing_share(ratio: float, chunk: int = 1024, repeats: int = 5) -> dict[str
             "sealing_share": max(0.0, seal_all - seal_none) / seal_all}
 
 
-def physical_limit(spec: str, model: str) -> float:
-    """1 / retention of the profile's layout at page size 64 (what the bytes allow)."""
+def physical_limit(spec: str, model: str, precision: str = "bf16") -> float:
+    """1 / retention of the profile's layout (rows at `precision`) at page size 64 (what the
+    bytes allow)."""
     from sgl_ragged.profile import model_shape, resolve_profile
 
     shape = model_shape(model)
-    layout = RaggedLayout.from_profile(resolve_profile(spec, shape), 64, shape.head_dim, 2)
+    layout = RaggedLayout.from_profile(resolve_profile(spec, shape), 64, shape.head_dim, 2,
+                                       precision)
     return 1 / layout.retention
+
+
+def targets_of(profiles: list[str] | None, launches: list[str] | None) -> list[Target]:
+    """The ragged configurations to start: each --profile at the model dtype, then each
+    --launch (ragged@<precision>:<profile>); uniform:0.3 when neither is given."""
+    targets = [Target(f"ragged:{spec}", spec) for spec in profiles or []]
+    for spec in launches or []:
+        target = Target.parse(spec)
+        if target.profile is None or target.workers > 1 or target.policy:
+            raise ValueError(f"--launch {spec!r}: bench.capacity starts single ragged servers: "
+                             "ragged:<profile> or ragged@<precision>:<profile>")
+        targets.append(target)
+    return targets or [Target("ragged:uniform:0.3", "uniform:0.3")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", action="append", default=None,
-                        help="ragged profile spec or file (repeatable; default uniform:0.3)")
+                        help="ragged profile spec or file, rows at the model dtype (repeatable; "
+                        "default uniform:0.3 when no --launch is given either)")
+    parser.add_argument("--launch", action="append", default=None,
+                        help="ragged@<precision>:<profile> (bench.multiturn's syntax): a profile "
+                        "served with --ragged-precision (repeatable)")
     parser.add_argument("--seal-ratio", type=float, default=0.3, help="rho of the sealing microbench")
     parser.add_argument("--mem-fraction-static", type=float, default=0.3)
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", type=Path, default=Path("results/capacity"))
     args = parser.parse_args()
-    profiles = args.profile or ["uniform:0.3"]
+    try:
+        targets = targets_of(args.profile, args.launch)
+    except ValueError as err:
+        parser.error(str(err))
     model = args.model or str(ensure_smollm2())
-    steps = len(profiles) + 2
+    steps = len(targets) + 2
     print(f"[1/{steps}] torch_native at mem-fraction {args.mem_fraction_static} ...", flush=True)
     base, base_gb = server_capacity(model, ["--attention-backend", "torch_native"],
                                     args.mem_fraction_static)
     rows = []
-    for i, spec in enumerate(profiles, start=2):
-        print(f"[{i}/{steps}] ragged {spec} ...", flush=True)
-        tokens, gb = server_capacity(model, ["--attention-backend", "ragged", "--ragged-profile", spec],
-                                     args.mem_fraction_static)
-        rows.append({"profile": spec, "ragged_tokens": tokens, "kv_budget_gb": gb,
-                     "capacity_ratio": tokens / base,
-                     "limit": physical_limit(spec, model)})
+    for i, target in enumerate(targets, start=2):
+        print(f"[{i}/{steps}] {target.label} ...", flush=True)
+        tokens, gb = server_capacity(model, ["--attention-backend", "ragged", "--ragged-profile",
+                                             target.profile, "--ragged-precision",
+                                             target.precision], args.mem_fraction_static)
+        rows.append({"profile": target.profile, "precision": target.precision,
+                     "ragged_tokens": tokens, "kv_budget_gb": gb, "capacity_ratio": tokens / base,
+                     "limit": physical_limit(target.profile, model, target.precision)})
     print(f"[{steps}/{steps}] sealing share of prefill attention ...", flush=True)
     share = sealing_share(args.seal_ratio)
     result = {"torch_native_tokens": base, "torch_native_kv_budget_gb": base_gb,
@@ -124,8 +151,9 @@ def main() -> None:
     (args.out / "capacity.json").write_text(json.dumps(result, indent=2))
     lines = ["| backend | KV budget (GB) | logical tokens | ratio | physical limit (1/retention) |",
              "|---|---|---|---|---|", f"| torch_native | {base_gb:.2f} | {base} | 1.00 | |"]
-    lines += [f"| ragged {r['profile']} | {r['kv_budget_gb']:.2f} | {r['ragged_tokens']} | "
-              f"{r['capacity_ratio']:.2f} | {r['limit']:.2f} |" for r in rows]
+    lines += [f"| ragged {r['profile']} ({r['precision']}) | {r['kv_budget_gb']:.2f} | "
+              f"{r['ragged_tokens']} | {r['capacity_ratio']:.2f} | {r['limit']:.2f} |"
+              for r in rows]
     lines += ["", "The budget is what SGLang's memory profiling found free at each start (the same "
               "--mem-fraction-static); run on a quiet machine, or the budgets differ."]
     lines += ["", f"Sealing (scoring + row writes) share of one layer's 1024-token extend at rho "
