@@ -18,6 +18,7 @@ from sgl_ragged.precision import (
     TIER_SEP,
     tier_precision,
 )
+from sgl_ragged.profile import profile_precision
 from sgl_ragged.scoring import SCORERS
 
 SUPPORTED_ARCHITECTURES = (
@@ -29,6 +30,9 @@ SUPPORTED_ARCHITECTURES = (
 DEFAULT_PAGE_SIZE = 64
 DEFAULT_MAX_RUNNING_REQUESTS = 32
 ATTENTION_IMPLS = ("auto", "triton", "native", "batched", "reference")
+AUTO_PRECISION = "auto"
+"""--ragged-precision's default: what the profile file was written for (`profile_precision`:
+`mixed` for per-head formats, the precision `sgl-ragged profile tiers` searched), else bf16."""
 
 
 @dataclass(frozen=True)
@@ -57,8 +61,10 @@ FLAGS = (
          "Attention implementation: auto (Triton kernels on CUDA; on the CPU the native C++ "
          "kernels where built (python -m sgl_ragged.native build), else batched torch), "
          "triton, native, batched, or reference (the per-request torch oracle)."),
-    Flag("precision", "RAGGED_PRECISION", FULL_PRECISION,
-         "How rows spend their bytes: bf16 (the model dtype; budgets drop tokens) or a low "
+    Flag("precision", "RAGGED_PRECISION", AUTO_PRECISION,
+         "How rows spend their bytes: auto (default: what the profile file was written for, "
+         "mixed for a per-head profile, the precision a `profile tiers` file was searched for, "
+         "else bf16), bf16 (the model dtype; budgets drop tokens) or a low "
          f"precision ({', '.join(PRECISION_CHOICES[1:])}) that keeps more tokens per byte: the "
          "page's best tokens at the model dtype, the next ones quantized, the rest dropped; or "
          f"a pair H{TIER_SEP}L (H one of {', '.join(HIGH_CHOICES[1:])}, e.g. int8{TIER_SEP}int4) that "
@@ -80,7 +86,7 @@ class RaggedConfig:
     heads_per_group: int | None = None
     obs_window: int = 32
     attention: str = "auto"
-    precision: str = FULL_PRECISION
+    precision: str = AUTO_PRECISION  # resolved in __post_init__: never "auto" after it
     check_integrity: bool = False
 
     def __post_init__(self) -> None:
@@ -101,6 +107,8 @@ class RaggedConfig:
             raise ValueError(
                 f"--ragged-attention {self.attention!r} is unknown; choose one of {ATTENTION_IMPLS}"
             )
+        if self.precision.strip().lower() == AUTO_PRECISION:
+            object.__setattr__(self, "precision", profile_precision(self.profile) or FULL_PRECISION)
         # raises for an unknown precision; bf16+L is named L
         object.__setattr__(self, "precision", tier_precision(self.precision).name)
         if self.precision != FULL_PRECISION and self.profile.strip().lower().startswith("dynamic:"):
@@ -128,7 +136,7 @@ class RaggedConfig:
             heads_per_group=None if hpg is None else _parse_int("--ragged-heads-per-group", hpg),
             obs_window=_parse_int("--ragged-obs-window", get("obs-window")),
             attention=get("attention") or "auto",
-            precision=(get("precision") or FULL_PRECISION).strip().lower(),
+            precision=(get("precision") or AUTO_PRECISION).strip().lower(),
             check_integrity=(get("check-integrity") or "0").lower() in ("1", "true", "yes"),
         )
 

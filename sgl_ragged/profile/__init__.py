@@ -19,6 +19,7 @@ from sgl_ragged.profile.spec import (
     model_free_profile,
     parse_dynamic_spec,
     parse_uniform_spec,
+    profile_precision,
     resolve_profile,
     uniform_profile,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "model_shape",
     "parse_dynamic_spec",
     "parse_uniform_spec",
+    "profile_precision",
     "resolve_profile",
     "uniform_profile",
 ]

@@ -62,6 +62,20 @@ def model_free_kind(spec: str) -> ModelFreeKind | None:
         return None
 
 
+def profile_precision(spec: str) -> str | None:
+    """The --ragged-precision a profile file was written for: its tiers' precision
+    (`sgl-ragged profile tiers`: ``mixed`` for per-head formats, else one precision or pair),
+    or None for the model-free specs, files without tiers, and files that do not load
+    (resolve_profile reports those, with the model at hand)."""
+    if not spec.strip() or model_free_kind(spec) is not None:
+        return None
+    try:
+        profile = BudgetProfile.load(spec.strip())
+    except ProfileError:
+        return None
+    return None if profile.tiers is None else profile.tiers.precision
+
+
 def parse_dynamic_spec(spec: str) -> float:
     """The target ratio rho of a "dynamic:<rho>" spec; ProfileError for anything else."""
     return _parse_ratio_spec(spec, ModelFreeKind.DYNAMIC, DYNAMIC_SPEC_HELP)

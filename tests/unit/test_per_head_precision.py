@@ -19,6 +19,7 @@ from sgl_ragged.attention_backend.registry import make_attention_impl, triton_re
 from sgl_ragged.calibrate.knapsack import allocate
 from sgl_ragged.calibrate.precision_search import Option, group_options
 from sgl_ragged.cli import main
+from sgl_ragged.config import RaggedConfig
 from sgl_ragged.emulator.compressed import TierSelection
 from sgl_ragged.kernels.aot import layout_split_ratios
 from sgl_ragged.mem_pool.layout import RaggedLayout
@@ -229,6 +230,27 @@ def test_ragged_precision_must_agree_with_the_profile():
     with pytest.raises(ValueError, match="this profile has none"):
         RaggedLayout.from_profile(uniform_profile(0.5, 2, 4, 2), 8, 16, 2, "mixed")
     assert tier_precision("mixed").name == "mixed"
+
+
+@pytest.mark.parametrize("name,want", [("mixed-uniform-rho0.3.json", "mixed"),
+                                       ("int4-uniform-rho0.3.json", "int4"),
+                                       ("snapkv-rho0.3.json", "bf16")])
+def test_ragged_precision_defaults_to_what_the_profile_was_written_for(name, want, tmp_path):
+    """Without --ragged-precision (auto) a profile file serves the precision its tiers were
+    searched for (mixed: per-head formats; a `profile tiers` file: its one precision), and a
+    profile without tiers, a model-free spec or a file that does not load (reported later, with
+    the model) bf16; an explicit flag wins, and the environment's form resolves the same."""
+    path = str(ROOT / "calib_profiles/smollm2-135m-instruct" / name)
+    assert RaggedConfig(profile=path).precision == want
+    assert RaggedConfig.from_env({"RAGGED_PROFILE": path}).precision == want
+    assert RaggedConfig(profile=path, precision="AUTO").precision == want
+    for spec in ("uniform:0.3", "dynamic:0.3", str(tmp_path / "missing.json")):
+        assert RaggedConfig(profile=spec).precision == "bf16"
+    if want != "mixed":  # a per-head profile is refused at another precision (above)
+        assert RaggedConfig(profile=path, precision="int8").precision == "int8"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert RaggedConfig(profile=str(bad)).precision == "bf16"
 
 
 def test_a_quantized_high_tier_is_not_combined_with_per_group_formats():
