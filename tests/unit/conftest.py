@@ -1,8 +1,10 @@
 """Shared fixtures of the unit tests: the kernel tests' device (tests/unit/test_kernels_*.py),
-a seeded generator, a tiny random-weight Llama checkpoint and Llama-3.1-8B's shape (no weights)."""
+a seeded generator, a tiny random-weight Llama checkpoint, Llama-3.1-8B's shape (no weights)
+and the default model's checkpoint (no server)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +29,14 @@ def kernel_device(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    """The default model's checkpoint (its tokenizer and config.json; no server)."""
+    from sgl_ragged.models.smollm2 import ensure_smollm2
+
+    return str(os.environ.get("RAGGED_MODEL") or ensure_smollm2())
 
 
 @pytest.fixture(scope="session")

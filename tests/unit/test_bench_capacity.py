@@ -3,22 +3,12 @@ precision, and the physical limit of each layout (no server)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from bench.capacity import physical_limit, targets_of
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
 from sgl_ragged.profile import uniform_profile
-
-
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    """The default model's checkpoint (its config.json; no server)."""
-    from sgl_ragged.models.smollm2 import ensure_smollm2
-
-    return str(os.environ.get("RAGGED_MODEL") or ensure_smollm2())
 
 
 def test_targets_of_profiles_then_launches():

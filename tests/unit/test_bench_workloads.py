@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from dataclasses import replace
 
@@ -24,14 +23,6 @@ from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.profile import uniform_profile
 
 TINY = WorkloadConfig(sessions=8, turns=3, context_tokens=400, seed=7)
-
-
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    """The default model's checkpoint (its tokenizer and config.json; no server)."""
-    from sgl_ragged.models.smollm2 import ensure_smollm2
-
-    return str(os.environ.get("RAGGED_MODEL") or ensure_smollm2())
 
 
 def test_same_seed_same_sessions_other_seed_differs():
