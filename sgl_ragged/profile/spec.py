@@ -70,7 +70,7 @@ def profile_precision(spec: str) -> str | None:
     if not spec.strip() or model_free_kind(spec) is not None:
         return None
     try:
-        profile = BudgetProfile.load(spec.strip())
+        profile = BudgetProfile.load(spec)  # the file resolve_profile loads
     except ProfileError:
         return None
     return None if profile.tiers is None else profile.tiers.precision
