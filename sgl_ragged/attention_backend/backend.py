@@ -83,6 +83,7 @@ class RaggedAttention:
         """Plan an eager forward: request r = req_to_token row pool_idx[r] goes from
         prefixes[r] to seq_lens[r] cached tokens; final[r]: its extend is its last prefill
         chunk (None: all are)."""
+        self.storage.follow_forward()
         plan = plan_batch(self.req_to_token, self.storage, pool_idx, prefixes, seq_lens,
                           self.config.window_pages, self.config.obs_window, final)
         plan = take_staging(self.storage, plan)
@@ -121,6 +122,7 @@ class RaggedAttention:
         """Before a decode graph's replay: plan the real requests (one new token each) into
         the graph's buffers of bs entries; the rest are padding."""
         graph = self._graph()
+        self.storage.follow_forward()
         plan = plan_batch(self.req_to_token, self.storage, pool_idx, [n - 1 for n in seq_lens],
                           seq_lens, self.config.window_pages, self.config.obs_window)
         plan = take_staging(self.storage, plan)

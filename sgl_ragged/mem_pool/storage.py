@@ -28,6 +28,7 @@ kernels' address tables) read them directly.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -182,6 +183,8 @@ class RaggedStorage:
         # tests/unit/test_storage.py compares them) where the kernels are built.
         self.native_stats = self.native_rows
         self._seal_args: dict[int, tuple[list[int], list[int], list[torch.Tensor]]] = {}
+        # The CUDA stream the latest forward ran on (`follow_forward`); None on a CPU.
+        self._forward_stream: torch.cuda.Stream | None = None
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.dtype, device=self.device)
@@ -335,8 +338,35 @@ class RaggedStorage:
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for name, value in self.__dict__.items():
-            setattr(new, name, copy.deepcopy(value, memo))
+            # a stream is the device's, not the storage's: the twin follows the same one
+            setattr(new, name, value if name == "_forward_stream" else copy.deepcopy(value, memo))
         return new
+
+    # ---- the forwards' stream (CUDA) ----------------------------------------------------------
+
+    def follow_forward(self) -> None:
+        """Called as every forward is planned: remember the CUDA stream it runs on. Writes
+        from outside a forward (`seal_staged`, which SGLang's result processing calls) go on
+        that stream, after the forward in flight: under SGLang's overlap scheduler a batch's
+        results are processed while the next batch's forward runs, and that forward reads and
+        updates the same requests' staging pages (a finished request decodes once more there).
+        Nothing to do on a CPU, where every op has finished when it returns."""
+        if self.device.type == "cuda":
+            self._forward_stream = torch.cuda.current_stream(self.device)
+
+    def _queued(self, x: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device for work queued behind the forwards: on CUDA through
+        pinned memory, without waiting (a pageable copy would block the host until the
+        forward in flight is done)."""
+        if self._forward_stream is None:
+            return x.to(self.device)
+        return x.pin_memory().to(self.device, non_blocking=True)
+
+    def _after_forwards(self) -> contextlib.AbstractContextManager[object]:
+        """The context for work queued behind the forwards (see `follow_forward`)."""
+        if self._forward_stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._forward_stream)
 
     def seal(self, layer: int, batch: SealBatch) -> None:
         """Seal N pages of one layer: the sealer selects, the row writer writes, `batch.count`
@@ -362,12 +392,13 @@ class RaggedStorage:
         e.g. at finish), then mark them sealed. pages, page_start: [N] int64 (CPU)."""
         if pages.numel() == 0:
             return
-        stages = self.page_to_stage[pages].to(self.device)
-        for layer in range(self.layout.num_layers):
-            keys, values = self.stage_k[layer][stages], self.stage_v[layer][stages]
-            stats = self.stats.page_stats(layer, stages, keys, values, self.scale)
-            self.seal(layer, SealBatch(stats, pages.to(self.device), page_start.to(self.device),
-                                       count=pages.numel()))
+        with self._after_forwards():  # on CUDA: behind the forward in flight (follow_forward)
+            stages, rows, starts = (self._queued(x) for x in (self.page_to_stage[pages], pages,
+                                                               page_start))
+            for layer in range(self.layout.num_layers):
+                keys, values = self.stage_k[layer][stages], self.stage_v[layer][stages]
+                stats = self.stats.page_stats(layer, stages, keys, values, self.scale)
+                self.seal(layer, SealBatch(stats, rows, starts, count=pages.numel()))
         self.mark_sealed(pages)
 
     def _write_rows(self, layer: int, pages: torch.Tensor, k_tok: torch.Tensor,

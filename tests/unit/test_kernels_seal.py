@@ -16,8 +16,10 @@ import torch
 
 from sgl_ragged.kernels.seal import seal_pages
 from sgl_ragged.kernels.tables import format_parts, layer_tables
+from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.profile import uniform_profile
 from sgl_ragged.scoring.select import sink_mask
-from tests.unit.kernel_cases import H_KV, P, random_storage, storage_state
+from tests.unit.kernel_cases import H_KV, P, make_storage, random_storage, storage_state
 
 LOW = ["int8", "int4", "int2", "fp8"]
 PAIRS = ["int8+int4", "fp8+int2"]  # a quantized high tier too
@@ -125,3 +127,61 @@ def test_seal_gpu_shapes(precision):
             assert (got != want).float().mean() <= 0.01, f"tensor {i}: codes differ"
         else:
             assert torch.equal(got, want), f"tensor {i} ({tuple(got.shape)})"
+
+
+# ---- finish-time sealing under SGLang's overlap scheduler ----------------------------------
+
+
+def _page_to_seal(device: str) -> tuple[RaggedStorage, RaggedStorage]:
+    """A storage whose logical page 4 is staged with random K/V and observation counts, and
+    its twin with that page already sealed by seal_staged on an idle device."""
+    storage = make_storage(uniform_profile(0.5, 2, 2, 1), 8, 4, 12, 4, device=device)
+    gen = torch.Generator().manual_seed(5)
+    s = storage.stage(4)
+    H, D = storage.layout.num_kv_heads, storage.layout.head_dim
+    k, v = (torch.randn(1, 8, H, D, generator=gen).to(device) for _ in range(2))
+    storage.stage_kv(0, torch.tensor([s], device=device), k, v)
+    storage.write_obs(s, torch.arange(1.0, 9))
+    twin = copy.deepcopy(storage)
+    twin.seal_staged(torch.tensor([4]), torch.tensor([0]))
+    return storage, twin
+
+
+def _assert_sealed_as(storage: RaggedStorage, twin: RaggedStorage) -> None:
+    for a, b in zip(storage.rows_k[0] + storage.rows_v[0], twin.rows_k[0] + twin.rows_v[0],
+                    strict=True):
+        assert torch.equal(a[4], b[4]) and a[4].abs().sum() > 0
+    assert storage.sealed[4] and storage.staging_in_use == 0
+
+
+def test_finish_time_sealing_follows_no_stream_on_a_cpu():
+    """On a CPU every op has finished when it returns: follow_forward records nothing and
+    seal_staged writes what it writes without it."""
+    storage, twin = _page_to_seal("cpu")
+    storage.follow_forward()
+    assert storage._forward_stream is None
+    storage.seal_staged(torch.tensor([4]), torch.tensor([0]))
+    _assert_sealed_as(storage, twin)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the forwards' "
+                    "stream is a CUDA stream; scripts/gpu_check.sh runs this)")
+def test_finish_time_sealing_runs_behind_the_forward_in_flight():
+    """SGLang's overlap scheduler seals a finished request's pages (seal_staged, from its result
+    processing on the scheduler's stream) while the next forward still runs on the forward
+    stream: the seal must queue behind that forward. Here the forward is a long sleep on a side
+    stream; the seal, called from the default stream, must leave the default stream idle and
+    write the rows a seal on an idle device writes once the side stream gets to it."""
+    storage, twin = _page_to_seal("cuda")
+    torch.cuda.synchronize()
+    forward = torch.cuda.Stream()
+    with torch.cuda.stream(forward):
+        storage.follow_forward()  # as begin_forward does, on the forward's stream
+        torch.cuda._sleep(200_000_000)  # the forward in flight (about 0.1 s)
+    storage.seal_staged(torch.tensor([4]), torch.tensor([0]))  # from the default stream
+    assert torch.cuda.current_stream().query(), "the seal ran on the scheduler's stream"
+    waited = forward.query()
+    forward.synchronize()
+    _assert_sealed_as(storage, twin)
+    assert not waited, ("seal_staged waited on the host for the forward in flight (a host sync "
+                        "in the seal path): its rows are right, but it stalls the overlap")
