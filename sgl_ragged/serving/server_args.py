@@ -71,9 +71,6 @@ def resolve_ragged_args(server_args: Any, previous: Any) -> None:
         decode_attention_backend="ragged",
         page_size=cfg.page_size or DEFAULT_PAGE_SIZE,
         max_running_requests=cfg.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
-        # Finish-time sealing runs on the scheduler thread; without overlap it cannot race
-        # with the next forward (docs/architecture.md, "One forward pass").
-        disable_overlap_schedule=True,
         cuda_graph_config=_graph_config(cfg.cuda_graph_config, decode_graphs),
         **({} if decode_graphs else {"disable_cuda_graph": True}),
     )
