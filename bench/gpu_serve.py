@@ -1,8 +1,10 @@
 """The mission's command on a GPU: SGLang serving a random-weight checkpoint of a real model's
-shape with `--attention-backend ragged`, decode CUDA graphs on, checked against the same server
-with them off (`--cuda-graph-backend-decode disabled`: the same greedy outputs), both with
-`--ragged-check-integrity 1` (prefill CUDA graphs off in both: the decode graphs are what
-attention_backend/graph.py captures).
+shape with `--attention-backend ragged`, decode CUDA graphs and SGLang's overlap scheduler on (as
+it serves by default), checked against the same server with both off
+(`--cuda-graph-backend-decode disabled --disable-overlap-schedule`: the same greedy outputs),
+both with `--ragged-check-integrity 1` (prefill CUDA graphs off in both: the decode graphs are
+what attention_backend/graph.py captures; under the overlap scheduler finish-time sealing queues
+behind the forward in flight, RaggedStorage.follow_forward).
 
     python -m bench.gpu_serve --model /tmp/llama-8b [--profile uniform:0.3] [--precision int4] \
         --out results/gpu_serve
@@ -37,7 +39,8 @@ from bench.accuracy_client import post
 from bench.servers import GPU_ARGS, GPU_ENV  # what a server needs on the lent GPU machine
 from sgl_ragged.testing.server import ServerError, ServerProcess
 
-GRAPHS = {"decode graphs on": [], "decode graphs off": ["--cuda-graph-backend-decode", "disabled"]}
+SERVERS = {"graphs and overlap on": [],
+           "both off": ["--cuda-graph-backend-decode", "disabled", "--disable-overlap-schedule"]}
 LOG_MARKERS = ("ragged attention:", "Ragged KV cache:", "decode split kernel:", "Capture cuda graph")
 
 
@@ -154,7 +157,7 @@ def markdown(report: dict) -> str:
     for r in report["servers"]:
         lines.append(f"| {r['name']} | {r.get('startup_s') or 0:.0f} | {r.get('round1_s', 0):.1f} "
                      f"| {r.get('round2_s', 0):.1f} | {r['tracebacks']} | {r.get('error', '')[:80]} |")
-    lines += ["", f"Same greedy outputs, graphs on vs off: {report['same_outputs']} "
+    lines += ["", f"Same greedy outputs, graphs and overlap on vs both off: {report['same_outputs']} "
               f"({report['matching']} of {2 * report['requests']})."]
     parts = report.get("partings")
     if parts is not None:
@@ -190,7 +193,7 @@ def main() -> None:
               args.profile, "--ragged-precision", args.precision, "--ragged-check-integrity", "1",
               *GPU_ARGS, "--cuda-graph-max-bs-decode", str(args.cuda_graph_max_bs), *args.extra]
     rows = [run_server(name, common + flags, args.out, first, follow, args.max_new_tokens)
-            for name, flags in GRAPHS.items()]
+            for name, flags in SERVERS.items()]
     outputs = [r.get("round1", []) + r.get("round2", []) for r in rows]
     matching = sum(a == b for a, b in zip(*outputs, strict=False)) if all(outputs) else 0
     answered = all("round2_steps" in r for r in rows)

@@ -18,16 +18,16 @@ def test_prompts_are_reproducible_and_in_range() -> None:
 
 
 def test_markdown_reports_each_server_and_the_match() -> None:
-    rows = [{"name": "decode graphs on", "startup_s": 61.2, "round1_s": 1.5, "round2_s": 2.0,
+    rows = [{"name": "graphs and overlap on", "startup_s": 61.2, "round1_s": 1.5, "round2_s": 2.0,
              "tracebacks": 0},
-            {"name": "decode graphs off", "tracebacks": 1, "error": "server exited with code 1"}]
+            {"name": "both off", "tracebacks": 1, "error": "server exited with code 1"}]
     report = {"device": "NVIDIA H200", "model": "/tmp/m", "profile": "uniform:0.3",
               "precision": "int4", "requests": 8, "max_new_tokens": 32, "servers": rows,
               "matching": 0, "same_outputs": False}
     table = gpu_serve.markdown(report)
-    assert "| decode graphs on | 61 | 1.5 | 2.0 | 0 |  |" in table
-    assert "| decode graphs off | 0 | 0.0 | 0.0 | 1 | server exited with code 1 |" in table
-    assert "graphs on vs off: False (0 of 16)" in table
+    assert "| graphs and overlap on | 61 | 1.5 | 2.0 | 0 |  |" in table
+    assert "| both off | 0 | 0.0 | 0.0 | 1 | server exited with code 1 |" in table
+    assert "graphs and overlap on vs both off: False (0 of 16)" in table
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit without CUDA")
