@@ -53,12 +53,17 @@ MAX_PADDED = 2**24
 requests x longest query run x longest key run stays below this (one long prefill chunk
 beside short ones would otherwise pad every request to its size); decode batches fit whole."""
 
-SINGLE_THREAD_PAIRS = {True: 2**17, False: 2**19}
+SINGLE_THREAD_PAIRS = {True: 2**17, False: 2**16}
 """Decode (True) / extend (False) forwards with at most this many (query, logical key) pairs
 run their attention on one intra-op thread: their ops are small, and waking the thread pool
 for each (OMP_WAIT_POLICY=PASSIVE) costs more than the second core gives. Measured with
 bench.cpu_attention on 2 cores: decode of 1-64 requests 1.2-3x faster at <= 70K pairs, 10%
-slower at 133K; a 256-token prefill chunk 1.4x faster at 330K, slower from 650K."""
+slower at 133K (session 4). Extend: session 4 had a 256-token chunk 1.4x faster on one thread
+at 330K pairs; on session 37's AVX2 EPYC (Zen 3, where every prefill chunk takes this path)
+two threads were x1.07-1.67 faster from 82K pairs up (256-token chunks after 64-2048 tokens of
+drop-only, int4 and per-head rows, GOMP_SPINCOUNT=3000 as served), x0.75-1.13 at 8-70K (64-token
+chunks), and a served multi-turn run's TTFT p50 went x0.83 (docs/results.md, "An AVX2 EPYC,
+session 37")."""
 
 
 GroupAttention = Callable[[int, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
