@@ -477,6 +477,57 @@ def test_log_sum_exp_on_amx_tiles(precision):
         torch.testing.assert_close(lse[rows], want, **tol)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "int4"])
+def test_running_max_that_jumps_inside_a_unit(precision):
+    """Sealed keys that grow page by page (x1.1 a page, x45 over 40 pages, each request's pages
+    in its own order): a prefill row's logits rise by more than kMaxSlack within a unit and
+    from one unit to the next, so the tiles' one-pass softmax (tile_softmax against the running
+    max) gives up midway and takes the two-pass update, while the chunk's unscaled tail keys
+    stay below that max and keep the one pass. Outputs within bf16_tol of the float32 twin's
+    reference, lse within 1e-4 + 1e-5 |lse| where the logits are float32-exact (else
+    test_log_sum_exp_on_amx_tiles' 1e-3 + 1e-4 |lse|); the other variants' loops too."""
+    shape = Shape(page_size=64, head_dim=64, kv_heads=2, gqa=3)
+    st = random_storage(random.Random(50), "cpu", layers=2, num_pages=96, num_stages=64,
+                        dtype=torch.bfloat16, shape=shape, precision=precision)
+    layer = next((i for i, tiers in enumerate(st.layout.tiers)
+                  if all(t.hi < 64 and (t.lo or precision == "bf16") for t in tiers)), None)
+    assert layer is not None, "no layer of the random storage drops or quantizes: another seed"
+    specs = [Spec(sealed=40, staged=10, q_len=100), Spec(sealed=25, staged=0, q_len=40)]
+    plans = random_plans(st, specs, random.Random(51))
+    for p in plans:
+        for i, page in enumerate(p.sealed_pages.tolist()):
+            grow = 1.1**i
+            for rows in st.rows_k[layer]:
+                rows[page] *= grow
+            for tier in st.low_rows[layer]:
+                if tier is not None:
+                    tier.k_scale[page] *= grow
+                    tier.k_zero[page] *= grow
+    twin = float32_twin(st)
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(52), "cpu", torch.bfloat16, shape)
+    bound = value_bound(twin, layer, plans, v)
+    impl = NativeAttention(st, serial_pairs=0, extend_on_batched=False)
+    batch = impl.prepare(BatchPlan(requests=list(plans)))
+    k_pages, v_pages = tail_pages(st, layer, batch.tails, k, v)
+    out, lse = impl.module.attend(q, k_pages, v_pages, st.rows_k[layer], st.rows_v[layer],
+                                  impl.low[layer], impl.high[layer], impl.formats[layer],
+                                  impl.head_map[layer], batch.requests, batch.sealed_off,
+                                  batch.sealed_pages, 0.125, 0)
+    ref = TorchAttention(twin)
+    want = ref.forward(layer, ref.prepare(BatchPlan(requests=list(plans))), q.float(), k.float(),
+                       v.float(), 0.125, False)
+    rows = rows_of(plans)
+    torch.testing.assert_close(out[rows].float(), want[rows], **bf16_tol(bound, False))
+    # float32-exact logits: bfloat16 keys on the tiles, and int4 keys dequantized in two parts
+    # on AMX; avx512 dots int4 codes with q' in 16-bit integers, the loops sum in another order
+    exact = impl.module.isa() == "amx" or (precision == "bf16" and impl.module.isa() in TILE_ISAS)
+    tol = dict(atol=1e-4, rtol=1e-5) if exact else dict(atol=1e-3, rtol=1e-4)
+    for p in plans:
+        at = slice(p.q_start, p.q_start + p.q_len)
+        torch.testing.assert_close(lse[at], reference_lse(twin, layer, p, q[at].float(),
+                                                          k[at].float(), 0.125), **tol)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "int4", "fp8"])
 def test_log_sum_exp_of_every_query(precision):
     """The kernel's lse [N, H_q] (which sealing reads for the window) for every owned row."""
