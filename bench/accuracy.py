@@ -14,6 +14,10 @@ over the answer tokens and the closing <|im_end|>. Two metrics per question:
 - mean KL(full || config) of the next-token distributions over those positions, over the full
   run's top-K tokens plus one bucket for the rest of the mass (a lower bound of the true KL).
 
+`--stock DTYPE` adds stock SGLang servers (its CPU attention backend, no plugin) with SGLang's
+own `--kv-cache-dtype DTYPE` cache, configuration sglang-<DTYPE> (`auto`: stock in the model's
+dtype, which measures the two backends' own difference from full).
+
 Writes raw/<config>.json (per question), accuracy.json, accuracy.md and kl_vs_rho.png. `--resume`
 skips configurations whose raw file matches the workload; `--base-url` evaluates one running
 server as `--config NAME` (the reference `full` first). `--profile-config NAME=PATH[=PRECISION]`
@@ -33,11 +37,13 @@ from bench.accuracy_client import SessionPlan, evaluate, plan_session
 from bench.accuracy_configs import (
     FULL,
     MIXED_SEP,
+    STOCK,
     Config,
     config_bytes,
     plan_configs,
     profile_config,
     split_rotated,
+    stock_configs,
 )
 from bench.accuracy_report import markdown, plot
 from bench.accuracy_scoring import SCORED_TASKS, comparisons, summarize
@@ -60,7 +66,8 @@ def run_one(config: Config, model: str, args: argparse.Namespace, plans: list[Se
     from sgl_ragged.testing.server import ServerProcess
 
     log = args.out / "logs" / f"{config.name}.log"
-    attention = [] if args.ragged_attention is None else ["--ragged-attention", args.ragged_attention]
+    attention = ([] if args.ragged_attention is None or config.kind == STOCK
+                 else ["--ragged-attention", args.ragged_attention])
     with ServerProcess([*server_args(model, args), *config.server_args(), *attention],
                        log_path=log) as server:
         print(f"    server up in {server.startup_seconds:.0f} s (log {log})", flush=True)
@@ -70,7 +77,8 @@ def run_one(config: Config, model: str, args: argparse.Namespace, plans: list[Se
 def planned(args: argparse.Namespace, profile_dir: Path, shape: Any) -> tuple[list[Config], list[str]]:
     """plan_configs' configurations, then the --profile-config ones; and the missing profiles."""
     configs, missing = plan_configs(args.rho, args.scorer, profile_dir, shape.head_dim, args.precision)
-    return configs + [profile_config(spec, args.scorer[0], shape) for spec in args.profile_config], missing
+    configs += [profile_config(spec, args.scorer[0], shape) for spec in args.profile_config]
+    return configs + stock_configs(args.stock, args.scorer[0], served=True), missing
 
 
 def parse_args() -> argparse.Namespace:
@@ -88,6 +96,11 @@ def parse_args() -> argparse.Namespace:
                    help="also these profile files as is, one configuration each (e.g. a per-head "
                         "precision profile of `sgl-ragged profile tiers`); PRECISION defaults to "
                         "the profile's own")
+    p.add_argument("--stock", nargs="*", default=[], metavar="DTYPE",
+                   help="also stock SGLang servers (its CPU attention backend, no ragged plugin) "
+                        "with these --kv-cache-dtype values, one configuration sglang-<DTYPE> "
+                        "each: fp8_e4m3 (SGLang 0.5.23 serves it on CPUs with AMX only), or auto "
+                        "(the model's dtype: the two backends' own difference from full)")
     p.add_argument("--ragged-attention", default=None,
                    help="--ragged-attention of every ragged server (default: the server's auto)")
     p.add_argument("--sessions", type=int, default=12)
@@ -171,8 +184,10 @@ def main() -> None:
             if FULL not in records and ref_path.is_file():
                 records[FULL] = json.loads(ref_path.read_text())["records"]
             ref = {(r["session"], r["turn"]): r for r in records[FULL]}
-        print(f"[{i}/{len(configs)}] {config.name} (--ragged-profile {config.profile} "
-              f"--ragged-scorer {config.scorer} --ragged-precision {config.precision}), "
+        flags = (f"stock SGLang, --kv-cache-dtype {config.precision}" if config.kind == STOCK
+                 else f"--ragged-profile {config.profile} --ragged-scorer {config.scorer} "
+                      f"--ragged-precision {config.precision}")
+        print(f"[{i}/{len(configs)}] {config.name} ({flags}), "
               f"{time.monotonic() - t_start:.0f} s elapsed", flush=True)
         t0 = time.monotonic()
         recs, startup = run_one(config, model, args, plans, ref)

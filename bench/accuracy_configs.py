@@ -34,6 +34,10 @@ class Config:
         return model_free_kind(self.profile) is ModelFreeKind.DYNAMIC
 
     def server_args(self) -> list[str]:
+        if self.kind == STOCK:  # SGLang's own cache: its CPU attention backend, no plugin flags
+            from bench.servers import STOCK_BACKEND
+
+            return ["--attention-backend", STOCK_BACKEND["cpu"], "--kv-cache-dtype", self.precision]
         return ["--attention-backend", "ragged", "--ragged-profile", self.profile,
                 "--ragged-scorer", self.scorer, "--ragged-precision", self.precision]
 
@@ -95,15 +99,23 @@ def split_rotated(precision: str) -> tuple[str, bool]:
     return base, rotated
 STOCK = "stock"  # kind of SGLang's own quantized KV caches; their Config.precision is the dtype
 STOCK_PREFIX = "sglang-"  # "sglang-<--kv-cache-dtype>", e.g. sglang-nvfp4
+STOCK_AUTO = "auto"  # stock SGLang's own cache in the model's dtype (served only)
 
 
-def stock_configs(dtypes: Sequence[str], scorer: str) -> list[Config]:
+def stock_configs(dtypes: Sequence[str], scorer: str, served: bool = False) -> list[Config]:
     """SGLang's own quantized KV caches, "sglang-<dtype>" per ``--kv-cache-dtype`` value
     (fp8_e4m3 mxfp8 fp4_mx_block16 nvfp4; emulator/sglang_caches.py): every token kept at the
-    format's own bytes, which are the configuration's rho. Offline only (bench.offline_loss)."""
+    format's own bytes, which are the configuration's rho. bench.offline_loss emulates them;
+    bench.accuracy (`served`) starts stock SGLang servers with them, and there also takes
+    "auto" (sglang-auto: stock's cache in the model's dtype, whose distance from `full` is
+    the two backends' own difference, not a cache's)."""
     from sgl_ragged.emulator.sglang_caches import stock_format
 
-    return [Config(f"{STOCK_PREFIX}{d}", STOCK, stock_format(d).bytes_fraction(64), scorer,
+    if STOCK_AUTO in dtypes and not served:
+        raise ValueError(f"--stock {STOCK_AUTO}: only a served stock cache (bench.accuracy) can "
+                         "be the model's own dtype; the emulator's reference is already full")
+    return [Config(f"{STOCK_PREFIX}{d}", STOCK,
+                   1.0 if d == STOCK_AUTO else stock_format(d).bytes_fraction(64), scorer,
                    "uniform:1.0", d) for d in dtypes]  # fmt: skip
 
 
@@ -174,6 +186,8 @@ def config_bytes(config: Config, shape: Any, page_size: int = PAGE_SIZE) -> floa
     if config.kind == STOCK:
         from sgl_ragged.emulator.sglang_caches import stock_format
 
+        if config.precision == STOCK_AUTO:
+            return 1.0
         return stock_format(config.precision).bytes_fraction(shape.head_dim)
     if MIXED_SEP in config.precision and config.kind != PROFILE:
         return mixed_tiers(config, shape, page_size)[1]

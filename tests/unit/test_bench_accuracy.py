@@ -117,6 +117,25 @@ def test_precision_configs_size_the_whole_page_for_the_models_head_dim():
         assert (slots - 1) * bf16_page / 64 < LOW_PRECISIONS["int4"].tier_bytes(64, 1, d) <= slots * bf16_page / 64
 
 
+def test_stock_caches_are_stock_servers():
+    """bench.accuracy --stock: stock SGLang (its CPU backend, none of the plugin's flags) with
+    SGLang's own --kv-cache-dtype, at that cache's bytes; `auto` (the model's dtype) only for
+    served configurations, where it measures the two backends' own difference."""
+    from bench.accuracy_configs import STOCK, config_bytes, stock_configs
+    from sgl_ragged.emulator.sglang_caches import stock_format
+    from sgl_ragged.profile import ModelShape
+
+    fp8, auto = stock_configs(["fp8_e4m3", "auto"], "snapkv", served=True)
+    assert (fp8.name, auto.name, fp8.kind, auto.kind) == ("sglang-fp8_e4m3", "sglang-auto", STOCK, STOCK)
+    assert fp8.server_args() == ["--attention-backend", "torch_native", "--kv-cache-dtype", "fp8_e4m3"]
+    assert auto.server_args() == ["--attention-backend", "torch_native", "--kv-cache-dtype", "auto"]
+    shape = ModelShape("LlamaForCausalLM", 30, 3, 64)
+    assert config_bytes(fp8, shape) == stock_format("fp8_e4m3").bytes_fraction(64) == pytest.approx(0.5, abs=0.01)
+    assert config_bytes(auto, shape) == 1.0
+    with pytest.raises(ValueError, match="only a served stock cache"):
+        stock_configs(["auto"], "snapkv")
+
+
 def test_comparisons_pair_static_with_dynamic_and_uniform(tmp_path: Path):
     (tmp_path / "snapkv-rho0.5.json").write_text("{}")
     configs, _ = plan_configs([0.5], ["snapkv"], tmp_path, 64)
