@@ -14,9 +14,11 @@ over the answer tokens and the closing <|im_end|>. Two metrics per question:
 - mean KL(full || config) of the next-token distributions over those positions, over the full
   run's top-K tokens plus one bucket for the rest of the mass (a lower bound of the true KL).
 
-`--stock DTYPE` adds stock SGLang servers (its CPU attention backend, no plugin) with SGLang's
-own `--kv-cache-dtype DTYPE` cache, configuration sglang-<DTYPE> (`auto`: stock in the model's
-dtype, which measures the two backends' own difference from full).
+`--stock DTYPE` adds stock SGLang servers (no plugin) with SGLang's own `--kv-cache-dtype DTYPE`
+cache, configuration sglang-<DTYPE>: `auto` (stock's cache in the model's dtype, on torch_native,
+which measures the two backends' own difference from full), fp8_e4m3 on intel_amx, the one CPU
+backend SGLang 0.5.23 stores it for (it needs sgl-kernel's CPU build, which PyPI's wheel lacks:
+such a server stops at startup here).
 
 Writes raw/<config>.json (per question), accuracy.json, accuracy.md and kl_vs_rho.png. `--resume`
 skips configurations whose raw file matches the workload; `--base-url` evaluates one running
@@ -99,7 +101,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--stock", nargs="*", default=[], metavar="DTYPE",
                    help="also stock SGLang servers (its CPU attention backend, no ragged plugin) "
                         "with these --kv-cache-dtype values, one configuration sglang-<DTYPE> "
-                        "each: fp8_e4m3 (SGLang 0.5.23 serves it on CPUs with AMX only), or auto "
+                        "each: fp8_e4m3 (SGLang 0.5.23 serves it on a CPU only on its intel_amx "
+                        "backend: AMX and sgl-kernel's CPU build, not PyPI's wheel), or auto "
                         "(the model's dtype: the two backends' own difference from full)")
     p.add_argument("--ragged-attention", default=None,
                    help="--ragged-attention of every ragged server (default: the server's auto)")
