@@ -34,13 +34,11 @@ class Config:
         return model_free_kind(self.profile) is ModelFreeKind.DYNAMIC
 
     def server_args(self) -> list[str]:
-        if self.kind == STOCK:  # SGLang's own cache on its CPU attention backend, no plugin flags
-            from bench.servers import STOCK_BACKEND
+        if self.kind == STOCK:  # SGLang's own cache on the CPU backend that stores it, no plugin flags
+            from bench.servers import stock_backend
 
-            # SGLang 0.5.23 stores fp8_e4m3 on a CPU only for its intel_amx backend (AMX and
-            # sgl-kernel's CPU build); the other caches on the baseline's torch_native
-            backend = STOCK_CPU_FP8_BACKEND if self.precision == "fp8_e4m3" else STOCK_BACKEND["cpu"]
-            return ["--attention-backend", backend, "--kv-cache-dtype", self.precision]
+            return ["--attention-backend", stock_backend("cpu", self.precision),
+                    "--kv-cache-dtype", self.precision]
         return ["--attention-backend", "ragged", "--ragged-profile", self.profile,
                 "--ragged-scorer", self.scorer, "--ragged-precision", self.precision]
 
@@ -103,7 +101,6 @@ def split_rotated(precision: str) -> tuple[str, bool]:
 STOCK = "stock"  # kind of SGLang's own quantized KV caches; their Config.precision is the dtype
 STOCK_PREFIX = "sglang-"  # "sglang-<--kv-cache-dtype>", e.g. sglang-nvfp4
 STOCK_AUTO = "auto"  # stock SGLang's own cache in the model's dtype (served only)
-STOCK_CPU_FP8_BACKEND = "intel_amx"  # the one CPU backend SGLang serves fp8_e4m3 KV entries with
 
 
 def stock_configs(dtypes: Sequence[str], scorer: str, served: bool = False) -> list[Config]:

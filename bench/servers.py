@@ -33,6 +33,18 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 STOCK_KV_BYTES = {"bf16": 2, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # Stock SGLang's attention backend for the baseline, by --device.
 STOCK_BACKEND = {"cpu": "torch_native", "cuda": "triton"}
+# SGLang 0.5.23 stores fp8_e4m3 KV entries on a CPU only for its intel_amx attention backend,
+# which needs AMX and sgl-kernel's CPU build (PyPI's wheel lacks it: such a server stops at
+# startup in this environment, "CPU FP8 KV cache requires Intel AMX support.").
+STOCK_CPU_FP8_BACKEND = "intel_amx"
+
+
+def stock_backend(device: str, kv_dtype: str | None = None) -> str:
+    """Stock SGLang's attention backend on `device` for its `--kv-cache-dtype` (None or auto:
+    the model's dtype)."""
+    if device == "cpu" and kv_dtype == "fp8_e4m3":
+        return STOCK_CPU_FP8_BACKEND
+    return STOCK_BACKEND[device]
 # What every server needs on a lent GPU machine without the sgl-kernel wheel (docs/gpu_serving.md):
 # norms, activations and rotary embedding on their torch forward_native, no version check of the
 # absent package, SGLang's CUDA platform (testing.server sets the CPU engine), and the radix
@@ -174,7 +186,7 @@ def launch_args(target: Target, model: str, kv_tokens: int, *, max_running: int,
         common += [*GPU_ARGS, "--cuda-graph-max-bs-decode", str(max_running)]
     if target.profile is None:
         kv = ["--kv-cache-dtype", target.kv_dtype] if target.kv_dtype else []
-        return [*common, "--attention-backend", STOCK_BACKEND[device], *kv, *extra]
+        return [*common, "--attention-backend", stock_backend(device, target.kv_dtype), *kv, *extra]
     return [*common, "--attention-backend", "ragged", "--ragged-profile", target.profile,
             "--ragged-precision", target.precision, *extra]
 

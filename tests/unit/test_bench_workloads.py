@@ -222,6 +222,9 @@ def test_launch_args_on_cuda_and_cpu():
 
     cpu = args(stock, "cpu")
     assert cpu[cpu.index("--attention-backend") + 1] == "torch_native"
+    # SGLang stores fp8_e4m3 on a CPU only for its intel_amx backend (refused on any other)
+    assert args(fp8, "cpu")[-5:-1] == ["--attention-backend", "intel_amx", "--kv-cache-dtype",
+                                       "fp8_e4m3"]
     assert not set(GPU_ARGS) & set(cpu) and "--cuda-graph-max-bs-decode" not in cpu
     assert "--sleep-on-idle" not in cpu  # ServerProcess adds it for --device cpu
     assert cpu[-1] == "--x" and launch_env("cpu") == {}
