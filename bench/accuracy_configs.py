@@ -110,14 +110,19 @@ def stock_configs(dtypes: Sequence[str], scorer: str, served: bool = False) -> l
     bench.accuracy (`served`) starts stock SGLang servers with them, and there also takes
     "auto" (sglang-auto: stock's cache in the model's dtype, whose distance from `full` is
     the two backends' own difference, not a cache's)."""
-    from sgl_ragged.emulator.sglang_caches import stock_format
-
     if STOCK_AUTO in dtypes and not served:
         raise ValueError(f"--stock {STOCK_AUTO}: only a served stock cache (bench.accuracy) can "
                          "be the model's own dtype; the emulator's reference is already full")
-    return [Config(f"{STOCK_PREFIX}{d}", STOCK,
-                   1.0 if d == STOCK_AUTO else stock_format(d).bytes_fraction(64), scorer,
-                   "uniform:1.0", d) for d in dtypes]  # fmt: skip
+    return [Config(f"{STOCK_PREFIX}{d}", STOCK, stock_bytes(d, 64), scorer, "uniform:1.0", d)
+            for d in dtypes]
+
+
+def stock_bytes(dtype: str, head_dim: int) -> float:
+    """KV bytes per token of SGLang's `--kv-cache-dtype dtype` cache, as a fraction of bf16's
+    (`auto`: the model's own dtype, 1)."""
+    from sgl_ragged.emulator.sglang_caches import stock_format
+
+    return 1.0 if dtype == STOCK_AUTO else stock_format(dtype).bytes_fraction(head_dim)
 
 
 def mixed_formats(precision: str) -> tuple[Any, Any]:
@@ -185,11 +190,7 @@ def config_bytes(config: Config, shape: Any, page_size: int = PAGE_SIZE) -> floa
     if config.is_dynamic:
         return config.rho
     if config.kind == STOCK:
-        from sgl_ragged.emulator.sglang_caches import stock_format
-
-        if config.precision == STOCK_AUTO:
-            return 1.0
-        return stock_format(config.precision).bytes_fraction(shape.head_dim)
+        return stock_bytes(config.precision, shape.head_dim)
     if MIXED_SEP in config.precision and config.kind != PROFILE:
         return mixed_tiers(config, shape, page_size)[1]
     profile = resolve_profile(config.profile, shape)

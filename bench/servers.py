@@ -45,6 +45,8 @@ def stock_backend(device: str, kv_dtype: str | None = None) -> str:
     if device == "cpu" and kv_dtype == "fp8_e4m3":
         return STOCK_CPU_FP8_BACKEND
     return STOCK_BACKEND[device]
+
+
 # What every server needs on a lent GPU machine without the sgl-kernel wheel (docs/gpu_serving.md):
 # norms, activations and rotary embedding on their torch forward_native, no version check of the
 # absent package, SGLang's CUDA platform (testing.server sets the CPU engine), and the radix

@@ -119,8 +119,9 @@ def test_precision_configs_size_the_whole_page_for_the_models_head_dim():
 
 def test_stock_caches_are_stock_servers():
     """bench.accuracy --stock: stock SGLang (none of the plugin's flags) with SGLang's own
-    --kv-cache-dtype on the CPU backend that stores it, at that cache's bytes; `auto` (the model's dtype) only for
-    served configurations, where it measures the two backends' own difference."""
+    --kv-cache-dtype on the CPU backend that stores it, at that cache's bytes; `auto` (the
+    model's dtype) only for served configurations, where it measures the two backends' own
+    difference."""
     from bench.accuracy_configs import STOCK, config_bytes, stock_configs
     from sgl_ragged.emulator.sglang_caches import stock_format
     from sgl_ragged.profile import ModelShape
