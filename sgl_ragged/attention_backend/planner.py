@@ -7,9 +7,9 @@ both once per forward, before any layer; chunk boundaries (which prefill chunks 
 request's last) come in explicitly, from chunks.py.
 
 Both run on host arrays: the batch's logical pages come to the host in one copy (numpy views of
-it and of the storage's host bookkeeping, `page_to_stage` and `sealed`), the earlier
-observation counts of the staged pages in one more, and the counts of the pages that stay go
-back in one write. A decode step of 16 requests plans in a fraction of the time per-request
+it and of the storage's host bookkeeping, `page_to_stage`, `sealed` and the staging pages'
+observation counts, which StagingStats keeps on the host), and the counts of the pages that
+stay go back in one host write. A decode step of 16 requests plans in a fraction of the time per-request
 torch ops took (each a few microseconds on a CPU, ~25 of them a request).
 """
 
@@ -126,12 +126,11 @@ def _logical_pages(req_to_token: torch.Tensor, pool_idx: Sequence[int],
 
 def _staged_obs(storage: RaggedStorage, priors: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Per request, [n, P] float32 (host): the observation counts its n prior staging pages
-    hold (one gather and one copy for the batch)."""
+    hold (one gather for the batch, on the host where StagingStats keeps them)."""
     sizes = [len(p) for p in priors]
     if not sum(sizes):
         return [np.empty((0, storage.layout.page_size), dtype=np.float32) for _ in priors]
-    index = torch.from_numpy(np.concatenate(priors)).to(storage.stats.obs.device)
-    rows = storage.stats.obs.index_select(0, index).cpu().numpy()
+    rows = storage.stats.obs.numpy()[np.concatenate(priors)]
     return np.split(rows, np.cumsum(sizes)[:-1])
 
 

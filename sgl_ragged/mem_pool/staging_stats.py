@@ -27,10 +27,13 @@ class StagedQueryStats:
 
 @dataclass(frozen=True)
 class StagingStats:
-    """Accumulators of every staging page (row S: the scratch page), all float32."""
+    """Accumulators of every staging page (row S: the scratch page), all float32. `obs` lives
+    on the host whatever the device: the counts are the planner's own (positions and windows,
+    no data), written and read back by it every forward, so a GPU never copies them back (a
+    device-to-host read there would wait for the forward in flight)."""
 
     attn: torch.Tensor  # [S + 1, L, H, P] summed GQA-reduced attention received per token
-    obs: torch.Tensor  # [S + 1, P] number of queries that observed each token (all layers)
+    obs: torch.Tensor  # [S + 1, P] number of queries that observed each token (all layers), host
     q_sum: torch.Tensor  # [S + 1, L, H, D] sums of the queries observed while staged, per KV head
     q_sq_sum: torch.Tensor  # [S + 1, L, H, D] sums of their squares
     q_count: torch.Tensor  # [S + 1, L] how many query vectors were summed
@@ -41,7 +44,7 @@ class StagingStats:
         L, H, P, D = num_layers, num_kv_heads, page_size, head_dim
         return cls(
             attn=torch.zeros(rows, L, H, P, device=device),
-            obs=torch.zeros(rows, P, device=device),
+            obs=torch.zeros(rows, P),
             q_sum=torch.zeros(rows, L, H, D, device=device),
             q_sq_sum=torch.zeros(rows, L, H, D, device=device),
             q_count=torch.zeros(rows, L, device=device),
@@ -83,9 +86,10 @@ class StagingStats:
     def page_stats(self, layer: int, stages: torch.Tensor, keys: torch.Tensor,
                    values: torch.Tensor, scale: float) -> PageStats:
         """PageStats of staged pages [N] of one layer, with their full keys and values
-        [N, P, H, D] (what a scorer reads when they are sealed)."""
-        return page_stats(self.layer(layer, stages), self.obs.index_select(0, stages), keys,
-                          values, scale)
+        [N, P, H, D] (what a scorer reads when they are sealed). On CUDA this copies stages to
+        the host for their counts; RaggedStorage.seal_staged passes `page_stats` its own."""
+        obs = self.obs.index_select(0, stages.cpu()).to(keys.device)
+        return page_stats(self.layer(layer, stages), obs, keys, values, scale)
 
 
 def page_stats(acc: StagedQueryStats, obs: torch.Tensor, keys: torch.Tensor,

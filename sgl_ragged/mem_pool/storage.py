@@ -53,7 +53,7 @@ from sgl_ragged.mem_pool.sealer import (
     TierRows,
     tier_tokens,
 )
-from sgl_ragged.mem_pool.staging_stats import StagedQueryStats, StagingStats
+from sgl_ragged.mem_pool.staging_stats import StagedQueryStats, StagingStats, page_stats
 from sgl_ragged.mem_pool.tiers import RowTiers
 from sgl_ragged.precision import LowPrecision
 from sgl_ragged.scoring import Scorer
@@ -313,13 +313,13 @@ class RaggedStorage:
         if len(last) < stages.numel():
             keep = torch.tensor(sorted(last.values()), dtype=torch.long)
             stages, counts = stages[keep], counts[keep]
-        self.stats.obs.index_copy_(0, stages.to(self.device), counts.to(self.device, torch.float32))
+        self.stats.obs.index_copy_(0, stages.cpu(), counts.to("cpu", torch.float32))  # host
 
     def write_obs(self, stage: int, counts: torch.Tensor) -> None:
         """Observation counts [n <= P] of one staging page's tokens (layer-independent; the
         rest of the page zero)."""
         self.stats.obs[stage].zero_()
-        self.stats.obs[stage, : counts.numel()] = counts.to(self.device)
+        self.stats.obs[stage, : counts.numel()] = counts.cpu()  # host (StagingStats)
 
     # ---- sealing: rows, counters, sealed marks ------------------------------------------------
 
@@ -393,11 +393,12 @@ class RaggedStorage:
         if pages.numel() == 0:
             return
         with self._after_forwards():  # on CUDA: behind the forward in flight (follow_forward)
-            stages, rows, starts = (self._queued(x) for x in (self.page_to_stage[pages], pages,
-                                                               page_start))
+            held = self.page_to_stage[pages]
+            obs = self._queued(self.stats.obs.index_select(0, held))  # host counts, every layer's
+            stages, rows, starts = (self._queued(x) for x in (held, pages, page_start))
             for layer in range(self.layout.num_layers):
                 keys, values = self.stage_k[layer][stages], self.stage_v[layer][stages]
-                stats = self.stats.page_stats(layer, stages, keys, values, self.scale)
+                stats = page_stats(self.stats.layer(layer, stages), obs, keys, values, self.scale)
                 self.seal(layer, SealBatch(stats, rows, starts, count=pages.numel()))
         self.mark_sealed(pages)
 
