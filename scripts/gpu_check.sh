@@ -30,7 +30,8 @@ python3 -c 'import xdist' 2>/dev/null && xdist=(-n 8)
 python3 -m pytest -q -rs -p no:cacheprovider "${xdist[@]}" tests/unit/test_kernels_aot.py \
   tests/unit/test_kernels_attention.py tests/unit/test_kernels_seal.py \
   tests/unit/test_kernels_backend.py tests/unit/test_tail_batch.py \
-  tests/unit/test_batched_torch.py tests/unit/test_cuda_graph.py 2>&1 | tee "$out/tests.txt" || rc=1
+  tests/unit/test_batched_torch.py tests/unit/test_cuda_graph.py tests/unit/test_planning.py \
+  tests/unit/test_transfer.py 2>&1 | tee "$out/tests.txt" || rc=1
 baseline=()
 [[ -n ${BASELINE:-} ]] && baseline=(--baseline "$BASELINE")
 python3 -m bench.decode_attention --out "$out" "${shared[@]}" "${baseline[@]}" 2>&1 \

@@ -82,7 +82,8 @@ xdist=()
 python3 -c 'import xdist' 2>/dev/null && xdist=(-n 16)
 TESTS=(tests/unit/test_kernels_aot.py tests/unit/test_kernels_attention.py
        tests/unit/test_kernels_seal.py tests/unit/test_kernels_backend.py
-       tests/unit/test_tail_batch.py tests/unit/test_batched_torch.py tests/unit/test_cuda_graph.py)
+       tests/unit/test_tail_batch.py tests/unit/test_batched_torch.py tests/unit/test_cuda_graph.py
+       tests/unit/test_planning.py tests/unit/test_transfer.py)
 CASES=(--precision int4 --batch 4 16 64 --context 8192 65536 --warmup 3 --repeats 10)
 
 phase pv 45 python3 scripts/gpu_codes_bisect.py pv

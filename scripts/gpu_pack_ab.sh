@@ -7,7 +7,8 @@
 # packed; uniform splits), then software pipelining (stages 2, never timed for codes: unpacked
 # 1:32:2 and packed 2:32:2 beside the shipped launches, at 16 x 64K only; docs/results.md, "The
 # int4 split kernel's launches, compiled (session 36)"), then the attention and decode-graph tests at full shapes with packing
-# on (what making it the default would need; a timeout cuts these first).
+# on (what making it the default would need; a timeout cuts these first), with the planning
+# tests that only a GPU runs (planning behind the forward in flight, session 39).
 # Results go to $OUT (or ./results/gpu_pack_ab): decode_breakdown.{md,json}, stages/ (the same
 # for the pipelined launches), tests.txt.
 # Arguments replace the first breakdown's cases (default: --batch 16 64 --context 8192 65536).
@@ -22,7 +23,8 @@ cases=("$@")
 xdist=()
 python3 -c 'import xdist' 2>/dev/null && xdist=(-n 16)
 tests=(python3 -m pytest -q -rs -p no:cacheprovider "${xdist[@]}"
-       tests/unit/test_kernels_attention.py tests/unit/test_cuda_graph.py)
+       tests/unit/test_kernels_attention.py tests/unit/test_cuda_graph.py
+       tests/unit/test_planning.py tests/unit/test_transfer.py)
 bench=(python3 -m bench.decode_breakdown --out "$out" --precision int4 "${cases[@]}"
        --warmup 3 --repeats 10 --sweep shipped --splits uniform --pack off on)
 stages=(python3 -m bench.decode_breakdown --out "$out/stages" --precision int4 --batch 16

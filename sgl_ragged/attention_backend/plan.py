@@ -29,12 +29,15 @@ class RequestPlan:
     prefix: int  # tokens cached before this forward
     seq_len: int  # tokens cached after this forward
     tail_start: int  # first position not in sealed rows (page-aligned)
-    sealed_pages: torch.Tensor  # [tail_start // P] int64 logical pages, on the device
-    prior_stages: torch.Tensor  # [n] int64 staging pages held before, position order, device
-    tail_pages: torch.Tensor  # [ceil((seq_len - tail_start) / P)] int64 logical pages (CPU)
+    # The plan's tensors are host tensors as the planner builds them (each implementation's
+    # `prepare` moves what its kernels read in one copy: transfer.to_device); tests may pass
+    # them on the device, which every reader accepts.
+    sealed_pages: torch.Tensor  # [tail_start // P] int64 logical pages
+    prior_stages: torch.Tensor  # [n] int64 staging pages held before, position order
+    tail_pages: torch.Tensor  # [ceil((seq_len - tail_start) / P)] int64 logical pages
     num_seal: int  # the first num_seal tail pages are sealed in this forward
-    # [len(tail_pages) - num_seal] int64 staging pages of the pages that stay, on the device;
-    # from the planner: on the CPU, -1 for pages that get one in planner.take_staging
+    # [len(tail_pages) - num_seal] int64 staging pages of the pages that stay (from
+    # planner.plan_batch: -1 for pages that get one in planner.take_staging)
     after_stages: torch.Tensor
     tail_obs: torch.Tensor  # [T] float32 observation counts of tail tokens after this forward
     obs_queries: int  # window queries (the last ones of this forward) that score the tail

@@ -45,8 +45,8 @@ def plan_batch(
     if not (len(pool_idx) == len(prefixes) == len(seq_lens) == len(final)):
         raise ValueError(f"plan_batch: {len(pool_idx)} requests but {len(prefixes)} prefixes, "
                          f"{len(seq_lens)} seq_lens and {len(final)} final flags")
-    P, device = storage.layout.page_size, storage.device
-    pages = _logical_pages(req_to_token, pool_idx, seq_lens, P)  # [B, pages] host
+    P = storage.layout.page_size
+    pages = _logical_pages(req_to_token, pool_idx, seq_lens, P, storage.scheduler_stream)
     to_stage = storage.page_to_stage.numpy()
     # 1. Pages cached before this forward: a sealed run, then staged pages.
     tails = []
@@ -73,8 +73,8 @@ def plan_batch(
             prefix=prefix,
             seq_len=seq_len,
             tail_start=tail_start,
-            sealed_pages=torch.from_numpy(pages[b, :num_sealed]).to(device),
-            prior_stages=torch.from_numpy(prior).to(device),
+            sealed_pages=torch.from_numpy(pages[b, :num_sealed]),
+            prior_stages=torch.from_numpy(prior),
             tail_pages=torch.from_numpy(tail),
             num_seal=num_seal,
             # 4. Staging pages the staying pages hold already (-1 for new ones: take_staging's job).
@@ -97,7 +97,7 @@ def take_staging(storage: RaggedStorage, plan: BatchPlan) -> BatchPlan:
     only step of planning that changes the storage."""
     if plan.staged:
         return plan
-    P, device = storage.layout.page_size, storage.device
+    P = storage.layout.page_size
     requests, stages, counts = [], [], []
     for p in plan.requests:
         stays = p.tail_pages[p.num_seal :].tolist()
@@ -105,23 +105,47 @@ def take_staging(storage: RaggedStorage, plan: BatchPlan) -> BatchPlan:
                  for page, s in zip(stays, p.after_stages.tolist(), strict=True)]
         stages += after
         counts.append(pad_to_pages(p.tail_obs, P).view(-1, P)[p.num_seal :])
-        requests.append(replace(p, after_stages=torch.tensor(after, dtype=torch.long, device=device),
-                                tail_obs=p.tail_obs.to(device)))
+        requests.append(replace(p, after_stages=torch.tensor(after, dtype=torch.long)))
     if stages:  # every staying page's counts (the rest of a page zero), layer-independent
         storage.write_obs_pages(torch.tensor(stages, dtype=torch.long), torch.cat(counts))
     return replace(plan, requests=requests, staged=True)
 
 
 def _logical_pages(req_to_token: torch.Tensor, pool_idx: Sequence[int],
-                   seq_lens: Sequence[int], P: int) -> np.ndarray:
+                   seq_lens: Sequence[int], P: int,
+                   writer: torch.cuda.Stream | None = None) -> np.ndarray:
     """[B, ceil(max seq_len / P)] int64 (host): the logical page of each request's page-sized
-    run of positions (req_to_token's slot of the run's first position // P), one copy."""
+    run of positions (req_to_token's slot of the run's first position // P), one copy. On
+    CUDA the copy runs on a stream of its own behind `writer`, the stream req_to_token was
+    written on (RaggedStorage.scheduler_stream), so the host waits for those writes and not
+    for the forward in flight on the current stream (without it: behind the current stream)."""
     n = max((-(-s // P) for s in seq_lens), default=0)
     if not len(pool_idx):
         return np.empty((0, n), dtype=np.int64)
-    rows = torch.tensor(pool_idx, dtype=torch.long, device=req_to_token.device)
-    first = req_to_token.index_select(0, rows)[:, 0 : n * P : P]
-    return (first // P).long().cpu().numpy()
+    rows = torch.tensor(pool_idx, dtype=torch.long)
+    if not req_to_token.is_cuda:
+        first = req_to_token.index_select(0, rows.to(req_to_token.device))[:, 0 : n * P : P]
+        return (first // P).long().cpu().numpy()
+    device = req_to_token.device
+    reader = _reader_stream(device)
+    reader.wait_stream(writer if writer is not None else torch.cuda.current_stream(device))
+    with torch.cuda.stream(reader):
+        index = rows.pin_memory().to(device, non_blocking=True)
+        first = req_to_token.index_select(0, index)[:, 0 : n * P : P] // P
+        host = torch.empty(first.shape, dtype=first.dtype, pin_memory=True)
+        host.copy_(first, non_blocking=True)
+    reader.synchronize()
+    return host.long().numpy()
+
+
+_READERS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _reader_stream(device: torch.device) -> torch.cuda.Stream:
+    """The planner's own CUDA stream on this device (req_to_token reads, `_logical_pages`)."""
+    if device not in _READERS:
+        _READERS[device] = torch.cuda.Stream(device)
+    return _READERS[device]
 
 
 def _staged_obs(storage: RaggedStorage, priors: Sequence[np.ndarray]) -> list[np.ndarray]:

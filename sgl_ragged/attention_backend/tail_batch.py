@@ -34,7 +34,7 @@ saw.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ from sgl_ragged.attention_backend.plan import RequestPlan
 from sgl_ragged.mem_pool.sealer import SealBatch
 from sgl_ragged.mem_pool.staging_stats import StagedQueryStats, page_stats
 from sgl_ragged.mem_pool.storage import RaggedStorage, RowCopy
+from sgl_ragged.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -88,13 +89,18 @@ class TailBatch:
 def tail_batch(plans: Sequence[RequestPlan], page_size: int, device: torch.device,
                in_place: bool = False) -> TailBatch:
     """Index tensors for these plans. in_place: also the tables of `stage_fresh` where the
-    forward allows it (the pages it seals hold no fresh token; checking that each page keeps
-    its staging page reads the device). On the CPU in numpy (`_host_tail_batch`: a few dozen
-    array ops instead of as many torch ops, each several times dearer on tensors this small),
-    elsewhere host lists per page, then a few device ops (`_device_tail_batch`)."""
+    forward allows it (the pages it seals hold no fresh token and each page keeps its staging
+    page). Built on the host in numpy (`_host_tail_batch`: a few dozen array ops instead of as
+    many torch ops, each several times dearer on tensors this small), then on another device
+    in one copy that does not wait for it (transfer.to_device: the torch form,
+    `_device_tail_batch`, read the device back and synchronized the forward in flight at
+    every table; it stays as the numpy form's oracle in tests/unit/test_tail_batch.py)."""
+    batch = _host_tail_batch(plans, page_size, in_place)
     if torch.device(device).type == "cpu":
-        return _host_tail_batch(plans, page_size, in_place)
-    return _device_tail_batch(plans, page_size, device, in_place)
+        return batch
+    names = [f.name for f in fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)]
+    moved = to_device([getattr(batch, name) for name in names], device)
+    return replace(batch, **dict(zip(names, moved, strict=True)))
 
 
 def _host_tail_batch(plans: Sequence[RequestPlan], P: int, in_place: bool) -> TailBatch:
@@ -121,7 +127,7 @@ def _host_tail_batch(plans: Sequence[RequestPlan], P: int, in_place: bool) -> Ta
     # 2. Staging pages held before / kept after, scattered to their page slots.
     prior_index = ranges([0] * B, [p.prior_stages.numel() for p in plans])
     prior_stage = np.zeros(M, dtype=np.int64)
-    prior_stage[prior_index] = _concat([p.prior_stages.numpy() for p in plans], np.int64)
+    prior_stage[prior_index] = _concat([p.prior_stages.cpu().numpy() for p in plans], np.int64)
     has_prior = np.zeros(M, dtype=bool)
     has_prior[prior_index] = True
     # 3. Each page's window queries (`window_tables`), and which of its tokens they saw.
@@ -135,12 +141,12 @@ def _host_tail_batch(plans: Sequence[RequestPlan], P: int, in_place: bool) -> Ta
     slot = np.arange(M * P, dtype=np.int64).reshape(M, P)
     seal_index = ranges([0] * B, [p.num_seal for p in plans])
     stay_index = ranges([p.num_seal for p in plans], counts.tolist())
-    stay_stage = _concat([p.after_stages.numpy() for p in plans], np.int64)
+    stay_stage = _concat([p.after_stages.cpu().numpy() for p in plans], np.int64)
     tensors = {
         "page_req": req, "page_start": page_start, "prior_stage": prior_stage,
         "has_prior": has_prior, "staged": staged, "fresh": fresh, "new_row": new_row,
         "source_row": np.where(staged, slot, np.where(fresh, 1 + new_row, 0)),
-        "obs": _concat([pad_to_pages(p.tail_obs, P).numpy() for p in plans],
+        "obs": _concat([pad_to_pages(p.tail_obs.cpu(), P).numpy() for p in plans],
                        np.float32).reshape(-1, P),
         "page_win_row": np.where(valid, last - w + j, 0)[req],
         "page_sees": (pos[:, None, :] <= page_win_pos[:, :, None]) & page_win_valid[..., None],
@@ -149,7 +155,7 @@ def _host_tail_batch(plans: Sequence[RequestPlan], P: int, in_place: bool) -> Ta
         "n_staged": staged.sum(1, dtype=np.int64),
         "held_stage": np.where(has_prior, prior_stage, -1),
         "seal_index": seal_index,
-        "seal_pages": _concat([p.tail_pages[: p.num_seal].numpy() for p in plans], np.int64),
+        "seal_pages": _concat([p.tail_pages[: p.num_seal].cpu().numpy() for p in plans], np.int64),
         "stay_index": stay_index, "stay_stage": stay_stage,
     }
     if in_place:  # `_with_in_place`'s tables, where the forward allows them

@@ -8,6 +8,8 @@ its own KV head, so there is nothing to merge across groups.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
@@ -36,6 +38,14 @@ class TorchAttention(AttentionImpl[BatchPlan]):
         return out
 
 
+def on_device(plan: RequestPlan, device: torch.device) -> RequestPlan:
+    """The plan with the tensors the reference indexes the storage with on its device (the
+    planner builds them on the host)."""
+    return replace(plan, sealed_pages=plan.sealed_pages.to(device),
+                   prior_stages=plan.prior_stages.to(device),
+                   after_stages=plan.after_stages.to(device), tail_obs=plan.tail_obs.to(device))
+
+
 def request_forward(
     storage: RaggedStorage,
     layer: int,
@@ -50,6 +60,7 @@ def request_forward(
     q: [q_len, H_q, D]; k_new, v_new: [q_len, H, D] this forward's tokens.
     Returns [q_len, H_q, D] in q's dtype.
     """
+    plan = on_device(plan, storage.device)
     # 1. The full tail: staged tokens before this forward, then the new ones.
     tail_k, tail_v = tail_kv(storage, layer, plan, k_new, v_new)  # [T, H, D]
     h_q, h_kv = q.shape[1], tail_k.shape[1]

@@ -23,6 +23,8 @@ from typing import Protocol
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from sgl_ragged.transfer import to_device
+
 
 class PlannedRequest(Protocol):
     """The fields of a request plan (attention_backend/plan.RequestPlan) the kernels read."""
@@ -53,29 +55,30 @@ class KernelBatch:
         return self.q_start.numel()
 
 
-def _padded(rows: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """[B] int64 tensors of different lengths -> [B, max(1, longest)] int32, padded with 0."""
-    rows = [r.to(device=device, dtype=torch.int32) for r in rows]
+def _padded(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[B] int64 tensors of different lengths -> [B, max(1, longest)] int32 on the host,
+    padded with 0."""
+    rows = [r.to("cpu", torch.int32) for r in rows]
     if not rows or max(r.numel() for r in rows) == 0:
-        return torch.zeros(len(rows), 1, dtype=torch.int32, device=device)
+        return torch.zeros(len(rows), 1, dtype=torch.int32)
     return pad_sequence(rows, batch_first=True, padding_value=0)
 
 
 def kernel_batch(plans: Sequence[PlannedRequest], device: torch.device | str) -> KernelBatch:
-    """Kernel inputs for these request plans (one host-to-device copy per field)."""
-    device = torch.device(device)
+    """Kernel inputs for these request plans: built on the host, then one copy to the device
+    that does not wait for it (transfer.to_device)."""
 
     def ints(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=device)
+        return torch.tensor(values, dtype=torch.int32)
 
     num_sealed = [p.sealed_pages.numel() for p in plans]
+    tables = to_device([
+        ints([p.q_start for p in plans]), ints([p.q_len for p in plans]), ints(num_sealed),
+        _padded([p.sealed_pages for p in plans]), ints([p.prefix - p.tail_start for p in plans]),
+        _padded([p.prior_stages for p in plans]),
+    ], device)
     return KernelBatch(
-        q_start=ints([p.q_start for p in plans]),
-        q_len=ints([p.q_len for p in plans]),
-        num_sealed=ints(num_sealed),
-        sealed_table=_padded([p.sealed_pages for p in plans], device),
-        num_staged=ints([p.prefix - p.tail_start for p in plans]),
-        stage_table=_padded([p.prior_stages for p in plans], device),
+        *tables,
         max_q_len=max((p.q_len for p in plans), default=0),
         max_sealed=max(num_sealed, default=0),
     )

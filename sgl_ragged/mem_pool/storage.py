@@ -185,6 +185,8 @@ class RaggedStorage:
         self._seal_args: dict[int, tuple[list[int], list[int], list[torch.Tensor]]] = {}
         # The CUDA stream the latest forward ran on (`follow_forward`); None on a CPU.
         self._forward_stream: torch.cuda.Stream | None = None
+        # The CUDA stream SGLang's scheduler writes req_to_token on (`follow_scheduler`).
+        self._scheduler_stream: torch.cuda.Stream | None = None
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=self.dtype, device=self.device)
@@ -339,7 +341,8 @@ class RaggedStorage:
         memo[id(self)] = new
         for name, value in self.__dict__.items():
             # a stream is the device's, not the storage's: the twin follows the same one
-            setattr(new, name, value if name == "_forward_stream" else copy.deepcopy(value, memo))
+            streams = ("_forward_stream", "_scheduler_stream")
+            setattr(new, name, value if name in streams else copy.deepcopy(value, memo))
         return new
 
     # ---- the forwards' stream (CUDA) ----------------------------------------------------------
@@ -353,6 +356,19 @@ class RaggedStorage:
         Nothing to do on a CPU, where every op has finished when it returns."""
         if self.device.type == "cuda":
             self._forward_stream = torch.cuda.current_stream(self.device)
+
+    def follow_scheduler(self) -> None:
+        """Called from the scheduler's batch preparation (serving's prepare_for_extend hook):
+        remember the CUDA stream SGLang's scheduler runs on, where it writes req_to_token.
+        Planning reads a batch's req_to_token rows behind that stream (`scheduler_stream`)
+        instead of behind the forward in flight. Nothing to do on a CPU."""
+        if self.device.type == "cuda":
+            self._scheduler_stream = torch.cuda.current_stream(self.device)
+
+    @property
+    def scheduler_stream(self) -> torch.cuda.Stream | None:
+        """The stream `follow_scheduler` recorded (None: not recorded, or a CPU)."""
+        return self._scheduler_stream
 
     def _queued(self, x: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device for work queued behind the forwards: on CUDA through

@@ -133,10 +133,14 @@ def checkpoint(original: Any, tree: Any, req: Req, *args: Any, up_to: int, **kwa
 
 def after_prepare_for_extend(result: Any, batch: ScheduleBatch, *args: Any, **kwargs: Any) -> None:
     """AFTER ScheduleBatch.prepare_for_extend: tell the next forward which chunks are final
-    (a non-final chunk seals all its complete pages; the final one keeps the window)."""
-    chunks = getattr(batch.token_to_kv_pool_allocator._kvcache, "prefill_chunks", None)
+    (a non-final chunk seals all its complete pages; the final one keeps the window), and the
+    storage which stream the scheduler writes req_to_token on (RaggedStorage.follow_scheduler:
+    on CUDA, planning reads its rows behind that stream only)."""
+    pool = batch.token_to_kv_pool_allocator._kvcache
+    chunks = getattr(pool, "prefill_chunks", None)
     if chunks is None:
         return
+    pool.storage.follow_scheduler()
     for req in batch.reqs:
         chunks.record(req.kv.req_pool_idx, req.extend_end >= len(req.full_untruncated_fill_ids))
 

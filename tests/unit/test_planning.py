@@ -5,13 +5,16 @@ per-forward values that used to be parked on the storage (scale, staging statist
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from sgl_ragged.attention_backend.chunks import PrefillChunks
 from sgl_ragged.attention_backend.planner import plan_batch, take_staging
+from sgl_ragged.attention_backend.triton_batch import triton_batch
 from sgl_ragged.mem_pool.sealer import SealBatch
 from sgl_ragged.mem_pool.staging_stats import StagingStats
 from sgl_ragged.mem_pool.storage import RaggedStorage
@@ -241,3 +244,51 @@ def test_bad_prefixes_are_refused_by_name():
         setup(storage)
         with pytest.raises(RuntimeError, match=message):
             plan_batch(table, storage, [0], [prefix], [prefix + 1], 1, 4)
+
+
+def _same_tables(a: object, b: object) -> None:
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert x.device == y.device and torch.equal(x.cpu(), y.cpu()), f.name
+        else:
+            assert x == y, f.name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (streams; "
+                    "scripts/gpu_check.sh runs this)")
+def test_planning_does_not_wait_for_the_forward_in_flight():
+    """SGLang's overlap scheduler plans batch N + 1 while forward N still runs on the forward
+    stream; it wrote N + 1's req_to_token rows on its own stream (follow_scheduler records it).
+    Here forward N is a long sleep: planning on the forward stream (plan_batch, take_staging
+    and the Triton path's tables) must not wait for it on the host, and must give what
+    planning on an idle device gives."""
+    import random
+
+    rng = random.Random(3)
+    storage = make_storage(uniform_profile(0.5, 2, 2, 1), P, D, 200, 60, device="cuda")
+    rows = 4
+    table, prefixes, seq_lens = _random_batch(rng, storage, rows)
+    pool_idx = list(range(rows))
+    scheduler, forward = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(scheduler):
+        req_to_token = table.cuda()
+        storage.follow_scheduler()
+    twin = copy.deepcopy(storage)
+    want = take_staging(twin, plan_batch(req_to_token, twin, pool_idx, prefixes, seq_lens, 1, 4))
+    want_tables = triton_batch(want, P, torch.device("cuda"))
+    torch.cuda.synchronize()
+    with torch.cuda.stream(forward):
+        storage.follow_forward()
+        torch.cuda._sleep(200_000_000)  # forward N (about 0.1 s)
+        plan = take_staging(storage, plan_batch(req_to_token, storage, pool_idx, prefixes,
+                                                seq_lens, 1, 4))
+        tables = triton_batch(plan, P, torch.device("cuda"))
+        waited = forward.query()
+    torch.cuda.synchronize()
+    for got, ref in zip(plan.requests, want.requests, strict=True):
+        _same_tables(got, ref)
+    _same_tables(tables.kernel, want_tables.kernel)
+    _same_tables(tables.tails, want_tables.tails)
+    assert not waited, ("planning waited on the host for the forward in flight: its plan is "
+                        "right, but it stalls SGLang's overlap scheduler")
