@@ -80,8 +80,8 @@ class RaggedAttnBackend(AttentionBackend):
             return
         if mode.is_target_verify():
             raise NotImplementedError("the ragged backend does not support speculative decoding")
-        pool_idx = forward_batch.req_pool_indices.tolist()
         seq_lens = forward_batch.seq_lens_cpu.tolist()
+        pool_idx = _pool_indices(forward_batch, len(seq_lens))
         if mode.is_decode():
             prefixes = [s - 1 for s in seq_lens]
         else:
@@ -110,7 +110,7 @@ class RaggedAttnBackend(AttentionBackend):
         raw = bs - getattr(forward_batch, "num_padding", 0)
         seq_lens = (forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None
                     else forward_batch.seq_lens.cpu())[:raw].tolist()
-        self.attention.load_graph(bs, forward_batch.req_pool_indices[:raw].tolist(), seq_lens)
+        self.attention.load_graph(bs, _pool_indices(forward_batch, raw), seq_lens)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         """Nothing: the graph's buffers are filled before the replay, on the host."""
@@ -143,3 +143,35 @@ class RaggedAttnBackend(AttentionBackend):
 def create_ragged_backend(model_runner: ModelRunner) -> RaggedAttnBackend:
     """Factory registered under the name `ragged` in SGLang's attention registry."""
     return RaggedAttnBackend.from_model_runner(model_runner)
+
+
+_noted: tuple[list[int], list[int]] | None = None  # the latest forward batch's (rows, lens)
+
+
+def note_forward_batch(rows_and_lens: tuple[list[int], list[int]] | None) -> None:
+    """The forward batch SGLang built last (scheduler_hooks.after_forward_batch_init): its
+    requests' req_to_token rows and its sequence lengths, host lists (None: none known)."""
+    global _noted
+    _noted = rows_and_lens
+
+
+def _pool_indices(forward_batch: ForwardBatch, count: int) -> list[int]:
+    """The first `count` requests' req_to_token rows as a host list: the noted batch's, if its
+    sequence lengths are this batch's (taken once); else read from the device tensor, which on
+    CUDA waits for the forward in flight. On a CPU, where that read is free, the two are
+    compared (every CPU server checks the hook's assumption)."""
+    global _noted
+    noted, _noted = _noted, None
+    rows = forward_batch.req_pool_indices[:count]
+    lens = forward_batch.seq_lens_cpu
+    if (noted is None or lens is None or len(noted[0]) < count
+            or noted[1][:count] != lens[:count].tolist()):
+        return rows.tolist()
+    host = noted[0][:count]
+    if not rows.is_cuda and host != rows.tolist():
+        raise RuntimeError(
+            f"the batch's requests give req_to_token rows {host} but its req_pool_indices are "
+            f"{rows.tolist()}: the ForwardBatch.init_new hook's assumption (ScheduleBatch.reqs "
+            "in req_pool_indices order) does not hold here; please report it"
+        )
+    return host

@@ -64,6 +64,8 @@ def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
         (f"{_PLATFORM}.get_paged_allocator_cls", hooks.paged_allocator_cls, HookType.AROUND),
         (f"{_SRT}.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
          hooks.after_prepare_for_extend, HookType.AFTER),
+        (f"{_SRT}.model_executor.forward_batch_info.ForwardBatch.init_new",
+         hooks.after_forward_batch_init, HookType.AFTER),
         (f"{_SRT}.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
          hooks.after_decode_graph_replay, HookType.AFTER),
         *((tree, hooks.checkpoint, HookType.AROUND) for tree in _TREES),

@@ -145,6 +145,26 @@ def after_prepare_for_extend(result: Any, batch: ScheduleBatch, *args: Any, **kw
         chunks.record(req.kv.req_pool_idx, req.extend_end >= len(req.full_untruncated_fill_ids))
 
 
+def after_forward_batch_init(result: Any, cls: Any, batch: ScheduleBatch, *args: Any,
+                             **kwargs: Any) -> None:
+    """AFTER ForwardBatch.init_new: the batch's req_to_token rows as a host list, from its
+    requests (ScheduleBatch keeps `reqs` and `req_pool_indices` in the same order), with its
+    host sequence lengths to recognize it by. SGLang's runners copy a forward batch into their
+    static buffers before the attention backend sees it, so this goes beside it
+    (serving/backend.py `note_forward_batch`): on CUDA, `req_pool_indices.tolist()` there
+    would wait for the forward in flight."""
+    if not is_active():
+        return
+    from sgl_ragged.serving.backend import note_forward_batch
+
+    reqs = getattr(batch, "reqs", None) or []
+    lens = getattr(result, "seq_lens_cpu", None)
+    if not reqs or lens is None:
+        note_forward_batch(None)
+        return
+    note_forward_batch(([req.kv.req_pool_idx for req in reqs], lens.tolist()))
+
+
 def after_decode_graph_replay(result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER DecodeCudaGraphRunner.execute: a replayed decode graph ran no Python, so the ragged
     backend's post-forward bookkeeping (mark sealed pages, metrics) runs here."""
