@@ -24,6 +24,7 @@ import torch
 from sgl_ragged.attention_backend.ops import pad_to_pages
 from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
 from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.transfer import to_device
 
 
 def plan_batch(
@@ -130,7 +131,7 @@ def _logical_pages(req_to_token: torch.Tensor, pool_idx: Sequence[int],
     reader = _reader_stream(device)
     reader.wait_stream(writer if writer is not None else torch.cuda.current_stream(device))
     with torch.cuda.stream(reader):
-        index = rows.pin_memory().to(device, non_blocking=True)
+        (index,) = to_device([rows], device)
         first = req_to_token.index_select(0, index)[:, 0 : n * P : P] // P
         host = torch.empty(first.shape, dtype=first.dtype, pin_memory=True)
         host.copy_(first, non_blocking=True)

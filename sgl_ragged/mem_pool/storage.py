@@ -57,6 +57,7 @@ from sgl_ragged.mem_pool.staging_stats import StagedQueryStats, StagingStats, pa
 from sgl_ragged.mem_pool.tiers import RowTiers
 from sgl_ragged.precision import LowPrecision
 from sgl_ragged.scoring import Scorer
+from sgl_ragged.transfer import to_device
 
 
 class StagingExhaustedError(RuntimeError):
@@ -370,14 +371,6 @@ class RaggedStorage:
         """The stream `follow_scheduler` recorded (None: not recorded, or a CPU)."""
         return self._scheduler_stream
 
-    def _queued(self, x: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device for work queued behind the forwards: on CUDA through
-        pinned memory, without waiting (a pageable copy would block the host until the
-        forward in flight is done)."""
-        if self._forward_stream is None:
-            return x.to(self.device)
-        return x.pin_memory().to(self.device, non_blocking=True)
-
     def _after_forwards(self) -> contextlib.AbstractContextManager[object]:
         """The context for work queued behind the forwards (see `follow_forward`)."""
         if self._forward_stream is None:
@@ -409,9 +402,11 @@ class RaggedStorage:
         if pages.numel() == 0:
             return
         with self._after_forwards():  # on CUDA: behind the forward in flight (follow_forward)
+            # host tensors in one pinned copy that does not wait (a pageable one would block
+            # the host until the forward in flight is done); the counts serve every layer
             held = self.page_to_stage[pages]
-            obs = self._queued(self.stats.obs.index_select(0, held))  # host counts, every layer's
-            stages, rows, starts = (self._queued(x) for x in (held, pages, page_start))
+            obs, stages, rows, starts = to_device(
+                [self.stats.obs.index_select(0, held), held, pages, page_start], self.device)
             for layer in range(self.layout.num_layers):
                 keys, values = self.stage_k[layer][stages], self.stage_v[layer][stages]
                 stats = page_stats(self.stats.layer(layer, stages), obs, keys, values, self.scale)
