@@ -141,6 +141,18 @@ def validate_ragged_args(server_args: Any, previous: Any) -> None:
         )
 
 
+# --kv-cache-dtype values that keep the model's 16-bit rows (the ragged storage's input).
+DENSE_KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
+# Features that copy or send KV pages by SGLang's dense pool layout: (flag, ServerArgs field).
+KV_MOVING_FEATURES = (
+    ("--enable-hierarchical-cache", "enable_hierarchical_cache"),
+    ("--hicache-storage-backend", "hicache_storage_backend"),
+    ("--disaggregation-mode", "disaggregation_mode"),
+    ("--enable-lmcache", "enable_lmcache"),
+    ("--enable-flexkv", "enable_flexkv"),
+)
+
+
 def _check_unsupported(cfg: Any) -> None:
     if cfg.speculative_algorithm:
         raise ValueError("--attention-backend ragged does not support speculative decoding yet")
@@ -156,6 +168,28 @@ def _check_unsupported(cfg: Any) -> None:
             "planned on the host, and the CPU graph runner it enables has no ragged support); "
             "drop the flag (decode CUDA graphs stay on without it)"
         )
+    kv_dtype = getattr(cfg, "kv_cache_dtype", "auto")
+    if kv_dtype not in DENSE_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"--kv-cache-dtype {kv_dtype} is SGLang's own quantized KV cache, but the ragged "
+            "backend stores and quantizes its rows itself; keep --kv-cache-dtype auto and pick "
+            "the rows' precision with --ragged-precision (fp8, int8, int4, int2, mixed, or a "
+            "high+low pair such as int8+int4: README, 'What to serve per budget')"
+        )
+    if (getattr(cfg, "pp_size", 1) or 1) > 1:
+        raise ValueError(
+            f"--pp-size {cfg.pp_size} is not supported by --attention-backend ragged yet (each "
+            "pipeline stage would need its own layers' slice of the profile); use --tp-size, "
+            "--dp-size, or replicas behind sglang_router (README, 'Scaling out')"
+        )
+    for flag, attr in KV_MOVING_FEATURES:
+        value = getattr(cfg, attr, None)
+        if value not in (None, False, "null"):
+            raise ValueError(
+                f"{flag} is not supported by --attention-backend ragged: it moves KV pages in "
+                "SGLang's dense layout (k_buffer / v_buffer per layer), but the ragged pool "
+                "stores each head's compressed rows in its own storage; drop the flag"
+            )
     if cfg.page_size is not None and cfg.page_size < 4:
         raise ValueError(
             f"--page-size {cfg.page_size} is too small for the ragged backend: a page is the "

@@ -38,6 +38,17 @@ def test_chat_completion_answers(ragged_server):
     assert out["usage"]["completion_tokens"] > 0
 
 
+def test_parallel_sampling_n_choices(ragged_server):
+    """OpenAI `n` > 1: SGLang forks the prompt into n requests sharing its cached prefix pages;
+    each choice is a full answer (the integrity check runs on every forward of this server)."""
+    out = post(ragged_server.base_url, "/v1/chat/completions", {
+        "model": "default", "messages": [{"role": "user", "content": README_QUESTION}],
+        "max_tokens": 16, "temperature": 0.9, "n": 3})
+    choices = out["choices"]
+    assert sorted(c["index"] for c in choices) == [0, 1, 2]
+    assert all(c["message"]["content"].strip() for c in choices), choices
+    assert out["usage"]["completion_tokens"] >= 3
+
 def test_generate_and_stream_agree(ragged_server):
     payload = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
     full = post(ragged_server.base_url, "/generate", payload)["text"]

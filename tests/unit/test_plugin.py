@@ -8,8 +8,10 @@ hook accepts in the form its hook type passes them.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import inspect
+import re
 
 import pytest
 
@@ -60,3 +62,47 @@ def test_async_targets_get_async_hooks():
     for target, hook, kind in ALL_HOOKS:
         if kind == HookType.AROUND and inspect.iscoroutinefunction(_resolve(target)):
             assert inspect.iscoroutinefunction(hook), target
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("kv_cache_dtype", "fp8_e4m3", "--kv-cache-dtype fp8_e4m3 is SGLang's own quantized KV cache"),
+    ("kv_cache_dtype", "nvfp4", "keep --kv-cache-dtype auto"),
+    ("pp_size", 2, "--pp-size 2 is not supported"),
+    ("enable_hierarchical_cache", True, "--enable-hierarchical-cache is not supported"),
+    ("hicache_storage_backend", "file", "--hicache-storage-backend is not supported"),
+    ("disaggregation_mode", "prefill", "--disaggregation-mode is not supported"),
+    ("enable_lmcache", True, "--enable-lmcache is not supported"),
+    ("enable_flexkv", True, "--enable-flexkv is not supported"),
+])
+def test_server_args_reject_features_the_ragged_pool_cannot_serve(field, value, message):
+    """SGLang features that quantize or move KV pages in its dense layout fail at startup with
+    the flag named; their defaults (and a 16-bit --kv-cache-dtype) pass."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("sglang")
+    from sgl_ragged.serving.server_args import _check_unsupported
+
+    defaults = dict(speculative_algorithm=None, tp_size=1, page_size=64, enable_torch_compile=False,
+                    kv_cache_dtype="auto", pp_size=1, enable_hierarchical_cache=False,
+                    hicache_storage_backend=None, disaggregation_mode="null", enable_lmcache=False,
+                    enable_flexkv=False)
+    _check_unsupported(SimpleNamespace(**defaults))
+    _check_unsupported(SimpleNamespace(**{**defaults, "kv_cache_dtype": "bfloat16"}))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _check_unsupported(SimpleNamespace(**{**defaults, field: value}))
+
+
+def test_refused_fields_are_sglang_server_args():
+    """Every field the refusals read is a ServerArgs field of the pinned SGLang, with the
+    default the check lets through (a renamed flag would silently stop being refused)."""
+    pytest.importorskip("sglang")
+    from sglang.srt.server_args import ServerArgs
+
+    from sgl_ragged.serving.server_args import DENSE_KV_CACHE_DTYPES, KV_MOVING_FEATURES
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    fields = {a.dest: a.default for a in parser._actions}
+    for _, attr in KV_MOVING_FEATURES:
+        assert attr in fields and fields[attr] in (None, False, "null"), attr
+    assert fields["kv_cache_dtype"] in DENSE_KV_CACHE_DTYPES and fields["pp_size"] == 1
