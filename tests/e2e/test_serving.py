@@ -49,6 +49,7 @@ def test_parallel_sampling_n_choices(ragged_server):
     assert all(c["message"]["content"].strip() for c in choices), choices
     assert out["usage"]["completion_tokens"] >= 3
 
+
 def test_generate_and_stream_agree(ragged_server):
     payload = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
     full = post(ragged_server.base_url, "/generate", payload)["text"]
