@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import sgl_ragged.budgets as budget_math
 from sgl_ragged.mem_pool.layout import RaggedLayout
+from sgl_ragged.pp import slice_layers
 from sgl_ragged.profile import (
     BudgetProfile,
     ModelShape,
@@ -87,6 +88,8 @@ def slice_profile(profile: BudgetProfile, tp_size: int, rank: int,
     budgets = tuple(tuple(layer[h] for h in heads) for layer in profile.budgets)
     groups = tuple(_rank_groups(layer_groups, layer_budgets, heads, size)
                    for layer_groups, layer_budgets in zip(profile.groups, budgets, strict=True))
+    if profile.tiers is not None:
+        _check_tiers_keep_groups(profile, groups, heads, tp_size)
 
     def pick(matrix: Sequence[Sequence[float]] | None) -> tuple[tuple[float, ...], ...] | None:
         return None if matrix is None else tuple(tuple(row[h] for h in heads) for row in matrix)
@@ -114,6 +117,23 @@ def _rank_groups(layer_groups: Sequence[Sequence[int]], local_budgets: Sequence[
     return budget_math.cluster_heads(local_budgets, size)
 
 
+def _check_tiers_keep_groups(profile: BudgetProfile, groups: Sequence[Sequence[Sequence[int]]],
+                             heads: tuple[int, ...], tp_size: int) -> None:
+    """ProfileError where a rank re-formed a layer's head groups although the profile's row tiers
+    (and per-head formats) were searched per group: a group shares one row composition."""
+    for li, (mine, whole) in enumerate(zip(groups, profile.groups, strict=True)):
+        kept = {tuple(heads[h] for h in g) for g in mine} <= {tuple(g) for g in whole}
+        if not kept:
+            raise ProfileError(
+                f"this profile carries row tiers (tiers {profile.tiers.precision!r}) searched for "
+                f"its head groups, but at layer {li} its groups {[list(g) for g in whole]} cannot "
+                f"be kept on the --tp-size {tp_size} rank holding heads {list(heads)} (a group "
+                "must lie within one rank and have the rank's group size), and re-formed groups "
+                "would lose the tiers; search tiers on a profile whose groups lie within the "
+                "ranks' heads, leave --ragged-heads-per-group unset, or serve it with --tp-size 1"
+            )
+
+
 def slice_all(profile: BudgetProfile, tp_size: int,
               heads_per_group: int | None = None) -> tuple[BudgetProfile, ...]:
     """Every rank's slice, rank 0 first."""
@@ -121,15 +141,20 @@ def slice_all(profile: BudgetProfile, tp_size: int,
 
 
 def resolve_rank_profiles(spec: str, shape: ModelShape, heads_per_group: int | None,
-                          tp_size: int) -> tuple[BudgetProfile, ...]:
-    """A --ragged-profile value resolved for the whole model (``shape``), then sliced per rank.
+                          tp_size: int, layers: tuple[int, int] | None = None,
+                          ) -> tuple[BudgetProfile, ...]:
+    """A --ragged-profile value resolved for the whole model (``shape``), cut to a pipeline
+    stage's layers ``[start, end)`` where given (pp.py), then sliced per rank.
 
-    With tp_size 1 this is ``(resolve_profile(spec, shape, heads_per_group),)``. Otherwise the
-    whole-model profile keeps its own groups (they are re-formed per rank) and
-    ``heads_per_group`` applies to each rank's heads.
+    With tp_size 1 this is ``(resolve_profile(spec, shape, heads_per_group),)`` (of the stage's
+    layers). Otherwise the whole-model profile keeps its own groups (they are re-formed per
+    rank) and ``heads_per_group`` applies to each rank's heads.
     """
+    def stage(profile: BudgetProfile) -> BudgetProfile:
+        return profile if layers is None else slice_layers(profile, *layers)
+
     if tp_size == 1:
-        return (resolve_profile(spec, shape, heads_per_group),)
+        return (stage(resolve_profile(spec, shape, heads_per_group)),)
     check_tp_size(shape.num_kv_heads, tp_size)
     whole = resolve_profile(spec, shape)
     if whole.source.is_dynamic:
@@ -138,7 +163,7 @@ def resolve_rank_profiles(spec: str, shape: ModelShape, heads_per_group: int | N
             f"heads of a layer at once (Eq. 3), but with --tp-size {tp_size} each rank holds only "
             "its own heads; run the reference with --tp-size 1"
         )
-    return slice_all(whole, tp_size, heads_per_group)
+    return slice_all(stage(whole), tp_size, heads_per_group)
 
 
 def agreed_logical_pages(layouts: Sequence[RaggedLayout], available_bytes: int,

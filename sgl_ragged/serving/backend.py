@@ -38,10 +38,12 @@ class RaggedAttnBackend(AttentionBackend):
     after each replay calls finish_graph_replay.
     """
 
-    def __init__(self, attention: RaggedAttention, chunks: PrefillChunks | None = None) -> None:
+    def __init__(self, attention: RaggedAttention, chunks: PrefillChunks | None = None,
+                 start_layer: int = 0) -> None:
         super().__init__()
         self.attention = attention
         self.chunks = chunks if chunks is not None else PrefillChunks()
+        self.start_layer = start_layer  # a pipeline stage's first model layer: its storage's 0
 
     @classmethod
     def from_model_runner(cls, model_runner: ModelRunner) -> RaggedAttnBackend:
@@ -63,7 +65,7 @@ class RaggedAttnBackend(AttentionBackend):
                                     model_runner.req_to_token_pool.req_to_token,
                                     free_pages=allocator.get_all_free_pages,
                                     metrics=make_metrics())
-        return cls(attention, pool.prefill_chunks)
+        return cls(attention, pool.prefill_chunks, setup.start_layer)
 
     @property
     def forward_metadata(self) -> RaggedForwardMetadata | None:  # read by SGLang's generic code
@@ -131,7 +133,7 @@ class RaggedAttnBackend(AttentionBackend):
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  layer: RadixAttention, decode: bool) -> torch.Tensor:
         h_q, h_kv, d = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
-        out = self.attention.forward(layer.layer_id, q.reshape(-1, h_q, d),
+        out = self.attention.forward(layer.layer_id - self.start_layer, q.reshape(-1, h_q, d),
                                      k.reshape(-1, h_kv, d), v.reshape(-1, h_kv, layer.v_head_dim),
                                      layer.scaling, decode)
         return out.reshape(q.shape[0], h_q * d)

@@ -33,11 +33,12 @@ class RaggedKVPool(NoOpMHATokenToKVPool):
         super()._create_buffers()  # tiny placeholders for code that inspects k_buffer
         setup = current_setup()
         layout = setup.layout
-        expected = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.page_size)
-        actual = (self.layer_num, self.head_num, self.head_dim, self.page_size)
+        expected = (setup.start_layer, layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                    layout.page_size)
+        actual = (self.start_layer, self.layer_num, self.head_num, self.head_dim, self.page_size)
         if expected != actual:
             raise ValueError(
-                "ragged layout (layers, kv heads, head_dim, page size) = "
+                "ragged layout (first layer, layers, kv heads, head_dim, page size) = "
                 f"{expected} does not match SGLang's KV pool {actual}"
             )
         self.storage = RaggedStorage(

@@ -32,6 +32,7 @@ class ServingSetup:
     tp_rank: int
     num_staging_pages: int
     attention_scale: float  # the model's softmax scale, from its config
+    start_layer: int = 0  # the model's layer that is this pipeline stage's local layer 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.tp_rank < len(self.rank_layouts):
@@ -59,13 +60,14 @@ class ServingSetup:
 
 def build_setup(config: RaggedConfig, shape: ModelShape, *, page_size: int, dtype_bytes: int,
                 max_running_requests: int, tp_size: int, tp_rank: int,
-                attention_scale: float) -> ServingSetup:
-    """Resolve the profile for the whole model, slice it per rank (tp.py) and lay out every
+                attention_scale: float, layers: tuple[int, int] | None = None) -> ServingSetup:
+    """Resolve the profile for the whole model (``shape``), cut it to this pipeline stage's
+    layers ``[start, end)`` where given (pp.py), slice it per rank (tp.py) and lay out every
     rank's storage; the staging pool holds W + 1 pages per running request plus one spare
     request's worth (the scratch page comes out of it)."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} outside the {tp_size} tensor-parallel ranks")
-    profiles = resolve_rank_profiles(config.profile, shape, config.heads_per_group, tp_size)
+    profiles = resolve_rank_profiles(config.profile, shape, config.heads_per_group, tp_size, layers)
     layouts = tuple(RaggedLayout.from_profile(p, page_size, shape.head_dim, dtype_bytes,
                                               precision=config.precision) for p in profiles)
     return ServingSetup(
@@ -75,6 +77,7 @@ def build_setup(config: RaggedConfig, shape: ModelShape, *, page_size: int, dtyp
         tp_rank=tp_rank,
         num_staging_pages=(max_running_requests + 1) * (config.window_pages + 1),
         attention_scale=attention_scale,
+        start_layer=0 if layers is None else layers[0],
     )
 
 
@@ -111,6 +114,20 @@ def clear_setup() -> None:
     """Forget the published setup (tests build several in one process)."""
     global _published
     _published = None
+
+
+def pipeline_stage(layer_info: Any, num_layers: int, model_layers: int) -> tuple[int, int] | None:
+    """This pipeline stage's layers [start, end) of the model's ``model_layers`` from SGLang's
+    ModelLayerInfo (None: the stage holds them all, as without --pp-size); a clear error where
+    its KV layer count is not that range (a layout the ragged pool does not know)."""
+    start, end = int(layer_info.start_layer), int(layer_info.end_layer)
+    if end - start != num_layers:
+        raise ValueError(
+            f"SGLang sizes the KV pool for {num_layers} layers, but this scheduler holds layers "
+            f"[{start}, {end}) of the model: the ragged backend stores one KV layer per model "
+            "layer (no looped or hybrid layer layouts)"
+        )
+    return None if (start, end) == (0, model_layers) else (start, end)
 
 
 def tensor_parallel_rank() -> tuple[int, int]:

@@ -18,6 +18,7 @@ from sgl_ragged.serving.runtime import (
     attention_scale,
     build_setup,
     current_setup,
+    pipeline_stage,
     publish_setup,
     tensor_parallel_rank,
 )
@@ -43,9 +44,11 @@ def compute_cell_size(original: Any, configurator: Any, kvc: Any, num_layers: in
     from sglang.srt.runtime_context import get_schedule
 
     mc = kvc.model_config
+    # The profile fits the whole model; a pipeline stage serves its layers' slice of it.
+    layers = pipeline_stage(kvc.layer_info, num_layers, mc.num_hidden_layers)
     shape = ModelShape(
         architecture=(mc.hf_config.architectures or ["unknown"])[0],
-        num_layers=num_layers,
+        num_layers=num_layers if layers is None else mc.num_hidden_layers,
         num_kv_heads=mc.get_num_kv_heads(1),
         head_dim=mc.head_dim,
     )
@@ -58,6 +61,7 @@ def compute_cell_size(original: Any, configurator: Any, kvc: Any, num_layers: in
         max_running_requests=schedule.max_running_requests,
         tp_size=tp_size, tp_rank=tp_rank,
         attention_scale=attention_scale(getattr(mc, "hf_text_config", mc.hf_config), mc.head_dim),
+        layers=layers,
     )
     cell = setup.cell_size()  # ceil, widest rank: never over-admit
     if publish_setup(setup):

@@ -62,6 +62,7 @@ def resolve_ragged_args(server_args: Any, previous: Any) -> None:
     _check_unsupported(cfg)
     shape = model_shape(cfg.model_path, bool(cfg.trust_remote_code))
     _check_model(shape, config, cfg.tp_size or 1)
+    _check_pipeline(cfg)
     decode_graphs = _decode_graphs(cfg, config, shape.head_dim)
     declare_resolution(
         server_args,
@@ -176,12 +177,6 @@ def _check_unsupported(cfg: Any) -> None:
             "the rows' precision with --ragged-precision (fp8, int8, int4, int2, mixed, or a "
             "high+low pair such as int8+int4: README, 'What to serve per budget')"
         )
-    if (getattr(cfg, "pp_size", 1) or 1) > 1:
-        raise ValueError(
-            f"--pp-size {cfg.pp_size} is not supported by --attention-backend ragged yet (each "
-            "pipeline stage would need its own layers' slice of the profile); use --tp-size, "
-            "--dp-size, or replicas behind sglang_router (README, 'Scaling out')"
-        )
     for flag, attr in KV_MOVING_FEATURES:
         value = getattr(cfg, attr, None)
         if value not in (None, False, "null"):
@@ -194,6 +189,27 @@ def _check_unsupported(cfg: Any) -> None:
         raise ValueError(
             f"--page-size {cfg.page_size} is too small for the ragged backend: a page is the "
             "compression block and must hold the 4 sink tokens; use --page-size 64 (default)"
+        )
+
+
+def _check_pipeline(cfg: Any) -> None:
+    """--pp-size > 1 on a checkpoint SGLang's pipeline stages can serve: not one that ties its
+    word embeddings (the last stage's lm_head would be the first stage's embedding, which only
+    the first stage holds: SGLang 0.5.23's forward fails there with stock backends too)."""
+    pp_size = getattr(cfg, "pp_size", 1) or 1
+    if pp_size == 1:
+        return
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(cfg.model_path, trust_remote_code=bool(cfg.trust_remote_code))
+    if getattr(getattr(hf, "text_config", hf), "tie_word_embeddings", False) or getattr(
+            hf, "tie_word_embeddings", False):
+        raise ValueError(
+            f"--pp-size {pp_size} cannot serve {cfg.model_path}: it ties its word embeddings "
+            "(tie_word_embeddings), and in SGLang 0.5.23's pipeline stages the last stage's "
+            "lm_head is the embedding that only the first stage holds (its first forward fails "
+            "with \"'PPMissingLayer' object has no attribute 'quant_method'\", with any attention "
+            "backend); use --tp-size or --dp-size, or a checkpoint with its own lm_head"
         )
 
 

@@ -67,7 +67,6 @@ def test_async_targets_get_async_hooks():
 @pytest.mark.parametrize("field, value, message", [
     ("kv_cache_dtype", "fp8_e4m3", "--kv-cache-dtype fp8_e4m3 is SGLang's own quantized KV cache"),
     ("kv_cache_dtype", "nvfp4", "keep --kv-cache-dtype auto"),
-    ("pp_size", 2, "--pp-size 2 is not supported"),
     ("enable_hierarchical_cache", True, "--enable-hierarchical-cache is not supported"),
     ("hicache_storage_backend", "file", "--hicache-storage-backend is not supported"),
     ("disaggregation_mode", "prefill", "--disaggregation-mode is not supported"),
@@ -106,3 +105,26 @@ def test_refused_fields_are_sglang_server_args():
     for _, attr in KV_MOVING_FEATURES:
         assert attr in fields and fields[attr] in (None, False, "null"), attr
     assert fields["kv_cache_dtype"] in DENSE_KV_CACHE_DTYPES and fields["pp_size"] == 1
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_pipeline_stages_refuse_tied_word_embeddings(tmp_path, tied: bool):
+    """--pp-size > 1 on a checkpoint that ties its word embeddings fails at startup with the
+    reason (SGLang's last stage has no embedding to use as its lm_head); an untied one, or
+    --pp-size 1, passes."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("sglang")
+    from transformers import LlamaConfig
+
+    from sgl_ragged.serving.server_args import _check_pipeline
+
+    LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                tie_word_embeddings=tied, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    args = dict(model_path=str(tmp_path), trust_remote_code=False)
+    _check_pipeline(SimpleNamespace(**args, pp_size=1))
+    if not tied:
+        _check_pipeline(SimpleNamespace(**args, pp_size=2))
+        return
+    with pytest.raises(ValueError, match=r"--pp-size 2 cannot serve .*ties its word embeddings"):
+        _check_pipeline(SimpleNamespace(**args, pp_size=2))

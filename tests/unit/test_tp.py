@@ -3,6 +3,7 @@ per-rank split ratios, refusals, and one logical capacity agreed by every rank."
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from sgl_ragged.budgets import adjacent_groups, cluster_heads, group_slots, split_ratios
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileError
+from sgl_ragged.profile.tiers import ProfileTiers
 from sgl_ragged.tp import (
     TP_SOURCE_KEY,
     agreed_cell_size,
@@ -174,3 +176,18 @@ def test_slices_cover_every_head_once(data: st.DataObject) -> None:
                 seen.extend(glob[h] for h in group)
                 assert all(part.budgets[layer][h] == budgets[layer][glob[h]] for h in group)
         assert sorted(seen) == list(range(heads))
+
+
+def test_tiers_of_groups_that_straddle_ranks_are_refused_with_the_reason() -> None:
+    profile = calibrated()  # layer 0's groups {0, 2} / {1, 3} straddle the tp-2 ranks
+    hi = tuple(tuple(0.0 for _ in layer) for layer in BUDGETS)
+    lo = tuple(tuple(0.5 for _ in layer) for layer in BUDGETS)
+    tiered = dataclasses.replace(profile, tiers=ProfileTiers("int4", hi, lo))
+    with pytest.raises(ProfileError, match=r"row tiers \(tiers 'int4'\).*at layer 0 its groups "
+                                           r"\[\[0, 2\], \[1, 3\]\] cannot be kept on the --tp-size 2 "
+                                           r"rank holding heads \[0, 1\]"):
+        slice_profile(tiered, 2, 0)
+    # groups within the ranks keep their tiers
+    adjacent = tuple(adjacent_groups(4, 2) for _ in BUDGETS)
+    kept = dataclasses.replace(calibrated(groups=adjacent), tiers=ProfileTiers("int4", hi, lo))
+    assert slice_profile(kept, 2, 1).tiers.lo == ((0.5, 0.5), (0.5, 0.5))
