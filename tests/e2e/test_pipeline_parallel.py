@@ -1,5 +1,6 @@
 """Pipeline parallelism end to end on the CPU: --pp-size 2 gives the same greedy tokens as
---pp-size 1 (float32) with a profile whose layers differ in budgets, each stage stores its own
+--pp-size 1 (float32) with a per-head precision profile whose layers differ in budgets and low
+formats, each stage stores its own
 layers' slice of the profile, both stages admit the same logical tokens, and a follow-up
 request reuses the first one's sealed pages from the radix cache on both.
 
@@ -22,6 +23,7 @@ from sgl_ragged.budgets import cluster_heads, split_ratios
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.pp import slice_layers
 from sgl_ragged.profile import BudgetProfile, ModelShape
+from sgl_ragged.profile.tiers import ProfileTiers
 from sgl_ragged.testing.server import ServerProcess
 from sgl_ragged.testing.tiny_model import save_tiny_llama
 from tests.e2e.conftest import INTEGRITY_ENV, cpu_bind, post
@@ -33,11 +35,24 @@ LAYERS, KV_HEADS, HEAD_DIM, PAGE = 4, 4, 16, 64
 BUDGETS = ((0.9, 0.7, 0.3, 0.2), (0.6, 0.8, 0.25, 0.4), (0.3, 0.2, 0.25, 0.5), (0.2, 0.4, 0.15, 0.3))
 
 
+# Per-head precision: each layer's low tier in its own format, so the stages' rows differ in
+# formats too (the slots a page keeps: 4 at the model dtype, then the low share in codes).
+FORMATS = ("int8", "int4", "int2", "int4")
+LOW = (0.5, 0.75, 0.9, 0.6)
+
+
 def _profile() -> BudgetProfile:
     groups = tuple(cluster_heads(layer, 2) for layer in BUDGETS)
+    tiers = ProfileTiers("mixed", tuple((4 / PAGE,) * KV_HEADS for _ in range(LAYERS)),
+                         tuple((lo,) * KV_HEADS for lo in LOW),
+                         tuple((fmt,) * KV_HEADS for fmt in FORMATS))
     return BudgetProfile(ModelShape("LlamaForCausalLM", LAYERS, KV_HEADS, HEAD_DIM), BUDGETS, groups,
                          {"kind": "calibrated", "rho": 0.4},
-                         split_ratios=split_ratios(BUDGETS, groups))
+                         split_ratios=split_ratios(BUDGETS, groups), tiers=tiers)
+
+
+def _layout(profile: BudgetProfile) -> RaggedLayout:
+    return RaggedLayout.from_profile(profile, PAGE, HEAD_DIM, 4, precision="mixed")
 
 
 @pytest.fixture(scope="module")
@@ -106,12 +121,11 @@ def test_each_stage_holds_its_layers_and_both_admit_the_same_tokens(servers) -> 
             pools[int(stage)] = (int(re.search(r"(\d+) logical tokens", line).group(1)),
                                  int(re.search(r"(\d+) bytes per logical page", line).group(1)))
     profile = _profile()
-    want = {s: RaggedLayout.from_profile(slice_layers(profile, 2 * s, 2 * s + 2), PAGE, HEAD_DIM, 4)
-            for s in (0, 1)}
+    want = {s: _layout(slice_layers(profile, 2 * s, 2 * s + 2)) for s in (0, 1)}
     assert {s: b for s, (_, b) in pools.items()} == {s: lay.row_bytes_per_page for s, lay in want.items()}
     assert want[0].row_bytes_per_page != want[1].row_bytes_per_page
     assert len({tokens for tokens, _ in pools.values()}) == 1, pools
-    whole = RaggedLayout.from_profile(profile, PAGE, HEAD_DIM, 4)
+    whole = _layout(profile)
     assert sum(b for _, b in pools.values()) == whole.row_bytes_per_page
 
 
