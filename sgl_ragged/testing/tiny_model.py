@@ -1,5 +1,5 @@
-"""Random-weight Llama checkpoints with a byte-level tokenizer (nothing downloaded): tiny ones
-for tests, and ones of a real model's shape for a lent GPU (scripts/gpu_serve.sh)."""
+"""Random-weight checkpoints with a byte-level tokenizer (nothing downloaded): tiny ones of each
+supported architecture for tests, and ones of a real model's shape for a lent GPU (scripts/gpu_serve.sh)."""
 
 from __future__ import annotations
 
@@ -61,17 +61,41 @@ def save_tiny_llama(path: Path, layers: int = 2, kv_heads: int = 2, q_heads: int
     """A random-weight Llama (hidden 64, head_dim 16 by default) saved as an HF checkpoint
     SGLang and transformers load; tests use it where the default model's 3 KV heads do not fit
     (tensor parallelism) or where any model will do."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return save_tiny_model(path, "LlamaForCausalLM", layers=layers, kv_heads=kv_heads,
+                           q_heads=q_heads, head_dim=head_dim, seed=seed)
 
+
+# transformers' config class of each architecture save_tiny_model builds, and the settings it
+# needs beyond the shared shape: Mistral without its sliding window (a window longer than the
+# tiny models' context changes nothing, and SGLang would read it as a hybrid-SWA model),
+# Qwen2 with its q/k/v biases (transformers' default), Qwen3 with its q/k norms (built in).
+TINY_ARCHITECTURES = {
+    "LlamaForCausalLM": ("LlamaConfig", {}),
+    "MistralForCausalLM": ("MistralConfig", {"sliding_window": None}),
+    "Qwen2ForCausalLM": ("Qwen2Config", {"use_sliding_window": False}),
+    "Qwen3ForCausalLM": ("Qwen3Config", {"use_sliding_window": False}),
+}
+
+
+def save_tiny_model(path: Path, architecture: str = "LlamaForCausalLM", layers: int = 2,
+                    kv_heads: int = 2, q_heads: int = 4, head_dim: int = 16, seed: int = 0) -> Path:
+    """A random-weight checkpoint of one of `TINY_ARCHITECTURES` (hidden 64, untied lm_head)
+    with the byte-level tokenizer."""
+    import torch
+    import transformers
+
+    if architecture not in TINY_ARCHITECTURES:
+        raise ValueError(f"no tiny {architecture}; one of {sorted(TINY_ARCHITECTURES)}")
+    config_name, extra = TINY_ARCHITECTURES[architecture]
     vocab = _save_byte_tokenizer(path)
-    config = LlamaConfig(
+    config = getattr(transformers, config_name)(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=q_heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        max_position_embeddings=1024, initializer_range=0.2, architectures=["LlamaForCausalLM"],
+        max_position_embeddings=1024, initializer_range=0.2, architectures=[architecture],
+        tie_word_embeddings=False, **extra,
     )  # fmt: skip
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(path)
+    getattr(transformers, architecture)(config).save_pretrained(path)
     return path
 
 

@@ -1,0 +1,97 @@
+"""Every supported architecture served by the ragged backend, held to transformers' own forward.
+
+`config.SUPPORTED_ARCHITECTURES` admits Llama, Mistral, Qwen2 and Qwen3: their SGLang models
+call RadixAttention with their own head layout, q/k/v biases (Qwen2), q/k norms (Qwen3) and
+softmax scale. Here a tiny random-weight checkpoint of each (sgl_ragged/testing/tiny_model.py)
+is served in float32 at `uniform:1.0` (every token kept: the rows are the full cache) and its
+greedy tokens and their log-probabilities are compared with transformers' eager forward of
+the same checkpoint, an implementation that shares no code with SGLang or the plugin. The
+default model covers Llama everywhere else; the other three are only here.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from sgl_ragged.config import SUPPORTED_ARCHITECTURES
+from sgl_ragged.testing.server import ServerProcess
+from sgl_ragged.testing.tiny_model import TINY_ARCHITECTURES, save_tiny_model
+from tests.e2e.conftest import INTEGRITY_ENV, post
+
+pytestmark = pytest.mark.e2e
+
+ARCHITECTURES = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+NEW_TOKENS = 24
+
+
+def test_every_supported_architecture_has_a_tiny_model() -> None:
+    assert set(SUPPORTED_ARCHITECTURES) == set(TINY_ARCHITECTURES)
+    assert set(ARCHITECTURES) == set(SUPPORTED_ARCHITECTURES) - {"LlamaForCausalLM"}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, ServerProcess]]:
+    """{architecture: (checkpoint, ragged server over it)}, the servers started together."""
+    root = tmp_path_factory.mktemp("arch")
+    log_dir = Path(os.environ.get("RAGGED_TEST_LOGS", "/tmp/sgl-ragged-test-logs"))
+    made = {}
+    for arch in ARCHITECTURES:
+        model = save_tiny_model(root / arch, arch, layers=2, kv_heads=2, q_heads=4)
+        args = ["--model-path", str(model), "--device", "cpu", "--dtype", "float32",
+                "--page-size", "64", "--chunked-prefill-size", "128", "--max-total-tokens",
+                "2048", "--max-running-requests", "2", "--attention-backend", "ragged",
+                "--ragged-profile", "uniform:1.0"]
+        made[arch] = (model, ServerProcess(args, env=INTEGRITY_ENV, log_path=log_dir / f"arch-{arch}.log",
+                                           startup_timeout=900))
+    try:
+        with ThreadPoolExecutor(len(made)) as pool:
+            for future in [pool.submit(server.start) for _, server in made.values()]:
+                future.result()
+        yield made
+    finally:
+        for _, server in made.values():
+            server.stop()
+
+
+def _reference(model_path: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens and their log-probabilities, float32, eager attention."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            prompt = torch.tensor([ids])  # every position attended (id 0 is no padding here)
+            gen = model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                 max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True,
+                                 pad_token_id=0, eos_token_id=None)
+            tokens = gen.sequences[0, len(ids):].tolist()
+            logprobs = [torch.log_softmax(s[0].float(), -1)[t].item()
+                        for s, t in zip(gen.scores, tokens, strict=True)]
+            out.append((tokens, logprobs))
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_full_cache_gives_transformers_tokens(served, arch: str) -> None:
+    model, server = served[arch]
+    rng = random.Random(ARCHITECTURES.index(arch))
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (30, 150, 290)]  # 1, 3, 5 pages
+    for ids, (tokens, logprobs) in zip(prompts, _reference(model, prompts), strict=True):
+        out = post(server.base_url, "/generate", {
+            "input_ids": ids, "return_logprob": True,
+            # ignore_eos, not min_new_tokens: that one masks the EOS logit, which moves every
+            # log-probability away from transformers' (its generate is told of no EOS)
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True,
+                                "temperature": 0}})
+        pairs = out["meta_info"]["output_token_logprobs"]
+        assert [p[1] for p in pairs] == tokens, f"{arch}, {len(ids)} prompt tokens"
+        assert max(abs(p[0] - lp) for p, lp in zip(pairs, logprobs, strict=True)) < 1e-3
