@@ -84,6 +84,14 @@ def post(base_url: str, path: str, payload: dict[str, Any], timeout: float = 300
         return json.loads(resp.read())
 
 
+def post_raw(base_url: str, path: str, payload: dict[str, Any], timeout: float = 300) -> str:
+    """POST a JSON payload; the response body as text (for endpoints that answer no JSON)."""
+    req = urllib.request.Request(base_url + path, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
 def get(base_url: str, path: str, timeout: float = 60) -> str:
     with urllib.request.urlopen(base_url + path, timeout=timeout) as resp:
         return resp.read().decode()

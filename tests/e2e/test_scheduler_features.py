@@ -1,0 +1,175 @@
+"""SGLang scheduler features on a twin of the shared server: mixed chunks, `/flush_cache` and
+sessions.
+
+With mixed chunks (`--enable-mixed-chunk`) a prefill chunk runs in the same forward as the
+running requests' decode tokens, which take places of the chunk: its chunks end where the decode
+batch leaves them, not on page boundaries (the backend stages a chunk's partial last page like
+any other). The twin must give each request the tokens the shared server gives it alone.
+`/flush_cache` empties the twin's radix tree and storage: a prompt is then prefilled afresh,
+with its first fresh answer. Sessions (`/open_session`): a non-streaming session's turn is its
+history plus the new tokens through the radix tree, so it answers as the same ids sent as one
+plain request to the shared server; a streaming session (`--enable-streaming-session`) keeps
+its whole history in its request row between turns, the staged window pages too, so a later
+turn reuses every token of it. The twin is this module's own server, so flushing it disturbs
+no other module's cached tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import pytest
+
+from tests.e2e.conftest import _start, get, post, post_raw, stream_lines
+from tests.e2e.test_serving import FACTS
+
+pytestmark = pytest.mark.e2e
+
+# Its own first words: no other test's pages of FACTS may be reused from the shared tree.
+LONG = "Mixed chunk check. " + FACTS + "\nQuestion: what is the code of item 21? Answer:"
+SHORT = "Mixed chunk check: count from one to thirty in words, separated by commas."
+
+
+@pytest.fixture(scope="module")
+def mixed_server(request, ragged_server):
+    """The shared server's twin (the same arguments) with mixed chunks and streaming sessions."""
+    return _start(request, [*ragged_server.args, "--enable-mixed-chunk", "--enable-streaming-session"],
+                  "ragged-twin")
+
+
+def _generate(base_url: str, text: str, tokens: int) -> tuple[str, int]:
+    """Greedy output (decoded to its length) and the cached prompt tokens."""
+    out = post(base_url, "/generate", {
+        "text": text, "sampling_params": {"max_new_tokens": tokens, "min_new_tokens": tokens,
+                                          "temperature": 0}})
+    return out["text"], out["meta_info"]["cached_tokens"]
+
+
+def _streamed(base_url: str, text: str, tokens: int, decoding: threading.Event) -> str:
+    """The same request streamed; `decoding` is set once a few tokens came back."""
+    chunks = 0
+    last = ""
+    for line in stream_lines(base_url, "/generate", {
+            "text": text, "stream": True,
+            "sampling_params": {"max_new_tokens": tokens, "min_new_tokens": tokens,
+                                "temperature": 0}}):
+        if line == "[DONE]":
+            break
+        last = json.loads(line)["text"]  # the whole text so far
+        chunks += 1
+        if chunks == 4:
+            decoding.set()
+    decoding.set()
+    return last
+
+
+def _mixed_batches(server) -> list[str]:
+    """The server's logged prefill batches that ran beside running (decoding) requests."""
+    return [line for line in server.log_text().splitlines()
+            if "Prefill batch" in line and int(re.search(r"#running-req: (\d+)", line).group(1)) > 0]
+
+
+@pytest.fixture(scope="module")
+def alone(ragged_server) -> dict[str, str]:
+    """Each request served alone on the shared server, from a fresh prefill."""
+    return {"short": _generate(ragged_server.base_url, SHORT, 96)[0],
+            "long": _generate(ragged_server.base_url, LONG, 16)[0]}
+
+
+def test_mixed_chunks_give_each_request_its_tokens_alone(alone, mixed_server):
+    before = len(_mixed_batches(mixed_server))
+    got: dict[str, str] = {}
+    decoding = threading.Event()
+    # the short request decodes while the long prompt is prefilled in chunks beside it
+    short = threading.Thread(target=lambda: got.update(
+        short=_streamed(mixed_server.base_url, SHORT, 96, decoding)))
+    short.start()
+    try:
+        assert decoding.wait(300)
+        got["long"] = _generate(mixed_server.base_url, LONG, 16)[0]
+    finally:
+        short.join(timeout=300)
+    assert got == alone
+    assert _mixed_batches(mixed_server)[before:], "no prefill chunk ran beside a decoding request"
+
+
+def test_flush_cache_empties_the_tree_and_later_requests_are_served(alone, mixed_server):
+    """After a flush a prompt is prefilled afresh (no cached token) and answers as its first
+    fresh prefill did; a repeat reuses its sealed pages again. (A repeat before the flush may
+    answer otherwise: its cached pages were sealed by the scores of the earlier request's
+    queries, a fresh prefill's by its chunks' own.)"""
+    for _ in range(2):
+        assert "Cache flushed" in get(mixed_server.base_url, "/flush_cache")
+        text, cached = _generate(mixed_server.base_url, LONG, 16)
+        assert text == alone["long"] and cached == 0
+        _, cached = _generate(mixed_server.base_url, LONG, 16)
+        assert cached >= 512  # the sealed prefix came from the tree
+
+
+TURNS = ("Session check. " + FACTS + "\nQuestion: what is the code of item 12? Answer:",
+         " And of item 30? Answer:", " And of item 5? Answer:")
+
+
+def _ids(server, text: str) -> list[int]:
+    return post(server.base_url, "/tokenize", {"prompt": text})["tokens"]
+
+
+def _turn(server, ids: list[int], session: dict | None = None) -> tuple[list[int], int]:
+    """Greedy output ids of 24 tokens and the cached prompt tokens."""
+    meta = post(server.base_url, "/generate", {
+        "input_ids": ids, "return_logprob": True,
+        **({"session_params": session} if session else {}),
+        "sampling_params": {"max_new_tokens": 24, "min_new_tokens": 24, "temperature": 0},
+    })["meta_info"]
+    return [e[1] for e in meta["output_token_logprobs"]], meta["cached_tokens"]
+
+
+def _session(server, streaming: bool) -> str:
+    sid = post(server.base_url, "/open_session", {"capacity_of_str_len": 100000, "streaming": streaming})
+    assert isinstance(sid, str) and sid, sid
+    return sid
+
+
+def _close(server, sid: str) -> None:
+    post_raw(server.base_url, "/close_session", {"session_id": sid})
+
+
+def test_a_session_turn_answers_as_its_history_sent_whole(ragged_server, mixed_server):
+    turns = [_ids(mixed_server, t) for t in TURNS]
+    sid, rid, history = _session(mixed_server, streaming=False), None, []
+    try:
+        for ids in turns:
+            meta = post(mixed_server.base_url, "/generate", {
+                "input_ids": ids, "return_logprob": True, "session_params": {"id": sid, "rid": rid},
+                "sampling_params": {"max_new_tokens": 24, "min_new_tokens": 24, "temperature": 0}})
+            rid, out = meta["meta_info"]["id"], [e[1] for e in meta["meta_info"]["output_token_logprobs"]]
+            history += ids
+            # the same conversation as plain requests, each turn its whole history
+            plain, cached = _turn(ragged_server, history)
+            assert out == plain
+            assert meta["meta_info"]["cached_tokens"] == cached  # the same sealed prefix reused
+            history += out
+    finally:
+        _close(mixed_server, sid)
+
+
+def test_a_streaming_session_keeps_its_whole_history_between_turns(mixed_server):
+    turns = [_ids(mixed_server, t) for t in TURNS]
+    outputs = []
+    for _ in range(2):  # a second session of the same turns answers the same
+        assert "Cache flushed" in get(mixed_server.base_url, "/flush_cache")  # a fresh first turn
+        sid, context, got = _session(mixed_server, streaming=True), 0, []
+        try:
+            for k, ids in enumerate(turns):
+                out, cached = _turn(mixed_server, ids, {"id": sid})
+                # every token of the history but the last output one (not yet in the cache)
+                assert cached == (context - 1 if k else 0), (k, cached, context)
+                context += len(ids) + len(out)
+                got.append(out)
+        finally:
+            _close(mixed_server, sid)
+        outputs.append(got)
+    assert outputs[0] == outputs[1]
+    get(mixed_server.base_url, "/health")  # alive: nothing leaked at close (strict idle check)
