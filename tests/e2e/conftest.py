@@ -30,11 +30,14 @@ def model_path() -> str:
     return str(os.environ.get("RAGGED_MODEL") or ensure_smollm2())
 
 
-def cpu_bind(ranks: int) -> str:
+def cpu_bind(ranks: int, share: bool = False) -> str:
     """SGLANG_CPU_OMP_THREADS_BIND giving each of `ranks` CPU scheduler processes (--tp-size,
-    --dp-size) its own share of this process's cores: SGLang requires it on the CPU where ranks
-    outnumber NUMA nodes."""
+    --dp-size, --pp-size) its own share of this process's cores: SGLang requires it on the CPU
+    where ranks outnumber NUMA nodes. With `share`, ranks beyond the cores take them again in
+    turn (rank r on core r mod cores: slower, for correctness checks of many ranks)."""
     cores = sorted(os.sched_getaffinity(0))
+    if share and len(cores) < ranks:
+        return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
     if len(cores) < ranks:
         pytest.skip(f"{ranks} CPU ranks need {ranks} cores, this machine has {len(cores)}")
     share = len(cores) // ranks
