@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,20 @@ def cpu_bind(ranks: int, share: bool = False) -> str:
         pytest.skip(f"{ranks} CPU ranks need {ranks} cores, this machine has {len(cores)}")
     share = len(cores) // ranks
     return "|".join(",".join(map(str, cores[r * share:(r + 1) * share])) for r in range(ranks))
+
+
+@contextmanager
+def started_together(servers: Mapping[Any, ServerProcess]) -> Iterator[Mapping[Any, ServerProcess]]:
+    """Start `servers` at once (each start is mostly single-threaded imports), yield them, and
+    stop every one at exit, started or not."""
+    try:
+        with ThreadPoolExecutor(len(servers)) as pool:
+            for future in [pool.submit(server.start) for server in servers.values()]:
+                future.result()
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 def _start(request: pytest.FixtureRequest, args: list[str], name: str,

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import random
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ import pytest
 from sgl_ragged.config import SUPPORTED_ARCHITECTURES
 from sgl_ragged.testing.server import ServerProcess
 from sgl_ragged.testing.tiny_model import TINY_ARCHITECTURES, save_tiny_model
-from tests.e2e.conftest import INTEGRITY_ENV, post
+from tests.e2e.conftest import INTEGRITY_ENV, post, started_together
 
 pytestmark = pytest.mark.e2e
 
@@ -39,23 +38,17 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Se
     """{architecture: (checkpoint, ragged server over it)}, the servers started together."""
     root = tmp_path_factory.mktemp("arch")
     log_dir = Path(os.environ.get("RAGGED_TEST_LOGS", "/tmp/sgl-ragged-test-logs"))
-    made = {}
+    models, made = {}, {}
     for arch in ARCHITECTURES:
-        model = save_tiny_model(root / arch, arch, layers=2, kv_heads=2, q_heads=4)
-        args = ["--model-path", str(model), "--device", "cpu", "--dtype", "float32",
+        models[arch] = save_tiny_model(root / arch, arch, layers=2, kv_heads=2, q_heads=4)
+        args = ["--model-path", str(models[arch]), "--device", "cpu", "--dtype", "float32",
                 "--page-size", "64", "--chunked-prefill-size", "128", "--max-total-tokens",
                 "2048", "--max-running-requests", "2", "--attention-backend", "ragged",
                 "--ragged-profile", "uniform:1.0"]
-        made[arch] = (model, ServerProcess(args, env=INTEGRITY_ENV, log_path=log_dir / f"arch-{arch}.log",
-                                           startup_timeout=900))
-    try:
-        with ThreadPoolExecutor(len(made)) as pool:
-            for future in [pool.submit(server.start) for _, server in made.values()]:
-                future.result()
-        yield made
-    finally:
-        for _, server in made.values():
-            server.stop()
+        made[arch] = ServerProcess(args, env=INTEGRITY_ENV, log_path=log_dir / f"arch-{arch}.log",
+                                   startup_timeout=900)
+    with started_together(made):
+        yield {arch: (models[arch], made[arch]) for arch in ARCHITECTURES}
 
 
 def _reference(model_path: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:

@@ -28,7 +28,7 @@ from sgl_ragged.profile.tiers import ProfileTiers
 from sgl_ragged.testing.server import ServerProcess
 from sgl_ragged.testing.tiny_model import save_tiny_llama
 from sgl_ragged.tp import slice_profile
-from tests.e2e.conftest import INTEGRITY_ENV, cpu_bind, post
+from tests.e2e.conftest import INTEGRITY_ENV, cpu_bind, post, started_together
 
 pytestmark = pytest.mark.e2e
 
@@ -88,14 +88,8 @@ def servers(request: pytest.FixtureRequest, model_and_profile) -> dict[int, Serv
                **({"SGLANG_CPU_OMP_THREADS_BIND": cpu_bind(ranks, share=True)} if ranks > 1 else {})}
         made[key] = ServerProcess(args, env=env, log_path=log_dir / f"pp{pp}-tp{tp}.log",
                                   startup_timeout=900)
-    try:
-        with ThreadPoolExecutor(len(made)) as pool:
-            for future in [pool.submit(s.start) for s in made.values()]:
-                future.result()
+    with started_together(made):
         yield made
-    finally:
-        for server in made.values():
-            server.stop()
 
 
 def _greedy(server: ServerProcess, ids: list[int]) -> tuple[list[int], list[float], int]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import random
 import re
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from sgl_ragged.budgets import cluster_heads, split_ratios
 from sgl_ragged.profile import BudgetProfile, ModelShape
 from sgl_ragged.testing.server import ServerProcess
 from sgl_ragged.testing.tiny_model import save_tiny_llama
-from tests.e2e.conftest import INTEGRITY_ENV, cpu_bind, post
+from tests.e2e.conftest import INTEGRITY_ENV, cpu_bind, post, started_together
 
 pytestmark = pytest.mark.e2e
 
@@ -65,14 +64,8 @@ def servers(request: pytest.FixtureRequest, tiny_model) -> tuple[str, dict[int, 
         env = {**INTEGRITY_ENV, **({"SGLANG_CPU_OMP_THREADS_BIND": cpu_bind(tp)} if tp > 1 else {})}
         made[tp] = ServerProcess(args, env=env, log_path=log_dir / f"tp{tp}-{name}.log",
                                  startup_timeout=900)
-    try:
-        with ThreadPoolExecutor(len(made)) as pool:
-            for future in [pool.submit(s.start) for s in made.values()]:
-                future.result()
+    with started_together(made):
         yield name, made
-    finally:
-        for server in made.values():
-            server.stop()
 
 
 def _greedy(server: ServerProcess, ids: list[int]) -> tuple[list[int], list[float]]:
