@@ -202,8 +202,7 @@ def _check_pipeline(cfg: Any) -> None:
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(cfg.model_path, trust_remote_code=bool(cfg.trust_remote_code))
-    if getattr(getattr(hf, "text_config", hf), "tie_word_embeddings", False) or getattr(
-            hf, "tie_word_embeddings", False):
+    if any(getattr(c, "tie_word_embeddings", False) for c in (hf, getattr(hf, "text_config", hf))):
         raise ValueError(
             f"--pp-size {pp_size} cannot serve {cfg.model_path}: it ties its word embeddings "
             "(tie_word_embeddings), and in SGLang 0.5.23's pipeline stages the last stage's "

@@ -92,10 +92,14 @@ def servers(request: pytest.FixtureRequest, model_and_profile) -> dict[int, Serv
         yield made
 
 
-def _greedy(server: ServerProcess, ids: list[int]) -> tuple[list[int], list[float], int]:
+def _greedy(server: ServerProcess, ids: list[int], new_tokens: int = 24,
+            to_length: bool = False) -> tuple[list[int], list[float], int]:
+    """Greedy output ids, their log-probabilities and the cached prompt tokens; `to_length`
+    decodes all `new_tokens` (min_new_tokens: no early EOS)."""
+    sampling = {"max_new_tokens": new_tokens, "temperature": 0,
+                **({"min_new_tokens": new_tokens} if to_length else {})}
     out = post(server.base_url, "/generate", {
-        "input_ids": ids, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 24, "temperature": 0}})
+        "input_ids": ids, "return_logprob": True, "sampling_params": sampling})
     pairs = out["meta_info"]["output_token_logprobs"]
     return [p[1] for p in pairs], [p[0] for p in pairs], out["meta_info"]["cached_tokens"]
 
@@ -146,13 +150,6 @@ def test_each_stage_holds_its_layers_and_all_admit_the_same_tokens(servers) -> N
     assert sum(b for _, b in pools.values()) == _layout(profile).row_bytes_per_page
 
 
-def _decoded(server: ServerProcess, ids: list[int], tokens: int) -> list[int]:
-    out = post(server.base_url, "/generate", {
-        "input_ids": ids, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": tokens, "min_new_tokens": tokens, "temperature": 0}})
-    return [p[1] for p in out["meta_info"]["output_token_logprobs"]]
-
-
 def test_concurrent_requests_in_micro_batches_give_the_tokens_of_pp1(servers) -> None:
     """Four requests at once: the pipeline's stages run them as micro-batches (each stage plans
     its own forwards from the noted batch rows, checked against the tensor on the CPU), and
@@ -162,7 +159,8 @@ def test_concurrent_requests_in_micro_batches_give_the_tokens_of_pp1(servers) ->
     may differ from the prompt's served alone by design, pipeline or not."""
     rng = random.Random(2)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (40, 52, 60, 33)]  # 185 < 256
-    alone = [_decoded(servers[1], ids, 150) for ids in prompts]
+    alone = [_greedy(servers[1], ids, 150, to_length=True)[0] for ids in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        together = list(pool.map(lambda ids: _decoded(servers[2], ids, 150), prompts))
+        together = list(pool.map(lambda ids: _greedy(servers[2], ids, 150, to_length=True)[0],
+                                 prompts))
     assert together == alone

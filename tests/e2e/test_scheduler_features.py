@@ -78,7 +78,7 @@ def alone(ragged_server) -> dict[str, str]:
             "long": _generate(ragged_server.base_url, LONG, 16)[0]}
 
 
-def test_mixed_chunks_give_each_request_its_tokens_alone(alone, mixed_server):
+def test_a_request_decoding_inside_mixed_chunks_answers_as_alone(alone, mixed_server):
     before = len(_mixed_batches(mixed_server))
     got: dict[str, str] = {}
     decoding = threading.Event()
@@ -121,14 +121,14 @@ def _ids(server, text: str) -> list[int]:
     return post(server.base_url, "/tokenize", {"prompt": text})["tokens"]
 
 
-def _turn(server, ids: list[int], session: dict | None = None) -> tuple[list[int], int]:
-    """Greedy output ids of 24 tokens and the cached prompt tokens."""
+def _turn(server, ids: list[int], session: dict | None = None) -> tuple[list[int], int, str]:
+    """Greedy output ids of 24 tokens, the cached prompt tokens and the request's id."""
     meta = post(server.base_url, "/generate", {
         "input_ids": ids, "return_logprob": True,
         **({"session_params": session} if session else {}),
         "sampling_params": {"max_new_tokens": 24, "min_new_tokens": 24, "temperature": 0},
     })["meta_info"]
-    return [e[1] for e in meta["output_token_logprobs"]], meta["cached_tokens"]
+    return [e[1] for e in meta["output_token_logprobs"]], meta["cached_tokens"], meta["id"]
 
 
 def _session(server, streaming: bool) -> str:
@@ -146,15 +146,12 @@ def test_a_session_turn_answers_as_its_history_sent_whole(ragged_server, mixed_s
     sid, rid, history = _session(mixed_server, streaming=False), None, []
     try:
         for ids in turns:
-            meta = post(mixed_server.base_url, "/generate", {
-                "input_ids": ids, "return_logprob": True, "session_params": {"id": sid, "rid": rid},
-                "sampling_params": {"max_new_tokens": 24, "min_new_tokens": 24, "temperature": 0}})
-            rid, out = meta["meta_info"]["id"], [e[1] for e in meta["meta_info"]["output_token_logprobs"]]
+            out, cached, rid = _turn(mixed_server, ids, {"id": sid, "rid": rid})
             history += ids
             # the same conversation as plain requests, each turn its whole history
-            plain, cached = _turn(ragged_server, history)
+            plain, plain_cached, _ = _turn(ragged_server, history)
             assert out == plain
-            assert meta["meta_info"]["cached_tokens"] == cached  # the same sealed prefix reused
+            assert cached == plain_cached  # the same sealed prefix reused
             history += out
     finally:
         _close(mixed_server, sid)
@@ -168,7 +165,7 @@ def test_a_streaming_session_keeps_its_whole_history_between_turns(mixed_server)
         sid, context, got = _session(mixed_server, streaming=True), 0, []
         try:
             for k, ids in enumerate(turns):
-                out, cached = _turn(mixed_server, ids, {"id": sid})
+                out, cached, _ = _turn(mixed_server, ids, {"id": sid})
                 # every token of the history but the last output one (not yet in the cache)
                 assert cached == (context - 1 if k else 0), (k, cached, context)
                 context += len(ids) + len(out)
