@@ -1,5 +1,5 @@
-"""SGLang scheduler features on a twin of the shared server: mixed chunks, `/flush_cache` and
-sessions.
+"""SGLang scheduler features on a twin of the shared server: mixed chunks, `/flush_cache`,
+sessions and priority preemption.
 
 With mixed chunks (`--enable-mixed-chunk`) a prefill chunk runs in the same forward as the
 running requests' decode tokens, which take places of the chunk: its chunks end where the decode
@@ -10,8 +10,11 @@ with its first fresh answer. Sessions (`/open_session`): a non-streaming session
 history plus the new tokens through the radix tree, so it answers as the same ids sent as one
 plain request to the shared server; a streaming session (`--enable-streaming-session`) keeps
 its whole history in its request row between turns, the staged window pages too, so a later
-turn reuses every token of it. The twin is this module's own server, so flushing it disturbs
-no other module's cached tokens.
+turn reuses every token of it. With `--enable-priority-scheduling` a request of a much higher
+priority that finds every request row taken preempts a running one: SGLang releases its KV row
+as for a retraction (its staged pages with it) and serves it again later from its prompt and
+output so far. The twin is this module's own server, so flushing it disturbs no other module's
+cached tokens.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from bench import counters
 from tests.e2e.conftest import _start, get, post, post_raw, stream_lines
 from tests.e2e.test_serving import FACTS
 
@@ -34,9 +40,10 @@ SHORT = "Mixed chunk check: count from one to thirty in words, separated by comm
 
 @pytest.fixture(scope="module")
 def mixed_server(request, ragged_server):
-    """The shared server's twin (the same arguments) with mixed chunks and streaming sessions."""
-    return _start(request, [*ragged_server.args, "--enable-mixed-chunk", "--enable-streaming-session"],
-                  "ragged-twin")
+    """The shared server's twin (the same arguments) with mixed chunks, streaming sessions and
+    priority scheduling (requests without a priority keep their arrival order)."""
+    return _start(request, [*ragged_server.args, "--enable-mixed-chunk", "--enable-streaming-session",
+                            "--enable-priority-scheduling"], "ragged-twin")
 
 
 def _generate(base_url: str, text: str, tokens: int) -> tuple[str, int]:
@@ -175,3 +182,42 @@ def test_a_streaming_session_keeps_its_whole_history_between_turns(mixed_server)
         outputs.append(got)
     assert outputs[0] == outputs[1]
     get(mixed_server.base_url, "/health")  # alive: nothing leaked at close (strict idle check)
+
+
+URGENT = "Priority check: name the days of the week, separated by commas."
+
+
+def _prioritized(base_url: str, text: str, tokens: int, priority: int) -> dict:
+    """Greedy output of `tokens` tokens at `priority`: the text and SGLang's meta_info."""
+    out = post(base_url, "/generate", {
+        "text": text, "priority": priority,
+        "sampling_params": {"max_new_tokens": tokens, "min_new_tokens": tokens, "temperature": 0}},
+        timeout=900)
+    return {"text": out["text"], **out["meta_info"]}
+
+
+def test_a_high_priority_request_preempts_a_running_one(ragged_server, mixed_server):
+    """Eight requests of priority 0 take the twin's eight request rows (--max-running-requests)
+    and decode; one of priority 100 (above SGLang's preemption threshold of 10) then preempts
+    the latest of them. It answers as alone (its prompt fits one chunk); the preempted request
+    is served again to its full length; every page comes back and the pool stays intact."""
+    base = mixed_server.base_url
+    alone = _prioritized(ragged_server.base_url, URGENT, 24, 0)["text"]
+    idle = counters.wait_idle(base)
+    before = counters.counters(base)
+    with ThreadPoolExecutor(9) as pool:
+        lows = [pool.submit(_prioritized, base, f"Priority check, request {i}. " + FACTS[:300], 160, 0)
+                for i in range(8)]
+        deadline = time.monotonic() + 300
+        while counters.pool_state(base).running < 8:
+            assert time.monotonic() < deadline, "the eight requests never ran together"
+            time.sleep(0.2)
+        urgent = pool.submit(_prioritized, base, URGENT, 24, 100).result()
+        lows = [f.result() for f in lows]
+    assert urgent["text"] == alone and urgent["num_retractions"] == 0
+    assert sorted(low["num_retractions"] for low in lows) == [0] * 7 + [1], lows
+    assert all(low["finish_reason"]["type"] == "length" and low["completion_tokens"] == 160
+               for low in lows)
+    done = counters.delta(before, counters.counters(base))
+    assert done["integrity_checks"] > 0 and done["integrity_violations"] == 0, done
+    assert counters.wait_idle(base, idle.used_tokens).free_tokens == idle.free_tokens

@@ -4,6 +4,7 @@ multi-turn prefix hits, memory pressure, abort, malformed requests."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import urllib.error
 import urllib.request
@@ -48,6 +49,36 @@ def test_parallel_sampling_n_choices(ragged_server):
     assert sorted(c["index"] for c in choices) == [0, 1, 2]
     assert all(c["message"]["content"].strip() for c in choices), choices
     assert out["usage"]["completion_tokens"] >= 3
+
+
+ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+                 "properties": {"city": {"type": "string", "maxLength": 24},
+                                "country": {"type": "string", "enum": ["France", "Italy", "Spain"]}}}
+
+
+def test_structured_outputs_follow_their_grammar(ragged_server):
+    """Constrained decoding (SGLang's grammar backend, xgrammar) masks the logits the ragged
+    backend's attention produced: an OpenAI `json_schema` answer parses and fits its schema,
+    a `/generate` regex and an EBNF grammar are matched whole, greedy and sampled."""
+    base = ragged_server.base_url
+    for temperature in (0, 0.8):
+        out = post(base, "/v1/chat/completions", {
+            "model": "default", "max_tokens": 64, "temperature": temperature,
+            "messages": [{"role": "user", "content": "Where is the Eiffel tower? Answer as JSON."}],
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "place", "schema": ANSWER_SCHEMA}}})
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        answer = json.loads(choice["message"]["content"])
+        assert set(answer) == {"city", "country"} and answer["country"] in ("France", "Italy", "Spain")
+        assert isinstance(answer["city"], str) and len(answer["city"]) <= 24
+        for constraint, whole in (({"regex": "(19|20)[0-9]{2}"}, r"(19|20)[0-9]{2}"),
+                                  ({"ebnf": 'root ::= "yes" | "no"'}, r"yes|no")):
+            got = post(base, "/generate", {
+                "text": "The year the Eiffel tower was finished, in digits:",
+                "sampling_params": {"max_new_tokens": 8, "temperature": temperature, **constraint}})
+            assert re.fullmatch(whole, got["text"]), (constraint, got["text"])
+            assert got["meta_info"]["finish_reason"]["type"] == "stop", got["meta_info"]
 
 
 def test_generate_and_stream_agree(ragged_server):
