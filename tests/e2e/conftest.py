@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -101,6 +101,32 @@ def post(base_url: str, path: str, payload: dict[str, Any], timeout: float = 300
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
+
+
+class Greedy(NamedTuple):
+    """A greedy /generate answer: output ids, their log-probabilities, cached prompt tokens."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    cached: int
+
+
+def greedy(server: ServerProcess, ids: list[int], new_tokens: int = 24,
+           to_length: str | None = None) -> Greedy:
+    """Greedy /generate of prompt ids with log-probabilities. `to_length` decodes all
+    `new_tokens`: "min_new_tokens" by masking the EOS logit (SGLang's min_new_tokens; that moves
+    every log-probability a little), "ignore_eos" past EOS with the logits untouched."""
+    if to_length not in (None, "min_new_tokens", "ignore_eos"):
+        raise ValueError(f"to_length {to_length!r}: use None, 'min_new_tokens' or 'ignore_eos'")
+    sampling: dict[str, Any] = {"max_new_tokens": new_tokens, "temperature": 0}
+    if to_length == "min_new_tokens":
+        sampling["min_new_tokens"] = new_tokens
+    elif to_length == "ignore_eos":
+        sampling["ignore_eos"] = True
+    out = post(server.base_url, "/generate", {
+        "input_ids": ids, "return_logprob": True, "sampling_params": sampling})
+    pairs = out["meta_info"]["output_token_logprobs"]
+    return Greedy([p[1] for p in pairs], [p[0] for p in pairs], out["meta_info"]["cached_tokens"])
 
 
 def post_raw(base_url: str, path: str, payload: dict[str, Any], timeout: float = 300) -> str:

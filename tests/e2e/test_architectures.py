@@ -20,7 +20,7 @@ import pytest
 from sgl_ragged.config import SUPPORTED_ARCHITECTURES
 from sgl_ragged.testing.server import ServerProcess
 from sgl_ragged.testing.tiny_model import TINY_ARCHITECTURES, save_tiny_model
-from tests.e2e.conftest import INTEGRITY_ENV, post, started_together
+from tests.e2e.conftest import INTEGRITY_ENV, greedy, started_together
 
 pytestmark = pytest.mark.e2e
 
@@ -79,12 +79,8 @@ def test_the_full_cache_gives_transformers_tokens(served, arch: str) -> None:
     rng = random.Random(ARCHITECTURES.index(arch))
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (30, 150, 290)]  # 1, 3, 5 pages
     for ids, (tokens, logprobs) in zip(prompts, _reference(model, prompts), strict=True):
-        out = post(server.base_url, "/generate", {
-            "input_ids": ids, "return_logprob": True,
-            # ignore_eos, not min_new_tokens: that one masks the EOS logit, which moves every
-            # log-probability away from transformers' (its generate is told of no EOS)
-            "sampling_params": {"max_new_tokens": NEW_TOKENS, "ignore_eos": True,
-                                "temperature": 0}})
-        pairs = out["meta_info"]["output_token_logprobs"]
-        assert [p[1] for p in pairs] == tokens, f"{arch}, {len(ids)} prompt tokens"
-        assert max(abs(p[0] - lp) for p, lp in zip(pairs, logprobs, strict=True)) < 1e-3
+        # ignore_eos, not min_new_tokens: that one masks the EOS logit, which moves every
+        # log-probability away from transformers' (its generate is told of no EOS)
+        got = greedy(server, ids, NEW_TOKENS, to_length="ignore_eos")
+        assert got.tokens == tokens, f"{arch}, {len(ids)} prompt tokens"
+        assert max(abs(a - b) for a, b in zip(got.logprobs, logprobs, strict=True)) < 1e-3

@@ -28,7 +28,7 @@ from sgl_ragged.profile.tiers import ProfileTiers
 from sgl_ragged.testing.server import ServerProcess
 from sgl_ragged.testing.tiny_model import save_tiny_llama
 from sgl_ragged.tp import slice_profile
-from tests.e2e.conftest import INTEGRITY_ENV, cpu_bind, post, started_together
+from tests.e2e.conftest import INTEGRITY_ENV, cpu_bind, greedy, started_together
 
 pytestmark = pytest.mark.e2e
 
@@ -92,24 +92,12 @@ def servers(request: pytest.FixtureRequest, model_and_profile) -> dict[int, Serv
         yield made
 
 
-def _greedy(server: ServerProcess, ids: list[int], new_tokens: int = 24,
-            to_length: bool = False) -> tuple[list[int], list[float], int]:
-    """Greedy output ids, their log-probabilities and the cached prompt tokens; `to_length`
-    decodes all `new_tokens` (min_new_tokens: no early EOS)."""
-    sampling = {"max_new_tokens": new_tokens, "temperature": 0,
-                **({"min_new_tokens": new_tokens} if to_length else {})}
-    out = post(server.base_url, "/generate", {
-        "input_ids": ids, "return_logprob": True, "sampling_params": sampling})
-    pairs = out["meta_info"]["output_token_logprobs"]
-    return [p[1] for p in pairs], [p[0] for p in pairs], out["meta_info"]["cached_tokens"]
-
-
 def test_stages_give_the_tokens_of_pp1(servers) -> None:
     rng = random.Random(0)
     for length in (40, 200, 333):  # within one page; sealed pages; a partial tail page
         ids = [rng.randrange(256) for _ in range(length)]
-        tokens1, logprobs1, _ = _greedy(servers[1], ids)
-        tokens2, logprobs2, _ = _greedy(servers[2], ids)
+        tokens1, logprobs1, _ = greedy(servers[1], ids)
+        tokens2, logprobs2, _ = greedy(servers[2], ids)
         assert tokens2 == tokens1, f"{length} prompt tokens"
         assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2, strict=True)) < 1e-3
 
@@ -120,11 +108,11 @@ def test_a_follow_up_reuses_the_sealed_prefix_on_both_stages(servers) -> None:
     follow = first + [rng.randrange(256) for _ in range(70)]
     got = {}
     for pp, server in servers.items():
-        _greedy(server, first)
-        got[pp] = _greedy(server, follow)
-    assert got[2][0] == got[1][0]
+        greedy(server, first)
+        got[pp] = greedy(server, follow)
+    assert got[2].tokens == got[1].tokens
     # the first request's sealed pages (4 of its 300 + 24 tokens) come from the radix cache
-    assert got[1][2] == got[2][2] == 4 * PAGE
+    assert got[1].cached == got[2].cached == 4 * PAGE
 
 
 def test_each_stage_holds_its_layers_and_all_admit_the_same_tokens(servers) -> None:
@@ -159,8 +147,8 @@ def test_concurrent_requests_in_micro_batches_give_the_tokens_of_pp1(servers) ->
     may differ from the prompt's served alone by design, pipeline or not."""
     rng = random.Random(2)
     prompts = [[rng.randrange(256) for _ in range(n)] for n in (40, 52, 60, 33)]  # 185 < 256
-    alone = [_greedy(servers[1], ids, 150, to_length=True)[0] for ids in prompts]
+    alone = [greedy(servers[1], ids, 150, to_length="min_new_tokens").tokens for ids in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        together = list(pool.map(lambda ids: _greedy(servers[2], ids, 150, to_length=True)[0],
+        together = list(pool.map(lambda ids: greedy(servers[2], ids, 150, to_length="min_new_tokens").tokens,
                                  prompts))
     assert together == alone

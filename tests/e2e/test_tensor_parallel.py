@@ -21,7 +21,7 @@ from sgl_ragged.budgets import cluster_heads, split_ratios
 from sgl_ragged.profile import BudgetProfile, ModelShape
 from sgl_ragged.testing.server import ServerProcess
 from sgl_ragged.testing.tiny_model import save_tiny_llama
-from tests.e2e.conftest import INTEGRITY_ENV, cpu_bind, post, started_together
+from tests.e2e.conftest import INTEGRITY_ENV, cpu_bind, greedy, started_together
 
 pytestmark = pytest.mark.e2e
 
@@ -68,21 +68,13 @@ def servers(request: pytest.FixtureRequest, tiny_model) -> tuple[str, dict[int, 
         yield name, made
 
 
-def _greedy(server: ServerProcess, ids: list[int]) -> tuple[list[int], list[float]]:
-    out = post(server.base_url, "/generate", {
-        "input_ids": ids, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 24, "temperature": 0}})
-    pairs = out["meta_info"]["output_token_logprobs"]
-    return [p[1] for p in pairs], [p[0] for p in pairs]
-
-
 def test_tp2_gives_the_tokens_of_tp1(servers) -> None:
     name, by_tp = servers
     rng = random.Random(0)
     for length in (40, 200, 333):  # within one page; sealed pages; a partial tail page
         ids = [rng.randrange(256) for _ in range(length)]
-        tokens1, logprobs1 = _greedy(by_tp[1], ids)
-        tokens2, logprobs2 = _greedy(by_tp[2], ids)
+        tokens1, logprobs1, _ = greedy(by_tp[1], ids)
+        tokens2, logprobs2, _ = greedy(by_tp[2], ids)
         assert tokens2 == tokens1, f"{name}, {length} prompt tokens"
         assert max(abs(a - b) for a, b in zip(logprobs1, logprobs2, strict=True)) < 1e-3
 
