@@ -1,5 +1,5 @@
 """SGLang scheduler features on a twin of the shared server: mixed chunks, `/flush_cache`,
-sessions and priority preemption.
+sessions, priority preemption and weight updates.
 
 With mixed chunks (`--enable-mixed-chunk`) a prefill chunk runs in the same forward as the
 running requests' decode tokens, which take places of the chunk: its chunks end where the decode
@@ -13,7 +13,8 @@ its whole history in its request row between turns, the staged window pages too,
 turn reuses every token of it. With `--enable-priority-scheduling` a request of a much higher
 priority that finds every request row taken preempts a running one: SGLang releases its KV row
 as for a retraction (its staged pages with it) and serves it again later from its prompt and
-output so far. The twin is this module's own server, so flushing it disturbs no other module's
+output so far. `/update_weights_from_disk` reloads the weights and flushes the tree, so later
+prompts are prefilled afresh on the same pool. The twin is this module's own server, so flushing it disturbs no other module's
 cached tokens.
 """
 
@@ -221,3 +222,24 @@ def test_a_high_priority_request_preempts_a_running_one(ragged_server, mixed_ser
     done = counters.delta(before, counters.counters(base))
     assert done["integrity_checks"] > 0 and done["integrity_violations"] == 0, done
     assert counters.wait_idle(base, idle.used_tokens).free_tokens == idle.free_tokens
+
+
+def test_weights_updated_from_disk_flush_the_tree_and_answer_as_before(mixed_server):
+    """`/update_weights_from_disk` with the served checkpoint (as an RL loop does between
+    steps) reloads them and empties the radix tree and the pool (the flush of `/flush_cache`):
+    a prompt is then prefilled afresh and answers as its first fresh prefill did, with the pool
+    intact."""
+    base = mixed_server.base_url
+    text = "Weights check. " + FACTS + "\nQuestion: what is the code of item 9? Answer:"
+    assert "Cache flushed" in get(base, "/flush_cache")
+    first, cached = _generate(base, text, 16)
+    assert cached == 0
+    assert _generate(base, text, 16)[1] >= 512  # its sealed prefix is in the tree
+    args = mixed_server.args
+    before = counters.counters(base)
+    out = post(base, "/update_weights_from_disk", {"model_path": args[args.index("--model-path") + 1]})
+    assert out["success"], out
+    again, cached = _generate(base, text, 16)
+    assert (again, cached) == (first, 0)
+    done = counters.delta(before, counters.counters(base))
+    assert done["integrity_checks"] > 0 and done["integrity_violations"] == 0, done
