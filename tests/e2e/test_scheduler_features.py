@@ -14,8 +14,8 @@ turn reuses every token of it. With `--enable-priority-scheduling` a request of 
 priority that finds every request row taken preempts a running one: SGLang releases its KV row
 as for a retraction (its staged pages with it) and serves it again later from its prompt and
 output so far. `/update_weights_from_disk` reloads the weights and flushes the tree, so later
-prompts are prefilled afresh on the same pool. The twin is this module's own server, so flushing it disturbs no other module's
-cached tokens.
+prompts are prefilled afresh on the same pool. The twin is this module's own server, so
+flushing it disturbs no other module's cached tokens.
 """
 
 from __future__ import annotations
@@ -47,12 +47,20 @@ def mixed_server(request, ragged_server):
                             "--enable-priority-scheduling"], "ragged-twin")
 
 
+def _answer(base_url: str, text: str, tokens: int, timeout: float = 300, **fields) -> dict:
+    """Greedy output decoded to its length (min_new_tokens), with the request's other `fields`
+    (e.g. its priority): the text and SGLang's meta_info."""
+    out = post(base_url, "/generate", {
+        "text": text, **fields,
+        "sampling_params": {"max_new_tokens": tokens, "min_new_tokens": tokens, "temperature": 0}},
+        timeout=timeout)
+    return {"text": out["text"], **out["meta_info"]}
+
+
 def _generate(base_url: str, text: str, tokens: int) -> tuple[str, int]:
     """Greedy output (decoded to its length) and the cached prompt tokens."""
-    out = post(base_url, "/generate", {
-        "text": text, "sampling_params": {"max_new_tokens": tokens, "min_new_tokens": tokens,
-                                          "temperature": 0}})
-    return out["text"], out["meta_info"]["cached_tokens"]
+    out = _answer(base_url, text, tokens)
+    return out["text"], out["cached_tokens"]
 
 
 def _streamed(base_url: str, text: str, tokens: int, decoding: threading.Event) -> str:
@@ -188,32 +196,24 @@ def test_a_streaming_session_keeps_its_whole_history_between_turns(mixed_server)
 URGENT = "Priority check: name the days of the week, separated by commas."
 
 
-def _prioritized(base_url: str, text: str, tokens: int, priority: int) -> dict:
-    """Greedy output of `tokens` tokens at `priority`: the text and SGLang's meta_info."""
-    out = post(base_url, "/generate", {
-        "text": text, "priority": priority,
-        "sampling_params": {"max_new_tokens": tokens, "min_new_tokens": tokens, "temperature": 0}},
-        timeout=900)
-    return {"text": out["text"], **out["meta_info"]}
-
-
 def test_a_high_priority_request_preempts_a_running_one(ragged_server, mixed_server):
     """Eight requests of priority 0 take the twin's eight request rows (--max-running-requests)
     and decode; one of priority 100 (above SGLang's preemption threshold of 10) then preempts
     the latest of them. It answers as alone (its prompt fits one chunk); the preempted request
     is served again to its full length; every page comes back and the pool stays intact."""
     base = mixed_server.base_url
-    alone = _prioritized(ragged_server.base_url, URGENT, 24, 0)["text"]
+    alone = _answer(ragged_server.base_url, URGENT, 24, priority=0)["text"]
     idle = counters.wait_idle(base)
     before = counters.counters(base)
     with ThreadPoolExecutor(9) as pool:
-        lows = [pool.submit(_prioritized, base, f"Priority check, request {i}. " + FACTS[:300], 160, 0)
+        lows = [pool.submit(_answer, base, f"Priority check, request {i}. " + FACTS[:300], 160,
+                             timeout=900, priority=0)
                 for i in range(8)]
         deadline = time.monotonic() + 300
         while counters.pool_state(base).running < 8:
             assert time.monotonic() < deadline, "the eight requests never ran together"
             time.sleep(0.2)
-        urgent = pool.submit(_prioritized, base, URGENT, 24, 100).result()
+        urgent = pool.submit(_answer, base, URGENT, 24, timeout=900, priority=100).result()
         lows = [f.result() for f in lows]
     assert urgent["text"] == alone and urgent["num_retractions"] == 0
     assert sorted(low["num_retractions"] for low in lows) == [0] * 7 + [1], lows
