@@ -1,5 +1,5 @@
 """SGLang scheduler features on a twin of the shared server: mixed chunks, `/flush_cache`,
-sessions, priority preemption and weight updates.
+sessions, priority preemption, weight updates and pausing generation.
 
 With mixed chunks (`--enable-mixed-chunk`) a prefill chunk runs in the same forward as the
 running requests' decode tokens, which take places of the chunk: its chunks end where the decode
@@ -14,7 +14,10 @@ turn reuses every token of it. With `--enable-priority-scheduling` a request of 
 priority that finds every request row taken preempts a running one: SGLang releases its KV row
 as for a retraction (its staged pages with it) and serves it again later from its prompt and
 output so far. `/update_weights_from_disk` reloads the weights and flushes the tree, so later
-prompts are prefilled afresh on the same pool. The twin is this module's own server, so
+prompts are prefilled afresh on the same pool. `/pause_generation` in place stops the
+forwards and keeps every request's pages; with mode retract (an RL loop's weight update) it
+releases them as a retraction does, a prompt in the middle of its chunked prefill too, and
+`/continue_generation` serves the requests again. The twin is this module's own server, so
 flushing it disturbs no other module's cached tokens.
 """
 
@@ -24,6 +27,7 @@ import json
 import re
 import threading
 import time
+import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -37,6 +41,7 @@ pytestmark = pytest.mark.e2e
 # Its own first words: no other test's pages of FACTS may be reused from the shared tree.
 LONG = "Mixed chunk check. " + FACTS + "\nQuestion: what is the code of item 21? Answer:"
 SHORT = "Mixed chunk check: count from one to thirty in words, separated by commas."
+PAUSED_TOKENS = 320  # long enough (10 s or more here) to pause the request while it decodes
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +68,10 @@ def _generate(base_url: str, text: str, tokens: int) -> tuple[str, int]:
     return out["text"], out["cached_tokens"]
 
 
-def _streamed(base_url: str, text: str, tokens: int, decoding: threading.Event) -> str:
-    """The same request streamed; `decoding` is set once a few tokens came back."""
+def _streamed(base_url: str, text: str, tokens: int, decoding: threading.Event,
+              progress: list[int] | None = None) -> str:
+    """The same request streamed; `decoding` is set once a few tokens came back, and each
+    chunk's text length goes to `progress`."""
     chunks = 0
     last = ""
     for line in stream_lines(base_url, "/generate", {
@@ -75,6 +82,8 @@ def _streamed(base_url: str, text: str, tokens: int, decoding: threading.Event) 
             break
         last = json.loads(line)["text"]  # the whole text so far
         chunks += 1
+        if progress is not None:
+            progress.append(len(last))
         if chunks == 4:
             decoding.set()
     decoding.set()
@@ -91,7 +100,8 @@ def _mixed_batches(server) -> list[str]:
 def alone(ragged_server) -> dict[str, str]:
     """Each request served alone on the shared server, from a fresh prefill."""
     return {"short": _generate(ragged_server.base_url, SHORT, 96)[0],
-            "long": _generate(ragged_server.base_url, LONG, 16)[0]}
+            "long": _generate(ragged_server.base_url, LONG, 16)[0],
+            "paused": _generate(ragged_server.base_url, SHORT, PAUSED_TOKENS)[0]}
 
 
 def test_a_request_decoding_inside_mixed_chunks_answers_as_alone(alone, mixed_server):
@@ -243,3 +253,115 @@ def test_weights_updated_from_disk_flush_the_tree_and_answer_as_before(mixed_ser
     assert (again, cached) == (first, 0)
     done = counters.delta(before, counters.counters(base))
     assert done["integrity_checks"] > 0 and done["integrity_violations"] == 0, done
+
+
+def _prefill_batches(server) -> int:
+    return server.log_text().count("Prefill batch")
+
+
+def _prefilled_before(server, start: int, marker: str) -> int:
+    """The prompt tokens of the logged prefill batches after the first `start` ones and before
+    the first line with `marker` after them."""
+    tokens, seen = 0, 0
+    for line in server.log_text().splitlines():
+        if "Prefill batch" in line:
+            seen += 1
+            if seen > start:
+                tokens += int(re.search(r"#new-token: (\d+)", line).group(1))
+        elif seen >= start and marker in line:
+            return tokens
+    raise AssertionError(f"no {marker!r} in the log after prefill batch {start}")
+
+
+def _wait(condition, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_an_in_place_pause_freezes_decoding_and_resumes_on_the_same_pages(alone, mixed_server):
+    """`/pause_generation` in place stops the scheduler's forwards and leaves every request
+    where it is, its KV row and pages with it: the decoding request makes no progress, a
+    `/flush_cache` is refused (a request holds pages), and after
+    `/continue_generation` it answers as served alone, never retracted."""
+    base = mixed_server.base_url
+    idle = counters.wait_idle(base)
+    before = counters.counters(base)
+    got: dict[str, str] = {}
+    progress: list[int] = []
+    decoding = threading.Event()
+    short = threading.Thread(target=lambda: got.update(
+        short=_streamed(base, SHORT, PAUSED_TOKENS, decoding, progress)))
+    short.start()
+    try:
+        assert decoding.wait(300)
+        assert "paused" in post_raw(base, "/pause_generation", {"mode": "in_place"})
+        try:
+            time.sleep(1.0)  # what a step in flight streams arrives
+            frozen = len(progress)
+            time.sleep(3.0)
+            assert len(progress) == frozen, "the request decoded while paused"
+            # (the scheduler publishes /v1/loads from the forwards' loop: stale while paused)
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                get(base, "/flush_cache")
+            assert refused.value.code == 400
+        finally:
+            post_raw(base, "/continue_generation", {})
+    finally:
+        short.join(timeout=300)
+    assert len(progress) > frozen
+    assert got["short"] == alone["paused"]
+    done = counters.delta(before, counters.counters(base))
+    assert done["integrity_checks"] > 0 and done["integrity_violations"] == 0, done
+    assert counters.wait_idle(base, idle.used_tokens).free_tokens == idle.free_tokens
+
+
+PAUSE_LOWS = [f"Pause check, request {i}. " + FACTS[:300] for i in range(4)]
+PAUSE_LONG = ("Pause check, long. " + " ".join([FACTS] * 4)
+              + "\nQuestion: what is the code of item 7? Answer:")
+
+
+def test_a_retracting_pause_frees_every_page_and_serves_its_requests_after_a_weight_update(
+        alone, mixed_server):
+    """The RL loop's weight update: `/pause_generation` with mode retract while four requests
+    decode and a long prompt is being prefilled in chunks sends all five back to the queue
+    (SGLang's retract_all: their KV rows, sealed and staged pages go back, the chunked prompt's
+    with them), so a `/flush_cache` succeeds while paused; `/update_weights_from_disk` then
+    reloads the weights and flushes the tree again with the five still queued, and after
+    `/continue_generation` each is served again, from its prompt and output so far, to its full
+    length. Every page comes back and the pool stays intact; a fresh prompt answers as its
+    first fresh prefill did."""
+    base = mixed_server.base_url
+    assert "Cache flushed" in get(base, "/flush_cache")
+    idle = counters.wait_idle(base)
+    before = counters.counters(base)
+    args = mixed_server.args
+    with ThreadPoolExecutor(5) as pool:
+        lows = [pool.submit(_answer, base, text, 160, timeout=900) for text in PAUSE_LOWS]
+        _wait(lambda: counters.pool_state(base).running == 4, "the four requests never ran together")
+        prefills = _prefill_batches(mixed_server)
+        long = pool.submit(_answer, base, PAUSE_LONG, 48, timeout=900)
+        _wait(lambda: _prefill_batches(mixed_server) > prefills, "the long prompt was never prefilled")
+        assert "paused" in post_raw(base, "/pause_generation", {"mode": "retract"})
+        try:
+            # nothing runs or is being prefilled (a flush is refused while a request holds
+            # pages, as in place), and the five wait
+            assert "Cache flushed" in get(base, "/flush_cache")
+            out = post(base, "/update_weights_from_disk",
+                       {"model_path": args[args.index("--model-path") + 1]})
+            assert out["success"], out
+        finally:
+            post_raw(base, "/continue_generation", {})
+        lows = [f.result() for f in lows]
+        long = long.result()
+    # the scheduler took the pause in the middle of the long prompt's chunks (the flush
+    # while paused logs after the last chunk it ran)
+    assert 0 < _prefilled_before(mixed_server, prefills, "Cache flushed") < len(_ids(mixed_server, PAUSE_LONG))
+    for out, tokens in [*((low, 160) for low in lows), (long, 48)]:
+        assert out["num_retractions"] == 1, out
+        assert out["finish_reason"]["type"] == "length" and out["completion_tokens"] == tokens, out
+    done = counters.delta(before, counters.counters(base))
+    assert done["integrity_checks"] > 0 and done["integrity_violations"] == 0, done
+    assert counters.wait_idle(base, idle.used_tokens).free_tokens == idle.free_tokens
+    assert _generate(base, SHORT, 96) == (alone["short"], 0)
