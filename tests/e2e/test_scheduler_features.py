@@ -1,5 +1,5 @@
 """SGLang scheduler features on a twin of the shared server: mixed chunks, `/flush_cache`,
-sessions, priority preemption, weight updates and pausing generation.
+sessions, priority preemption, weight updates, pausing generation and aborting requests.
 
 With mixed chunks (`--enable-mixed-chunk`) a prefill chunk runs in the same forward as the
 running requests' decode tokens, which take places of the chunk: its chunks end where the decode
@@ -17,7 +17,9 @@ output so far. `/update_weights_from_disk` reloads the weights and flushes the t
 prompts are prefilled afresh on the same pool. `/pause_generation` in place stops the
 forwards and keeps every request's pages; with mode retract (an RL loop's weight update) it
 releases them as a retraction does, a prompt in the middle of its chunked prefill too, and
-`/continue_generation` serves the requests again. The twin is this module's own server, so
+`/continue_generation` serves the requests again. `/abort_request` ends a request by rid (a
+prompt in the middle of its chunked prefill too: SGLang stops before its next chunk) or all of
+them (`abort_all`), and their pages come back. The twin is this module's own server, so
 flushing it disturbs no other module's cached tokens.
 """
 
@@ -364,4 +366,97 @@ def test_a_retracting_pause_frees_every_page_and_serves_its_requests_after_a_wei
     done = counters.delta(before, counters.counters(base))
     assert done["integrity_checks"] > 0 and done["integrity_violations"] == 0, done
     assert counters.wait_idle(base, idle.used_tokens).free_tokens == idle.free_tokens
+    assert _generate(base, SHORT, 96) == (alone["short"], 0)
+
+
+
+ABORT_LONG = ("Abort check, long. " + " ".join([FACTS] * 4)
+              + "\nQuestion: what is the code of item 9? Answer:")
+
+
+def _finished(submitted) -> dict:
+    """A submitted `_answer`'s text and meta_info, also where SGLang answered the request with an
+    error status (its body carries them as well)."""
+    try:
+        return submitted.result()
+    except urllib.error.HTTPError as error:
+        out = json.loads(error.read())
+        return {"text": out.get("text", ""), **out.get("meta_info", out)}
+
+
+def _prefilled_since(server, start: int) -> int:
+    """The prompt tokens of the logged prefill batches after the first `start` ones."""
+    batches = [line for line in server.log_text().splitlines() if "Prefill batch" in line]
+    return sum(int(re.search(r"#new-token: (\d+)", line).group(1)) for line in batches[start:])
+
+
+def _abort_mid_prefill(server, payload: dict, rid: str) -> tuple[dict, int]:
+    """Send ABORT_LONG as `rid` and abort with `payload` once its first chunk is logged: its
+    answer and the prompt tokens prefilled since it was sent."""
+    base = server.base_url
+    prefills = _prefill_batches(server)
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(_answer, base, ABORT_LONG, 16, timeout=900, rid=rid)
+        _wait(lambda: _prefill_batches(server) > prefills, "the long prompt was never prefilled")
+        post_raw(base, "/abort_request", payload)
+        out = _finished(long)
+    return out, _prefilled_since(server, prefills)
+
+
+def test_aborting_a_prompt_mid_chunked_prefill_frees_its_pages(alone, mixed_server):
+    """`/abort_request` with the rid of a prompt being prefilled in chunks: SGLang stops before
+    its next chunk and releases its KV row (the pages its chunks sealed and staged so far) at
+    the top of a scheduling step, the chunk in flight already launched. A request decoding
+    beside it answers as alone, the aborted prompt is answered as aborted, and the pool comes
+    back to idle intact; the same prompt sent again is served whole (its first chunks' sealed
+    pages may come from the tree: SGLang caches a chunked prompt's prefix chunk by chunk)."""
+    base = mixed_server.base_url
+    assert "Cache flushed" in get(base, "/flush_cache")
+    idle = counters.wait_idle(base)
+    before = counters.counters(base)
+    got: dict[str, str] = {}
+    decoding = threading.Event()
+    short = threading.Thread(target=lambda: got.update(
+        short=_streamed(base, SHORT, 96, decoding)))
+    short.start()
+    try:
+        assert decoding.wait(300)
+        aborted, prefilled = _abort_mid_prefill(mixed_server, {"rid": "abort-check-long"},
+                                                "abort-check-long")
+    finally:
+        short.join(timeout=300)
+    assert aborted["finish_reason"]["type"] == "abort" and aborted["completion_tokens"] == 0, aborted
+    assert 0 < prefilled < len(_ids(mixed_server, ABORT_LONG)), prefilled
+    assert got["short"] == alone["short"]
+    done = counters.delta(before, counters.counters(base))
+    assert done["integrity_checks"] > 0 and done["integrity_violations"] == 0, done
+    assert counters.wait_idle(base, idle.used_tokens).free_tokens == idle.free_tokens
+    again = _answer(base, ABORT_LONG, 16)
+    assert again["finish_reason"]["type"] == "length" and again["completion_tokens"] == 16, again
+
+
+def test_abort_all_ends_decoding_requests_and_a_chunked_prompt_and_frees_their_pages(
+        alone, mixed_server):
+    """`/abort_request` with abort_all while four requests decode and a long prompt is in the
+    middle of its chunked prefill: all five end as aborted, each decoding one with the tokens
+    it had, every page comes back and the pool stays intact; the server then serves a prompt
+    afresh as its first fresh prefill did."""
+    base = mixed_server.base_url
+    assert "Cache flushed" in get(base, "/flush_cache")
+    idle = counters.wait_idle(base)
+    before = counters.counters(base)
+    with ThreadPoolExecutor(4) as pool:
+        lows = [pool.submit(_answer, base, text, 160, timeout=900) for text in PAUSE_LOWS]
+        _wait(lambda: counters.pool_state(base).running == 4, "the four requests never ran together")
+        aborted, prefilled = _abort_mid_prefill(mixed_server, {"abort_all": True},
+                                                "abort-all-check-long")
+        lows = [_finished(low) for low in lows]
+    assert aborted["finish_reason"]["type"] == "abort" and aborted["completion_tokens"] == 0, aborted
+    assert 0 < prefilled < len(_ids(mixed_server, ABORT_LONG)), prefilled
+    for out in lows:
+        assert out["finish_reason"]["type"] == "abort" and 0 < out["completion_tokens"] < 160, out
+    done = counters.delta(before, counters.counters(base))
+    assert done["integrity_checks"] > 0 and done["integrity_violations"] == 0, done
+    assert counters.wait_idle(base, idle.used_tokens).free_tokens == idle.free_tokens
+    assert "Cache flushed" in get(base, "/flush_cache")
     assert _generate(base, SHORT, 96) == (alone["short"], 0)
