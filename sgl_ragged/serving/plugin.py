@@ -68,6 +68,8 @@ def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
          hooks.after_forward_batch_init, HookType.AFTER),
         (f"{_SRT}.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.execute",
          hooks.after_decode_graph_replay, HookType.AFTER),
+        (f"{_SRT}.model_executor.model_runner.ModelRunner._extend_forward_kwargs",
+         hooks.extend_forward_kwargs, HookType.AROUND),
         *((tree, hooks.checkpoint, HookType.AROUND) for tree in _TREES),
         (f"{_SRT}.distributed.parallel_state.init_model_parallel_group",
          cpu_tp.init_model_parallel_group, HookType.AROUND),

@@ -177,3 +177,26 @@ def after_decode_graph_replay(result: Any, runner: Any, *args: Any, **kwargs: An
     backend = runner._replay_attn_backend()
     if isinstance(backend, RaggedAttnBackend):
         backend.finish_graph_replay()
+
+
+# ---- model inputs ---------------------------------------------------------------------------
+
+
+def extend_forward_kwargs(original: Any, runner: Any, forward_batch: Any, *args: Any,
+                          **kwargs: Any) -> dict:
+    """AROUND ModelRunner._extend_forward_kwargs: SGLang 0.5.23 hands a request's `input_embeds`
+    to the model in bfloat16 whatever the model's dtype, so on a float32 or float16 model the
+    first layer's product fails on the mismatch and takes the scheduler down (stock backends
+    too). With ragged they go in at the model's dtype, as an embedding lookup of the same
+    tokens would, with the token overrides (`replace_embeds`) scattered as SGLang does."""
+    out = original(runner, forward_batch, *args, **kwargs)
+    embeds = getattr(forward_batch, "input_embeds", None)
+    if not is_active() or embeds is None or runner.dtype == torch.bfloat16:
+        return out
+    replace, positions = forward_batch.replace_embeds, forward_batch.replace_positions
+    overrides = replace is not None and positions is not None
+    embeds = embeds.to(runner.dtype, copy=overrides)  # the batch's own tensor stays as it is
+    if overrides:
+        embeds[positions] = replace.to(embeds.dtype)
+    out["input_embeds"] = embeds
+    return out

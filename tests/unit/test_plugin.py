@@ -12,6 +12,7 @@ import argparse
 import importlib
 import inspect
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -76,8 +77,6 @@ def test_async_targets_get_async_hooks():
 def test_server_args_reject_features_the_ragged_pool_cannot_serve(field, value, message):
     """SGLang features that quantize or move KV pages in its dense layout fail at startup with
     the flag named; their defaults (and a 16-bit --kv-cache-dtype) pass."""
-    from types import SimpleNamespace
-
     pytest.importorskip("sglang")
     from sgl_ragged.serving.server_args import _check_unsupported
 
@@ -128,3 +127,49 @@ def test_pipeline_stages_refuse_tied_word_embeddings(tmp_path, tied: bool):
         return
     with pytest.raises(ValueError, match=r"--pp-size 2 cannot serve .*ties its word embeddings"):
         _check_pipeline(SimpleNamespace(**args, pp_size=2))
+
+
+def _sglang_extend_kwargs(runner, forward_batch, pp_proxy_tensors):
+    """What SGLang 0.5.23's ModelRunner._extend_forward_kwargs makes of a batch's embeddings."""
+    kwargs = {}
+    if forward_batch.input_embeds is not None:
+        kwargs["input_embeds"] = forward_batch.input_embeds.bfloat16()
+    if forward_batch.replace_embeds is not None and forward_batch.replace_positions is not None:
+        kwargs["input_embeds"][forward_batch.replace_positions] = (
+            forward_batch.replace_embeds.to(kwargs["input_embeds"].dtype))
+    return kwargs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("replace", [False, True])
+def test_input_embeds_reach_the_model_at_its_dtype(monkeypatch, dtype, replace):
+    import torch
+
+    from sgl_ragged.serving import scheduler_hooks
+
+    monkeypatch.setattr(scheduler_hooks, "is_active", lambda: True)
+    dtype = getattr(torch, dtype)
+    embeds = torch.randn(7, 16, dtype=torch.float32)
+    overrides = torch.randn(2, 16, dtype=torch.float32)
+    batch = SimpleNamespace(input_embeds=embeds, replace_embeds=overrides if replace else None,
+                            replace_positions=torch.tensor([1, 5]) if replace else None)
+    out = scheduler_hooks.extend_forward_kwargs(
+        _sglang_extend_kwargs, SimpleNamespace(dtype=dtype), batch, None)["input_embeds"]
+    want = embeds.to(dtype)
+    if replace:
+        want[[1, 5]] = overrides.to(dtype)
+    assert out.dtype == dtype and torch.equal(out, want)
+    assert torch.equal(batch.input_embeds, embeds)  # the batch's own tensor untouched
+
+
+def test_input_embeds_pass_through_without_the_ragged_backend(monkeypatch):
+    import torch
+
+    from sgl_ragged.serving import scheduler_hooks
+
+    monkeypatch.setattr(scheduler_hooks, "is_active", lambda: False)
+    batch = SimpleNamespace(input_embeds=torch.randn(3, 8), replace_embeds=None,
+                            replace_positions=None)
+    out = scheduler_hooks.extend_forward_kwargs(
+        _sglang_extend_kwargs, SimpleNamespace(dtype=torch.float32), batch, None)
+    assert out["input_embeds"].dtype == torch.bfloat16  # SGLang's own
