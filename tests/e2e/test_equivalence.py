@@ -18,9 +18,11 @@ PROMPTS = [
 ]
 
 
-def _greedy(base_url: str, prompt: str) -> tuple[list[int], list[float]]:
+def _greedy(base_url: str, prompt: str | dict) -> tuple[list[int], list[float]]:
+    """Greedy output ids and log-probabilities (72 tokens, to length) of a prompt: its text, or
+    the request's input fields (e.g. input_ids or input_embeds)."""
     out = post(base_url, "/generate", {
-        "text": prompt, "return_logprob": True,
+        **({"text": prompt} if isinstance(prompt, str) else prompt), "return_logprob": True,
         "sampling_params": {"max_new_tokens": 72, "temperature": 0, "ignore_eos": True},
     })
     entries = out["meta_info"]["output_token_logprobs"]

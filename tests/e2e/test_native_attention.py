@@ -35,17 +35,10 @@ def _embedding(model_path: str) -> torch.Tensor:
 
 def _as_ids_and_embeds(base_url: str, prompt: str, embedding: torch.Tensor
                        ) -> tuple[tuple[list[int], list[float]], ...]:
-    """Greedy output ids and log-probabilities of the prompt sent as token ids and as their
-    embeddings (as _greedy: 72 tokens, to length)."""
+    """`_greedy`'s answers to the prompt sent as token ids and as their embeddings."""
     ids = post(base_url, "/tokenize", {"prompt": prompt})["tokens"]
-    answers = []
-    for field in ({"input_ids": ids}, {"input_embeds": embedding[ids].tolist()}):
-        out = post(base_url, "/generate", {
-            **field, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 72, "temperature": 0, "ignore_eos": True}})
-        entries = out["meta_info"]["output_token_logprobs"]
-        answers.append(([e[1] for e in entries], [e[0] for e in entries]))
-    return tuple(answers)
+    return (_greedy(base_url, {"input_ids": ids}),
+            _greedy(base_url, {"input_embeds": embedding[ids].tolist()}))
 
 
 def _outputs(request: pytest.FixtureRequest, model_path: str, attention: str, precision: str

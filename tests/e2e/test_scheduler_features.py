@@ -257,6 +257,12 @@ def test_weights_updated_from_disk_flush_the_tree_and_answer_as_before(mixed_ser
     assert done["integrity_checks"] > 0 and done["integrity_violations"] == 0, done
 
 
+def _prefill_tokens(server) -> list[int]:
+    """The prompt tokens of each prefill batch the server logged, in order."""
+    return [int(re.search(r"#new-token: (\d+)", line).group(1))
+            for line in server.log_text().splitlines() if "Prefill batch" in line]
+
+
 def _prefill_batches(server) -> int:
     return server.log_text().count("Prefill batch")
 
@@ -369,7 +375,6 @@ def test_a_retracting_pause_frees_every_page_and_serves_its_requests_after_a_wei
     assert _generate(base, SHORT, 96) == (alone["short"], 0)
 
 
-
 ABORT_LONG = ("Abort check, long. " + " ".join([FACTS] * 4)
               + "\nQuestion: what is the code of item 9? Answer:")
 
@@ -384,12 +389,6 @@ def _finished(submitted) -> dict:
         return {"text": out.get("text", ""), **out.get("meta_info", out)}
 
 
-def _prefilled_since(server, start: int) -> int:
-    """The prompt tokens of the logged prefill batches after the first `start` ones."""
-    batches = [line for line in server.log_text().splitlines() if "Prefill batch" in line]
-    return sum(int(re.search(r"#new-token: (\d+)", line).group(1)) for line in batches[start:])
-
-
 def _abort_mid_prefill(server, payload: dict, rid: str) -> tuple[dict, int]:
     """Send ABORT_LONG as `rid` and abort with `payload` once its first chunk is logged: its
     answer and the prompt tokens prefilled since it was sent."""
@@ -400,7 +399,7 @@ def _abort_mid_prefill(server, payload: dict, rid: str) -> tuple[dict, int]:
         _wait(lambda: _prefill_batches(server) > prefills, "the long prompt was never prefilled")
         post_raw(base, "/abort_request", payload)
         out = _finished(long)
-    return out, _prefilled_since(server, prefills)
+    return out, sum(_prefill_tokens(server)[prefills:])
 
 
 def test_aborting_a_prompt_mid_chunked_prefill_frees_its_pages(alone, mixed_server):

@@ -5,12 +5,11 @@ SGLang then derives a negative `--mem-fraction-static` and refuses to start, sto
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from bench import counters
 from tests.e2e.conftest import _start, post
+from tests.e2e.test_scheduler_features import _answer, _prefill_tokens
 from tests.e2e.test_serving import FACTS
 
 pytestmark = pytest.mark.e2e
@@ -27,18 +26,11 @@ def whole_server(request, ragged_server):
     return _start(request, [*args, "--mem-fraction-static", "0.3"], "ragged-whole-prompt")
 
 
-def _answer(base_url: str, text: str, tokens: int) -> dict:
-    out = post(base_url, "/generate", {
-        "text": text, "sampling_params": {"max_new_tokens": tokens, "min_new_tokens": tokens,
-                                          "temperature": 0}}, timeout=600)
-    return {"text": out["text"], **out["meta_info"]}
-
-
 def test_a_prompt_within_one_chunk_answers_as_on_the_chunking_server(ragged_server, whole_server):
     """A prompt shorter than the shared server's chunk is one extend there too: the same rows,
     the same answer."""
-    want = _answer(ragged_server.base_url, SHORT, 32)
-    got = _answer(whole_server.base_url, SHORT, 32)
+    want = _answer(ragged_server.base_url, SHORT, 32, timeout=600)
+    got = _answer(whole_server.base_url, SHORT, 32, timeout=600)
     assert got["text"] == want["text"] and got["cached_tokens"] == want["cached_tokens"] == 0
 
 
@@ -47,14 +39,12 @@ def test_a_long_prompt_is_one_extend_and_its_history_is_reused(whole_server):
     idle = counters.wait_idle(base)
     before = counters.counters(base)
     ids = post(base, "/tokenize", {"prompt": LONG})["tokens"]
-    batches = whole_server.log_text().count("Prefill batch")
-    first = _answer(base, LONG, 16)
+    batches = len(_prefill_tokens(whole_server))
+    first = _answer(base, LONG, 16, timeout=600)
     assert first["finish_reason"]["type"] == "length" and first["completion_tokens"] == 16, first
-    prefills = [line for line in whole_server.log_text().splitlines()
-                if "Prefill batch" in line][batches:]
-    assert [int(re.search(r"#new-token: (\d+)", line).group(1)) for line in prefills] == [len(ids)]
+    assert _prefill_tokens(whole_server)[batches:] == [len(ids)]
     # the next turn reads the first one's sealed pages from the tree
-    turn = _answer(base, LONG + first["text"] + " And of item 30? Answer:", 16)
+    turn = _answer(base, LONG + first["text"] + " And of item 30? Answer:", 16, timeout=600)
     assert turn["cached_tokens"] >= len(ids) // 64 * 64 - 64, turn
     assert turn["completion_tokens"] == 16
     done = counters.delta(before, counters.counters(base))
