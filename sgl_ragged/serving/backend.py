@@ -8,7 +8,7 @@ the pool's storage, the implementation registry.py picks, the process's `Serving
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -39,11 +39,16 @@ class RaggedAttnBackend(AttentionBackend):
     """
 
     def __init__(self, attention: RaggedAttention, chunks: PrefillChunks | None = None,
-                 start_layer: int = 0) -> None:
+                 start_layer: int = 0, token_to_kv_pool: RaggedKVPool | None = None,
+                 req_to_token_pool: Any = None) -> None:
         super().__init__()
         self.attention = attention
         self.chunks = chunks if chunks is not None else PrefillChunks()
         self.start_layer = start_layer  # a pipeline stage's first model layer: its storage's 0
+        # What SGLang's forward context hands models (`get_token_to_kv_pool()`,
+        # `get_req_to_token_pool()`: Qwen3-MoE's attention reads the pool every forward).
+        self.token_to_kv_pool = token_to_kv_pool
+        self.req_to_token_pool = req_to_token_pool
 
     @classmethod
     def from_model_runner(cls, model_runner: ModelRunner) -> RaggedAttnBackend:
@@ -54,6 +59,7 @@ class RaggedAttnBackend(AttentionBackend):
                 f"the ragged backend needs its own KV pool, but SGLang built {type(pool).__name__}; "
                 "is another plugin overriding the KV pool class?"
             )
+        check_attention_layers(model_runner.model)
         setup = current_setup()
         # Query heads of this tensor-parallel rank (the model's with --tp-size 1).
         num_q_heads = model_runner.model_config.num_attention_heads // tensor_parallel_rank()[0]
@@ -65,7 +71,8 @@ class RaggedAttnBackend(AttentionBackend):
                                     model_runner.req_to_token_pool.req_to_token,
                                     free_pages=allocator.get_all_free_pages,
                                     metrics=make_metrics())
-        return cls(attention, pool.prefill_chunks, setup.start_layer)
+        return cls(attention, pool.prefill_chunks, setup.start_layer, pool,
+                   model_runner.req_to_token_pool)
 
     @property
     def forward_metadata(self) -> RaggedForwardMetadata | None:  # read by SGLang's generic code
@@ -124,10 +131,12 @@ class RaggedAttnBackend(AttentionBackend):
 
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True, **kwargs) -> torch.Tensor:
+        _refuse_sinks(kwargs)
         return self._forward(q, k, v, layer, decode=False)
 
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch,
                        save_kv_cache: bool = True, **kwargs) -> torch.Tensor:
+        _refuse_sinks(kwargs)
         return self._forward(q, k, v, layer, decode=True)
 
     def _forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -140,6 +149,55 @@ class RaggedAttnBackend(AttentionBackend):
 
     def support_triton(self) -> bool:
         return False
+
+
+def check_attention_layers(model: torch.nn.Module) -> None:
+    """Refuse a model whose attention layers ask for what the ragged backend does not compute
+    (it runs causal softmax attention over each request's whole history, with the layer's
+    scale): a sliding window, logit capping, learned sinks, cross or non-causal attention,
+    value heads of another size than the keys', or a layer SGLang marks for another attention
+    variant. The
+    architecture check at startup admits whole model families; this one reads the layers a
+    given checkpoint built (a Mistral, Qwen2 or Olmo checkpoint may set a sliding window)."""
+    from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
+
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            raise ValueError(
+                f"--attention-backend ragged cannot serve this checkpoint: its attention {name} "
+                "has learned attention sinks (a per-head logit beside every softmax), which the "
+                "ragged backend does not compute; serve it with a stock backend"
+            )
+    for name, layer in model.named_modules():
+        if not isinstance(layer, RadixAttention):
+            continue
+        asks = {
+            "a sliding window": (layer.sliding_window_size or -1) > 0,
+            "logit capping": (layer.logit_cap or 0.0) > 0,
+            "cross-attention": bool(layer.is_cross_attention),
+            f"{getattr(layer.attn_type, 'value', layer.attn_type)} attention":
+                layer.attn_type != AttentionType.DECODER,
+            f"value heads of {layer.v_head_dim} channels beside keys of {layer.head_dim}":
+                layer.v_head_dim != layer.head_dim,
+            "a length-scaled temperature": getattr(layer, "xai_temperature_len", -1) > 0,
+            f"position encoding {layer.pos_encoding_mode} inside attention":
+                getattr(layer, "pos_encoding_mode", "NONE") != "NONE",
+        }
+        wanted = [what for what, asked in asks.items() if asked]
+        if wanted:
+            raise ValueError(
+                f"--attention-backend ragged cannot serve this checkpoint: its attention layer "
+                f"{name} (layer {layer.layer_id}) asks for {' and '.join(wanted)}, which the ragged "
+                "backend does not compute (full causal attention only); serve it with a stock "
+                "backend, or a checkpoint config without it (e.g. sliding_window: null)"
+            )
+
+
+def _refuse_sinks(kwargs: dict[str, Any]) -> None:
+    """A layer that hands attention learned sinks was refused at startup
+    (`check_attention_layers`); never attend as if it had none."""
+    if kwargs.get("sinks") is not None:
+        raise ValueError("the ragged backend does not compute learned attention sinks")
 
 
 def create_ragged_backend(model_runner: ModelRunner) -> RaggedAttnBackend:

@@ -70,6 +70,8 @@ def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
          hooks.after_decode_graph_replay, HookType.AFTER),
         (f"{_SRT}.model_executor.model_runner.ModelRunner._extend_forward_kwargs",
          hooks.extend_forward_kwargs, HookType.AROUND),
+        (f"{_SRT}.models.utils.enable_fused_set_kv_buffer", hooks.fused_set_kv_buffer,
+         HookType.AROUND),
         *((tree, hooks.checkpoint, HookType.AROUND) for tree in _TREES),
         (f"{_SRT}.distributed.parallel_state.init_model_parallel_group",
          cpu_tp.init_model_parallel_group, HookType.AROUND),

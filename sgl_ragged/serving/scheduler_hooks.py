@@ -200,3 +200,14 @@ def extend_forward_kwargs(original: Any, runner: Any, forward_batch: Any, *args:
         embeds[positions] = replace.to(embeds.dtype)
     out["input_embeds"] = embeds
     return out
+
+
+def fused_set_kv_buffer(original: Any, forward_batch: Any) -> bool:
+    """AROUND models.utils.enable_fused_set_kv_buffer: on CUDA with a bfloat16 pool, SGLang's
+    Qwen3-MoE (and a few others) write K and V into the pool's dense buffers inside their
+    rotary embedding and then tell attention not to save them. The ragged pool's dense buffers
+    are placeholders (its backend stores what it attends, in its own layout), so with ragged
+    the model always hands K and V to attention."""
+    if is_active():
+        return False
+    return original(forward_batch)

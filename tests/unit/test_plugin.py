@@ -173,3 +173,71 @@ def test_input_embeds_pass_through_without_the_ragged_backend(monkeypatch):
     out = scheduler_hooks.extend_forward_kwargs(
         _sglang_extend_kwargs, SimpleNamespace(dtype=torch.float32), batch, None)
     assert out["input_embeds"].dtype == torch.bfloat16  # SGLang's own
+
+
+@pytest.mark.parametrize("active", [True, False])
+def test_fused_kv_writes_stay_off_the_ragged_pool(monkeypatch, active):
+    """On CUDA SGLang's Qwen3-MoE writes K/V into the pool's dense buffers in its rotary
+    embedding when `enable_fused_set_kv_buffer` says so; the ragged pool has none."""
+    from sgl_ragged.serving import scheduler_hooks
+
+    monkeypatch.setattr(scheduler_hooks, "is_active", lambda: active)
+    calls = []
+    out = scheduler_hooks.fused_set_kv_buffer(lambda batch: calls.append(batch) or True, "batch")
+    assert (out, calls) == ((False, []) if active else (True, ["batch"]))
+
+
+def _attention_model(**layer_kwargs):
+    import torch
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(
+        RadixAttention(4, 16, 0.25, 2, layer_id=i, **(layer_kwargs if i == 1 else {}))
+        for i in range(2))
+    return model
+
+
+def test_plain_causal_attention_layers_pass():
+    from sgl_ragged.serving.backend import check_attention_layers
+
+    check_attention_layers(_attention_model())
+    check_attention_layers(_attention_model(v_head_dim=16, sliding_window_size=-1, logit_cap=0.0))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"sliding_window_size": 4095}, "a sliding window"),
+    ({"logit_cap": 30.0}, "logit capping"),
+    ({"is_cross_attention": True}, "cross-attention"),
+    ({"v_head_dim": 8}, "value heads of 8 channels beside keys of 16"),
+    ({"pos_encoding_mode": "ALIBI"}, "position encoding ALIBI"),
+    ({"sliding_window_size": 512, "logit_cap": 50.0}, "a sliding window and logit capping"),
+])
+def test_attention_layers_the_backend_does_not_compute_are_refused(kwargs, message):
+    from sgl_ragged.serving.backend import check_attention_layers
+
+    with pytest.raises(ValueError, match=rf"layer layers\.1 \(layer 1\) asks for {message}"):
+        check_attention_layers(_attention_model(**kwargs))
+
+
+def test_non_causal_attention_layers_are_refused():
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    from sgl_ragged.serving.backend import check_attention_layers
+
+    with pytest.raises(ValueError, match="asks for encoder_only attention"):
+        check_attention_layers(_attention_model(attn_type=AttentionType.ENCODER_ONLY))
+
+
+def test_learned_attention_sinks_are_refused():
+    import torch
+
+    from sgl_ragged.serving.backend import _refuse_sinks, check_attention_layers
+
+    model = _attention_model()
+    model.layers[1].sinks = torch.nn.Parameter(torch.zeros(4))  # as SGLang's Granite-SWA, gpt-oss
+    with pytest.raises(ValueError, match="layers.1 has learned attention sinks"):
+        check_attention_layers(model)
+    _refuse_sinks({"sinks": None})
+    with pytest.raises(ValueError, match="learned attention sinks"):
+        _refuse_sinks({"sinks": torch.zeros(4)})
