@@ -21,11 +21,22 @@ from sgl_ragged.precision import (
 from sgl_ragged.profile import profile_precision
 from sgl_ragged.scoring import SCORERS
 
+# Model families whose SGLang models call RadixAttention for plain causal attention (a
+# checkpoint's own layers are checked again at startup: serving/backend.check_attention_layers);
+# each is served against transformers in tests/e2e/test_architectures.py.
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+    "GemmaForCausalLM",
+    "Phi3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "GraniteForCausalLM",
+    "StableLmForCausalLM",
+    "Starcoder2ForCausalLM",
 )
 DEFAULT_PAGE_SIZE = 64
 DEFAULT_MAX_RUNNING_REQUESTS = 32

@@ -57,8 +57,10 @@ class CaptureRunner:
         self._capture, self._attention = False, attention
         try:
             with torch.inference_mode():
-                hidden = self.model.model(input_ids=input_ids[None].to(self.device), use_cache=False)
-                logits = self.model.lm_head(hidden.last_hidden_state[0, start:])
+                # The model's own head on the kept positions: its lm_head and what the model
+                # does after it (Granite divides by logits_scaling).
+                logits = self.model(input_ids=input_ids[None].to(self.device), use_cache=False,
+                                    logits_to_keep=len(input_ids) - start).logits[0]
         finally:
             self._capture, self._attention = True, None
         return logits.float()

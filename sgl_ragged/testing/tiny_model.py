@@ -66,21 +66,43 @@ def save_tiny_llama(path: Path, layers: int = 2, kv_heads: int = 2, q_heads: int
 
 
 # transformers' config class of each architecture save_tiny_model builds, and the settings it
-# needs beyond the shared shape: Mistral without its sliding window (a window longer than the
-# tiny models' context changes nothing, and SGLang would read it as a hybrid-SWA model),
-# Qwen2 with its q/k/v biases (transformers' default), Qwen3 with its q/k norms (built in).
+# needs beyond the shared shape: Mistral, Mixtral, Phi-3 and Starcoder2 without a sliding window
+# (transformers would apply one; SGLang 0.5.23's models of these families attend over the
+# whole history whatever the config says, stock backends too), Qwen2 with
+# its q/k/v biases (transformers' default), Qwen3 and Olmo2 with their q/k norms (built in);
+# the MoE models with 4 experts, 2 per token, in every layer (SGLang's CPU MoE runs
+# `moe_forward_native` on them); Gemma ties its embeddings (SGLang's Gemma always does) and
+# says exact GELU (SGLang's Gemma computes it whatever the config says); Granite's multipliers
+# away from 1 (the attention one is the layer's softmax scale); Phi-3's pad token inside the
+# tiny vocabulary; StableLM with its partial rotary embedding (a quarter of each head).
 TINY_ARCHITECTURES = {
     "LlamaForCausalLM": ("LlamaConfig", {}),
     "MistralForCausalLM": ("MistralConfig", {"sliding_window": None}),
     "Qwen2ForCausalLM": ("Qwen2Config", {"use_sliding_window": False}),
     "Qwen3ForCausalLM": ("Qwen3Config", {"use_sliding_window": False}),
-}
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+        "use_sliding_window": False}),
+    "MixtralForCausalLM": ("MixtralConfig", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "GemmaForCausalLM": ("GemmaConfig", {
+        "hidden_act": "gelu", "hidden_activation": "gelu", "tie_word_embeddings": True}),
+    "Phi3ForCausalLM": ("Phi3Config", {
+        "sliding_window": None, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "Olmo2ForCausalLM": ("Olmo2Config", {}),
+    "GraniteForCausalLM": ("GraniteConfig", {
+        "attention_multiplier": 0.3, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+        "logits_scaling": 4.0}),
+    "StableLmForCausalLM": ("StableLmConfig", {"partial_rotary_factor": 0.25}),
+    "Starcoder2ForCausalLM": ("Starcoder2Config", {"sliding_window": None}),
+}  # fmt: skip
 
 
 def save_tiny_model(path: Path, architecture: str = "LlamaForCausalLM", layers: int = 2,
                     kv_heads: int = 2, q_heads: int = 4, head_dim: int = 16, seed: int = 0) -> Path:
-    """A random-weight checkpoint of one of `TINY_ARCHITECTURES` (hidden 64, untied lm_head)
-    with the byte-level tokenizer."""
+    """A random-weight checkpoint of one of `TINY_ARCHITECTURES` (hidden 64, an untied lm_head
+    unless the architecture ties it) with the byte-level tokenizer."""
     import torch
     import transformers
 
@@ -92,7 +114,7 @@ def save_tiny_model(path: Path, architecture: str = "LlamaForCausalLM", layers: 
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=q_heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         max_position_embeddings=1024, initializer_range=0.2, architectures=[architecture],
-        tie_word_embeddings=False, **extra,
+        **{"tie_word_embeddings": False, **extra},
     )  # fmt: skip
     torch.manual_seed(seed)
     getattr(transformers, architecture)(config).save_pretrained(path)

@@ -1,0 +1,60 @@
+"""The offline model runs (calibration, bench.offline_loss) on every supported architecture.
+
+`CaptureRunner` routes each layer's attention through a transformers attention function of its
+own: it must capture every layer's post-RoPE Q/K/V, and with the compressed loss's attention at
+a full budget give the model's own loss (its own head included: Granite divides its logits by
+`logits_scaling`, Gemma ties them to the embeddings), whatever the architecture's MLP (the MoE
+ones route tokens to experts) or norms.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sgl_ragged.config import SUPPORTED_ARCHITECTURES
+from sgl_ragged.emulator.chunks import ChunkingConfig
+from sgl_ragged.emulator.compressed import CompressedLoss, SlotSelection
+from sgl_ragged.emulator.runner import CaptureRunner
+from sgl_ragged.emulator.samples import build_samples
+from sgl_ragged.scoring import make_scorer
+from sgl_ragged.testing.tiny_model import save_tiny_model
+
+TINY = ChunkingConfig(page_size=16, chunk_size=32, obs_window=8)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("offline-arch")
+    return {arch: save_tiny_model(root / arch, arch, layers=2, kv_heads=2, q_heads=4)
+            for arch in SUPPORTED_ARCHITECTURES}
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
+def test_the_runner_captures_every_layer(checkpoints, arch: str) -> None:
+    runner = CaptureRunner(str(checkpoints[arch]))
+    layers = runner.run(torch.arange(40) % 256)
+    assert len(layers) == runner.shape.num_layers == 2
+    for layer in layers:
+        assert (layer.q.shape, layer.k.shape, layer.v.shape) == ((40, 4, 16), (40, 2, 16), (40, 2, 16))
+    want = 0.3 if arch == "GraniteForCausalLM" else 16 ** -0.5  # Granite's attention_multiplier
+    assert runner.scale == pytest.approx(want)
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
+def test_a_full_budget_gives_the_models_own_loss(checkpoints, arch: str) -> None:
+    runner = CaptureRunner(str(checkpoints[arch]))
+    loss = CompressedLoss(runner, make_scorer("snapkv"), TINY)
+    (sample,) = build_samples(runner.tokenizer, 1, 0, 96, 96, 16)
+    full = loss.token_nll(sample.input_ids, None)
+    with torch.no_grad():
+        logits = runner.model(input_ids=sample.input_ids[None]).logits[0].float()
+    want = torch.nn.functional.cross_entropy(logits[32:-1].double(), sample.input_ids[33:],
+                                             reduction="none")
+    assert torch.allclose(full, want, atol=1e-5)
+    kept = loss.token_nll(sample.input_ids, SlotSelection([[16, 16], [16, 16]]))
+    assert torch.allclose(kept, full, atol=1e-5)
+    squeezed = loss.token_nll(sample.input_ids, SlotSelection([[4, 4], [4, 4]]))
+    assert not torch.allclose(squeezed, full, atol=1e-3)
