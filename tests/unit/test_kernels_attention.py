@@ -220,6 +220,41 @@ def test_extend_mixed_batch_matches_reference(kernel_device, seed, precision):
     _oracle(storage, 0, plans, q, k, v, out, lse)
 
 
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_rows_of_a_head_size_not_a_power_of_two(kernel_device, head_dim):
+    """bf16 rows of head sizes the kernels pad to a power of two (BLOCK_D 128, masked
+    channels): Phi-3-mini's 96, and 80. Quantized rows there are refused before any launch
+    (registry.triton_refuses: their codes are packed at power-of-two widths), so auto serves
+    them on the batched path. Decode (splits, tail, merge) and extend, float32."""
+    shape = Shape(page_size=16, head_dim=head_dim, kv_heads=2, gqa=2)
+    rng = random.Random(head_dim)
+    storage = random_storage(rng, kernel_device, layers=2, shape=shape)
+    scale = head_dim**-0.5
+    for decode, specs in ((True, DECODE), (False, MIXED)):
+        plans = random_plans(storage, specs, rng, gap=1)
+        q, k, v = random_qkv(plans, torch.Generator().manual_seed(head_dim), kernel_device,
+                             torch.float32, shape)
+        out, lse = _poisoned(q)
+        if decode:
+            ratios = [[rng.random() for _ in groups] for groups in storage.layout.groups]
+            splits = split_plan(ratios, device_parallelism(kernel_device), kernel_device)
+            decode_attention(q, k, v, storage.stage_k[1], storage.stage_v[1],
+                             layer_tables(storage, 1), splits.layer(1),
+                             kernel_batch(plans, kernel_device), scale, out, lse)
+        else:
+            extend_attention(q, k, v, storage.stage_k[1], storage.stage_v[1],
+                             layer_tables(storage, 1), kernel_batch(plans, kernel_device), scale,
+                             out, lse)
+        _check_untouched(plans, out, lse)
+        for p in plans:
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            want = request_forward(storage, 1, p, q[rows], k[rows], v[rows], scale)
+            torch.testing.assert_close(out[rows], want, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(lse[rows].cpu(), reference_lse(storage, 1, p, q[rows],
+                                                                      k[rows], scale),
+                                       atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("seed,precision", [(3, "bf16"), (13, "int4"), (13, "int8+int4"),
                                             (13, "fp8+int2")])
 def test_extend_low_precision_storage(kernel_device, seed, precision):
