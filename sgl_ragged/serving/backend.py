@@ -166,7 +166,8 @@ def check_attention_layers(model: torch.nn.Module) -> None:
             raise ValueError(
                 f"--attention-backend ragged cannot serve this checkpoint: its attention {name} "
                 "has learned attention sinks (a per-head logit beside every softmax), which the "
-                "ragged backend does not compute; serve it with a stock backend"
+                "ragged backend does not compute; serve this checkpoint with a stock attention "
+                "backend"
             )
     for name, layer in model.named_modules():
         if not isinstance(layer, RadixAttention):
@@ -188,8 +189,9 @@ def check_attention_layers(model: torch.nn.Module) -> None:
             raise ValueError(
                 f"--attention-backend ragged cannot serve this checkpoint: its attention layer "
                 f"{name} (layer {layer.layer_id}) asks for {' and '.join(wanted)}, which the ragged "
-                "backend does not compute (full causal attention only); serve it with a stock "
-                "backend, or a checkpoint config without it (e.g. sliding_window: null)"
+                "backend does not compute (full causal attention only); serve this checkpoint "
+                "with a stock attention backend (e.g. --attention-backend torch_native on a CPU, "
+                "triton on a GPU)"
             )
 
 

@@ -28,9 +28,12 @@ from types import TracebackType
 import psutil
 
 HOST = "127.0.0.1"
-# What a server logs when its port was taken: uvicorn's (SGLang), and the Rust std's (the
-# router, its Prometheus port too).
-BIND_ERRORS = ("error while attempting to bind on address", "Address already in use (os error 98)")
+# What a server logs when a port it picked was taken: uvicorn's (SGLang's HTTP port), the
+# Rust std's (the router, its Prometheus port too), and torch's TCPStore (SGLang's
+# distributed-init port, a free port it picks itself at launch: servers started together can
+# pick the same one, session 45's CI lost a server to it).
+BIND_ERRORS = ("error while attempting to bind on address", "Address already in use (os error 98)",
+               "name: EADDRINUSE, message: address already in use")
 BIND_RETRIES = 3
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,21 @@ def test_unsupported_architecture(tmp_path: Path):
 def test_tp_size_not_dividing_the_kv_heads(model_path):
     log = _launch_error(model_path, ["--ragged-profile", "uniform:0.5", "--tp-size", "2"])
     assert "--tp-size 2 does not divide the model's 3 KV heads" in log and "[1, 3]" in log
+
+
+def test_sliding_window_layers_are_refused_when_the_model_loads(tmp_path: Path):
+    """A checkpoint of a supported family whose SGLang model builds sliding-window layers
+    (OLMo 2's code reads a config's `layer_types`): the backend would attend over the whole
+    history, so it refuses the model once it has loaded, naming the layer, and the launch
+    ends."""
+    from sgl_ragged.testing.tiny_model import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "olmo2-swa", "Olmo2ForCausalLM")
+    config_path = model / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(layer_types=["sliding_attention", "full_attention"], sliding_window=64)
+    config_path.write_text(json.dumps(config))
+    log = _launch_error(str(model), ["--ragged-profile", "uniform:0.5", "--dtype", "float32",
+                                     "--max-total-tokens", "2048"])
+    assert "cannot serve this checkpoint: its attention layer model.layers.0.self_attn.attn" in log
+    assert "asks for a sliding window" in log
