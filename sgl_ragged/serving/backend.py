@@ -156,9 +156,9 @@ def check_attention_layers(model: torch.nn.Module) -> None:
     (it runs causal softmax attention over each request's whole history, with the layer's
     scale): a sliding window, logit capping, learned sinks, cross or non-causal attention,
     value heads of another size than the keys', or a layer SGLang marks for another attention
-    variant. The
-    architecture check at startup admits whole model families; this one reads the layers a
-    given checkpoint built (a Mistral, Qwen2 or Olmo checkpoint may set a sliding window)."""
+    variant. The architecture check at startup admits whole model families; this one reads the
+    layers a given checkpoint built (SGLang's OLMo 2 builds sliding-window layers from a
+    config's `layer_types`, its Granite sinks and windows for the granite_swa model types)."""
     from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 
     for name, module in model.named_modules():
