@@ -161,15 +161,14 @@ def check_attention_layers(model: torch.nn.Module) -> None:
     config's `layer_types`, its Granite sinks and windows for the granite_swa model types)."""
     from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 
-    for name, module in model.named_modules():
-        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+    for name, layer in model.named_modules():
+        if isinstance(getattr(layer, "sinks", None), torch.Tensor):
             raise ValueError(
                 f"--attention-backend ragged cannot serve this checkpoint: its attention {name} "
                 "has learned attention sinks (a per-head logit beside every softmax), which the "
                 "ragged backend does not compute; serve this checkpoint with a stock attention "
                 "backend"
             )
-    for name, layer in model.named_modules():
         if not isinstance(layer, RadixAttention):
             continue
         asks = {

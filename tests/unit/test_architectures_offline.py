@@ -49,6 +49,7 @@ def test_a_full_budget_gives_the_models_own_loss(checkpoints, arch: str) -> None
     loss = CompressedLoss(runner, make_scorer("snapkv"), TINY)
     (sample,) = build_samples(runner.tokenizer, 1, 0, 96, 96, 16)
     full = loss.token_nll(sample.input_ids, None)
+    assert full.shape == (96 - 32 - 1,)
     with torch.no_grad():
         logits = runner.model(input_ids=sample.input_ids[None]).logits[0].float()
     want = torch.nn.functional.cross_entropy(logits[32:-1].double(), sample.input_ids[33:],
@@ -58,3 +59,5 @@ def test_a_full_budget_gives_the_models_own_loss(checkpoints, arch: str) -> None
     assert torch.allclose(kept, full, atol=1e-5)
     squeezed = loss.token_nll(sample.input_ids, SlotSelection([[4, 4], [4, 4]]))
     assert not torch.allclose(squeezed, full, atol=1e-3)
+    with pytest.raises(ValueError, match="no token after the first"):
+        loss.token_nll(sample.input_ids[:32], None)

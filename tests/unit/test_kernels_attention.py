@@ -38,13 +38,13 @@ MIXED = [Spec(sealed=3, staged=5, q_len=11), Spec(0, 0, 9), Spec(4, 2, 1), Spec(
 LOW = ["int8", "int4", "int2", "fp8", "int8+int4", "fp8+int2"]  # values with a low tier (pairs: quantized high tier too)
 
 
-def _oracle(storage, layer, plans, q, k, v, out, lse) -> None:
+def _oracle(storage, layer, plans, q, k, v, out, lse, scale: float = SCALE) -> None:
     """Compare the kernel's rows with the reference, request by request (the reference also
     stages the tail afterwards, which the kernel never reads again)."""
     for p in plans:
         rows = slice(p.q_start, p.q_start + p.q_len)
-        want_lse = reference_lse(storage, layer, p, q[rows], k[rows], SCALE)
-        want = request_forward(storage, layer, p, q[rows], k[rows], v[rows], SCALE)
+        want_lse = reference_lse(storage, layer, p, q[rows], k[rows], scale)
+        want = request_forward(storage, layer, p, q[rows], k[rows], v[rows], scale)
         torch.testing.assert_close(out[rows], want, atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(lse[rows].cpu(), want_lse, atol=2e-5, rtol=1e-4)
 
@@ -246,13 +246,7 @@ def test_rows_of_a_head_size_not_a_power_of_two(kernel_device, head_dim):
                              layer_tables(storage, 1), kernel_batch(plans, kernel_device), scale,
                              out, lse)
         _check_untouched(plans, out, lse)
-        for p in plans:
-            rows = slice(p.q_start, p.q_start + p.q_len)
-            want = request_forward(storage, 1, p, q[rows], k[rows], v[rows], scale)
-            torch.testing.assert_close(out[rows], want, atol=2e-5, rtol=1e-4)
-            torch.testing.assert_close(lse[rows].cpu(), reference_lse(storage, 1, p, q[rows],
-                                                                      k[rows], scale),
-                                       atol=2e-5, rtol=1e-4)
+        _oracle(storage, 1, plans, q, k, v, out, lse, scale)
 
 
 @pytest.mark.parametrize("seed,precision", [(3, "bf16"), (13, "int4"), (13, "int8+int4"),

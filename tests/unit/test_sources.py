@@ -261,22 +261,6 @@ def test_compressed_attention_matches_per_query_softmax(tiny_llama: Path) -> Non
             assert torch.allclose(out[hq, i], want, atol=1e-5)
 
 
-def test_compressed_loss_of_a_full_budget_is_the_models_loss(tiny_llama: Path) -> None:
-    runner = CaptureRunner(str(tiny_llama))
-    loss = CompressedLoss(runner, make_scorer("snapkv"), TINY)
-    (sample,) = build_samples(runner.tokenizer, 1, 0, 96, 96, 16)
-    full = loss.token_nll(sample.input_ids, None)
-    assert full.shape == (96 - 32 - 1,)
-    logits = runner.model(input_ids=sample.input_ids[None]).logits[0].float()
-    want = torch.nn.functional.cross_entropy(logits[32:-1].double(), sample.input_ids[33:], reduction="none")
-    assert torch.allclose(full, want, atol=1e-5)
-    assert torch.allclose(loss.token_nll(sample.input_ids, SlotSelection([[16, 16], [16, 16]])), full, atol=1e-5)
-    squeezed = loss.token_nll(sample.input_ids, SlotSelection([[4, 4], [4, 4]]))
-    assert not torch.allclose(squeezed, full, atol=1e-3)
-    with pytest.raises(ValueError, match="no token after the first"):
-        loss.token_nll(sample.input_ids[:32], None)
-
-
 # ----- whole runs -------------------------------------------------------------------------
 
 
