@@ -37,6 +37,8 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteForCausalLM",
     "StableLmForCausalLM",
     "Starcoder2ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "OlmoeForCausalLM",
 )
 DEFAULT_PAGE_SIZE = 64
 DEFAULT_MAX_RUNNING_REQUESTS = 32

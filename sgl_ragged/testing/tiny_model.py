@@ -74,7 +74,9 @@ def save_tiny_llama(path: Path, layers: int = 2, kv_heads: int = 2, q_heads: int
 # `moe_forward_native` on them); Gemma ties its embeddings (SGLang's Gemma always does) and
 # says exact GELU (SGLang's Gemma computes it whatever the config says); Granite's multipliers
 # away from 1 (the attention one is the layer's softmax scale); Phi-3's pad token inside the
-# tiny vocabulary; StableLM with its partial rotary embedding (a quarter of each head).
+# tiny vocabulary; StableLM with its partial rotary embedding (a quarter of each head); Qwen2-MoE
+# with its gated shared expert (its gate a Triton kernel in SGLang's model: compat/cpu_triton.py
+# computes it on the CPU); OLMoE with its experts' own intermediate size and its q/k norms.
 TINY_ARCHITECTURES = {
     "LlamaForCausalLM": ("LlamaConfig", {}),
     "MistralForCausalLM": ("MistralConfig", {"sliding_window": None}),
@@ -96,7 +98,19 @@ TINY_ARCHITECTURES = {
         "logits_scaling": 4.0}),
     "StableLmForCausalLM": ("StableLmConfig", {"partial_rotary_factor": 0.25}),
     "Starcoder2ForCausalLM": ("Starcoder2Config", {"sliding_window": None}),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "norm_topk_prob": False, "use_sliding_window": False}),
+    "OlmoeForCausalLM": ("OlmoeConfig", {
+        "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+        "norm_topk_prob": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
 }  # fmt: skip
+
+# Architectures whose tiny checkpoint has as many KV heads as query heads, whatever `kv_heads`
+# says: SGLang 0.5.23's OLMoE sizes its k_norm for the query heads (OLMoE itself is MHA), so it
+# cannot load a GQA checkpoint.
+MHA_ONLY = frozenset({"OlmoeForCausalLM"})
 
 
 def save_tiny_model(path: Path, architecture: str = "LlamaForCausalLM", layers: int = 2,
@@ -110,12 +124,14 @@ def save_tiny_model(path: Path, architecture: str = "LlamaForCausalLM", layers: 
         raise ValueError(f"no tiny {architecture}; one of {sorted(TINY_ARCHITECTURES)}")
     config_name, extra = TINY_ARCHITECTURES[architecture]
     vocab = _save_byte_tokenizer(path)
-    config = getattr(transformers, config_name)(
+    fields = dict(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=q_heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        max_position_embeddings=1024, initializer_range=0.2, architectures=[architecture],
-        **{"tie_word_embeddings": False, **extra},
+        num_attention_heads=q_heads,
+        num_key_value_heads=q_heads if architecture in MHA_ONLY else kv_heads,
+        head_dim=head_dim, max_position_embeddings=1024, initializer_range=0.2,
+        architectures=[architecture], tie_word_embeddings=False,
     )  # fmt: skip
+    config = getattr(transformers, config_name)(**{**fields, **extra})
     torch.manual_seed(seed)
     getattr(transformers, architecture)(config).save_pretrained(path)
     return path

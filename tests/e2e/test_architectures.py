@@ -2,8 +2,9 @@
 
 `config.SUPPORTED_ARCHITECTURES` admits the families whose SGLang models call RadixAttention for
 plain causal attention, each with its own head layout, q/k/v biases (Qwen2, Phi-3's fused
-projections), q/k norms (Qwen3, Qwen3-MoE, Olmo2), partial rotary embeddings (StableLM),
-softmax scale (Granite's attention multiplier) and MLP (Mixtral's and Qwen3-MoE's experts).
+projections), q/k norms (Qwen3, Qwen3-MoE, Olmo2, OLMoE), partial rotary embeddings (StableLM),
+softmax scale (Granite's attention multiplier) and MLP (the experts of Mixtral, Qwen3-MoE and
+OLMoE, Qwen2-MoE's with its gated shared expert).
 Here a tiny random-weight checkpoint of each (sgl_ragged/testing/tiny_model.py) is served in
 float32 at `uniform:1.0` (every token kept: the rows are the full cache) and its greedy tokens
 and their log-probabilities are compared with transformers' eager forward of the same
@@ -35,7 +36,8 @@ GROUPS = (
     ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
     ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GemmaForCausalLM"),
     ("Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM"),
-    ("StableLmForCausalLM", "Starcoder2ForCausalLM"),
+    ("StableLmForCausalLM", "Starcoder2ForCausalLM", "Qwen2MoeForCausalLM"),
+    ("OlmoeForCausalLM",),
 )
 ARCHITECTURES = tuple(arch for group in GROUPS for arch in group)
 NEW_TOKENS = 24

@@ -20,9 +20,13 @@ from sgl_ragged.emulator.compressed import CompressedLoss, SlotSelection
 from sgl_ragged.emulator.runner import CaptureRunner
 from sgl_ragged.emulator.samples import build_samples
 from sgl_ragged.scoring import make_scorer
-from sgl_ragged.testing.tiny_model import save_tiny_model
+from sgl_ragged.testing.tiny_model import MHA_ONLY, save_tiny_model
 
 TINY = ChunkingConfig(page_size=16, chunk_size=32, obs_window=8)
+
+
+def _kv_heads(arch: str) -> int:
+    return 4 if arch in MHA_ONLY else 2  # the checkpoints' 4 query heads
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +41,9 @@ def test_the_runner_captures_every_layer(checkpoints, arch: str) -> None:
     runner = CaptureRunner(str(checkpoints[arch]))
     layers = runner.run(torch.arange(40) % 256)
     assert len(layers) == runner.shape.num_layers == 2
+    kv = _kv_heads(arch)
     for layer in layers:
-        assert (layer.q.shape, layer.k.shape, layer.v.shape) == ((40, 4, 16), (40, 2, 16), (40, 2, 16))
+        assert (layer.q.shape, layer.k.shape, layer.v.shape) == ((40, 4, 16), (40, kv, 16), (40, kv, 16))
     want = 0.3 if arch == "GraniteForCausalLM" else 16 ** -0.5  # Granite's attention_multiplier
     assert runner.scale == pytest.approx(want)
 
@@ -55,9 +60,10 @@ def test_a_full_budget_gives_the_models_own_loss(checkpoints, arch: str) -> None
     want = torch.nn.functional.cross_entropy(logits[32:-1].double(), sample.input_ids[33:],
                                              reduction="none")
     assert torch.allclose(full, want, atol=1e-5)
-    kept = loss.token_nll(sample.input_ids, SlotSelection([[16, 16], [16, 16]]))
+    kv = _kv_heads(arch)
+    kept = loss.token_nll(sample.input_ids, SlotSelection([[16] * kv] * 2))
     assert torch.allclose(kept, full, atol=1e-5)
-    squeezed = loss.token_nll(sample.input_ids, SlotSelection([[4, 4], [4, 4]]))
+    squeezed = loss.token_nll(sample.input_ids, SlotSelection([[4] * kv] * 2))
     assert not torch.allclose(squeezed, full, atol=1e-3)
     with pytest.raises(ValueError, match="no token after the first"):
         loss.token_nll(sample.input_ids[:32], None)
