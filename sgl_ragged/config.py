@@ -39,6 +39,7 @@ SUPPORTED_ARCHITECTURES = (
     "Starcoder2ForCausalLM",
     "Qwen2MoeForCausalLM",
     "OlmoeForCausalLM",
+    "Qwen2VLForConditionalGeneration",
 )
 DEFAULT_PAGE_SIZE = 64
 DEFAULT_MAX_RUNNING_REQUESTS = 32

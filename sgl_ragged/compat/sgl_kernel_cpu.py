@@ -25,6 +25,8 @@ sgl_kernel.gemm         int8_scaled_mm                                         s
 sgl_kernel.quantization ggml_dequantize, ggml_moe_a8, ggml_mul_mat_a8,         stub
                         ggml_mul_mat_vec_a8
 sgl_kernel.kvcacheio    the 13 ``transfer_kv_*`` ops of host KV offload        stub
+torch.ops.sgl_kernel    5 ops Qwen3.5's CPU path binds at import (the Qwen-VL  stub
+                        processor imports it): ``TORCH_OP_STUBS``
 ======================  =====================================================  ============
 
 The last rows are the names a dense model's CUDA path imports at module level (SGLang
@@ -39,8 +41,9 @@ tensors too.
 ``sgl_kernel`` itself re-exports every name. Stubs raise ``NotImplementedError`` naming
 the op. Any other name or submodule (``sgl_kernel.scalar_type``, ``sgl_kernel.allreduce``)
 is absent, so importing it raises ``ImportError`` and SGLang takes its own fallback, as it
-does when the package is missing. ``torch.ops.sgl_kernel`` stays empty, which keeps
-SGLang's AMX fast paths (``cpu_has_amx_support()``) off.
+does when the package is missing. ``torch.ops.sgl_kernel`` holds only the stubs of
+``TORCH_OP_STUBS``, which keeps SGLang's AMX fast paths (``cpu_has_amx_support()``, which asks
+for ``convert_weight_packed``) off.
 
 Importing this module changes nothing; only :func:`install_if_needed` does, or, in
 every process of the project venv, the import hook that ``scripts/env.sh`` installs as a
@@ -316,6 +319,37 @@ STUBBED: dict[str, tuple[str, ...]] = {
 }
 
 
+# ``torch.ops.sgl_kernel`` names some SGLang modules bind at import time on a CPU (SGLang
+# 0.5.23's qwen3_5, which the Qwen-VL multimodal processor imports for its model classes): each
+# is registered with a one-tensor schema that raises NotImplementedError when called, so the
+# modules import and only a model that runs the op fails. None of them is `convert_weight_packed`,
+# whose presence turns SGLang's AMX CPU backend on (`cpu_has_amx_support`), nor another name
+# SGLang probes with hasattr to pick a fast path.
+_HYBRID_WHY = "hybrid linear-attention Qwen3.5 models on CPU need the real sgl_kernel"
+TORCH_OP_STUBS = (
+    "fused_sigmoid_mul_cpu",
+    "fused_qk_gemma_rmsnorm_cpu",
+    "fused_qk_gemma_rmsnorm_with_gate_cpu",
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu",
+    "fused_input_proj_cpu",
+)
+_LIBRARIES: list[object] = []  # torch.library.Library objects unregister when collected
+
+
+def _register_torch_op_stubs() -> None:
+    import torch
+
+    if all(hasattr(torch.ops.sgl_kernel, name) for name in TORCH_OP_STUBS):
+        return
+    library = torch.library.Library("sgl_kernel", "FRAGMENT")
+    for name in TORCH_OP_STUBS:
+        if hasattr(torch.ops.sgl_kernel, name):
+            continue
+        library.define(f"{name}(Tensor x) -> ()")
+        library.impl(name, _stub(name, _HYBRID_WHY), "CompositeExplicitAutograd")
+    _LIBRARIES.append(library)
+
+
 # --- installation ------------------------------------------------------------------------
 
 # What a failing `import sgl_kernel` raises here (libcuda.so.1 missing: ImportError).
@@ -356,6 +390,7 @@ def _turn_into_standin(root: types.ModuleType) -> None:
             if callable(value) and not name.startswith("__"):
                 setattr(root, name, value)
     sys.modules["sgl_kernel"] = root
+    _register_torch_op_stubs()
 
 
 def is_standin_installed() -> bool:

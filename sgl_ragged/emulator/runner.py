@@ -30,24 +30,39 @@ class LayerQKV:
     v: torch.Tensor  # [T, H_kv, D] values
 
 
+def hf_model_class(model_path: str | Path) -> Any:
+    """The transformers auto class that loads a checkpoint with its LM head: a causal LM's, or
+    a vision-language model's (which runs its language model alone on text, without pixels)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vision = hasattr(AutoConfig.from_pretrained(model_path), "vision_config")
+    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
+
+
 class CaptureRunner:
     """Loads an HF causal LM and returns its per-layer Q/K/V for a token sequence."""
 
     def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "float32") -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.device = torch.device(device)
         self._attn_name = f"sgl_ragged_capture_{next(_RUNNER_IDS)}"
         self._register()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(
+        self.model = hf_model_class(model_path).from_pretrained(
             model_path, dtype=getattr(torch, dtype), attn_implementation=self._attn_name
         ).to(self.device).eval()  # fmt: skip
         self.shape = model_shape(str(model_path))  # the fingerprint the server checks
-        self.scale = float(self.model.model.layers[0].self_attn.scaling)
+        self.scale = float(self.layers[0].self_attn.scaling)
         self._captured: list[LayerQKV] = []
         self._capture = True
         self._attention: Any = None  # (layer_idx, q, k, v) -> out, replacing SDPA when set
+
+    @property
+    def layers(self) -> Any:
+        """The decoder layers (a vision-language model's are its language model's)."""
+        decoder = self.model.model
+        return getattr(decoder, "language_model", decoder).layers
 
     def logits(self, input_ids: torch.Tensor, attention: Any = None, start: int = 0) -> torch.Tensor:
         """[T - start, V] float32 next-token logits of input_ids [T] at positions start.. (the

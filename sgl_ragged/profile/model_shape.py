@@ -58,11 +58,11 @@ def model_shape(model_path: str, trust_remote_code: bool = False) -> ModelShape:
     """Architecture and KV geometry of a local HF checkpoint (its config.json)."""
     from transformers import AutoConfig
 
-    cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    cfg = getattr(cfg, "text_config", cfg)
+    outer = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    cfg = getattr(outer, "text_config", outer)  # a vision-language model's language model
     heads = cfg.num_attention_heads
     return ModelShape(
-        architecture=(cfg.architectures or ["unknown"])[0],
+        architecture=(outer.architectures or cfg.architectures or ["unknown"])[0],
         num_layers=cfg.num_hidden_layers,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
         head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,

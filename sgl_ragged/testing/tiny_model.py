@@ -34,26 +34,29 @@ def _filler_word(n: int) -> str:
     return letters
 
 
-def _save_byte_tokenizer(path: Path, vocab_size: int = 256,
-                         chat_template: str | None = None) -> int:
+def _save_byte_tokenizer(path: Path, vocab_size: int = 256, chat_template: str | None = None,
+                         special_tokens: tuple[str, ...] = ()) -> int:
     """A byte-level BPE tokenizer without merges saved at path; its size. Encoding yields only
-    the 256 byte tokens (one per byte); ids 256 .. vocab_size - 1 decode to filler words (a
-    space and `_filler_word`): a random model's output ids span the whole vocabulary, and
-    without them its answers would decode to nothing (no streamed text, no TTFT)."""
+    the 256 byte tokens (one per byte) and `special_tokens`, which take the last ids; the ids
+    between decode to filler words (a space and `_filler_word`): a random model's output ids
+    span the whole vocabulary, and without them its answers would decode to nothing (no
+    streamed text, no TTFT)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {c: i for i, c in enumerate(alphabet)}
     vocab.update({"\u0120" + _filler_word(i): len(alphabet) + i  # \u0120: byte-level space
-                  for i in range(vocab_size - len(alphabet))})
+                  for i in range(vocab_size - len(alphabet) - len(special_tokens))})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    if special_tokens:
+        fast.add_special_tokens({"additional_special_tokens": list(special_tokens)})
     fast.chat_template = chat_template
     fast.save_pretrained(path)
-    return len(vocab)
+    return len(fast)
 
 
 def save_tiny_llama(path: Path, layers: int = 2, kv_heads: int = 2, q_heads: int = 4,
@@ -105,7 +108,35 @@ TINY_ARCHITECTURES = {
     "OlmoeForCausalLM": ("OlmoeConfig", {
         "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
         "norm_topk_prob": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "Qwen2VLForConditionalGeneration": ("Qwen2VLConfig", {
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}),
 }  # fmt: skip
+
+# Vision-language architectures: the vision tower of their tiny checkpoint (TINY_ARCHITECTURES
+# holds the language model's settings) and the tokens the processor needs; the byte tokenizer
+# gets them as special tokens (the last ids of the vocabulary). Qwen2-VL's tower: 2 blocks of
+# width 32, 14-pixel patches merged 2 x 2 into one image token per 28 x 28 pixels (`in_chans`
+# and `spatial_patch_size` are the names SGLang 0.5.23's model reads). Its image processor
+# keeps images between 56 x 56 and 448 x 448 pixels (4 to 256 image tokens).
+VISION_LANGUAGE = {
+    "Qwen2VLForConditionalGeneration": {
+        "vision": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+                   "mlp_ratio": 2, "patch_size": 14, "spatial_patch_size": 14,
+                   "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+                   "in_chans": 3},
+        "tokens": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+                   "<|endoftext|>"),
+        "pixels": (56 * 56, 448 * 448),
+    },
+}  # fmt: skip
+VISION_LANGUAGE_VOCAB = 320
+# Every message's parts in order, back to back, an image as the model's placeholder (the
+# processor expands it to the image's tokens): the tokenizer has no role tokens.
+IMAGE_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] in ('image', 'image_url') %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{% endfor %}")
 
 # Architectures whose tiny checkpoint has as many KV heads as query heads, whatever `kv_heads`
 # says: SGLang 0.5.23's OLMoE sizes its k_norm for the query heads (OLMoE itself is MHA), so it
@@ -123,6 +154,9 @@ def save_tiny_model(path: Path, architecture: str = "LlamaForCausalLM", layers: 
     if architecture not in TINY_ARCHITECTURES:
         raise ValueError(f"no tiny {architecture}; one of {sorted(TINY_ARCHITECTURES)}")
     config_name, extra = TINY_ARCHITECTURES[architecture]
+    if architecture in VISION_LANGUAGE:
+        return _save_tiny_vision_language(path, architecture, layers, kv_heads, q_heads,
+                                          head_dim, seed)
     vocab = _save_byte_tokenizer(path)
     fields = dict(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
@@ -134,6 +168,39 @@ def save_tiny_model(path: Path, architecture: str = "LlamaForCausalLM", layers: 
     config = getattr(transformers, config_name)(**{**fields, **extra})
     torch.manual_seed(seed)
     getattr(transformers, architecture)(config).save_pretrained(path)
+    return path
+
+
+def _save_tiny_vision_language(path: Path, architecture: str, layers: int, kv_heads: int,
+                               q_heads: int, head_dim: int, seed: int) -> Path:
+    """A random-weight vision-language checkpoint of `VISION_LANGUAGE` with its processor
+    (image and video processors, the byte tokenizer with the vision tokens)."""
+    import torch
+    import transformers
+
+    config_name, extra = TINY_ARCHITECTURES[architecture]
+    spec = VISION_LANGUAGE[architecture]
+    _save_byte_tokenizer(path, VISION_LANGUAGE_VOCAB, IMAGE_CHAT_TEMPLATE, spec["tokens"])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in spec["tokens"]}
+    tokenizer.eos_token = tokenizer.pad_token = "<|endoftext|>"
+    text = dict(vocab_size=VISION_LANGUAGE_VOCAB, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=layers, num_attention_heads=q_heads,
+                num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=4096,
+                initializer_range=0.2, tie_word_embeddings=False, bos_token_id=None,
+                eos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"], **extra)
+    config = getattr(transformers, config_name)(
+        text_config=text, vision_config=spec["vision"], tie_word_embeddings=False,
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], architectures=[architecture])
+    torch.manual_seed(seed)
+    getattr(transformers, architecture)(config).save_pretrained(path)
+    low, high = spec["pixels"]
+    transformers.Qwen2VLProcessor(
+        image_processor=transformers.Qwen2VLImageProcessor(min_pixels=low, max_pixels=high),
+        video_processor=transformers.Qwen2VLVideoProcessor(), tokenizer=tokenizer,
+        chat_template=IMAGE_CHAT_TEMPLATE).save_pretrained(path)
     return path
 
 

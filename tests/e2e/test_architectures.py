@@ -15,15 +15,20 @@ time (`GROUPS`), each group's together, so that at most three are alive at once.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
 import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import requests
 
 from sgl_ragged.config import SUPPORTED_ARCHITECTURES
+from sgl_ragged.emulator.runner import hf_model_class
 from sgl_ragged.testing.server import ServerProcess
 from sgl_ragged.testing.tiny_model import TINY_ARCHITECTURES, save_tiny_model
 from tests.e2e.conftest import INTEGRITY_ENV, greedy, started_together
@@ -37,7 +42,7 @@ GROUPS = (
     ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GemmaForCausalLM"),
     ("Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM"),
     ("StableLmForCausalLM", "Starcoder2ForCausalLM", "Qwen2MoeForCausalLM"),
-    ("OlmoeForCausalLM",),
+    ("OlmoeForCausalLM", "Qwen2VLForConditionalGeneration"),
 )
 ARCHITECTURES = tuple(arch for group in GROUPS for arch in group)
 NEW_TOKENS = 24
@@ -94,10 +99,9 @@ def groups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Groups]:
 def _reference(model_path: Path, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
     """transformers' greedy tokens and their log-probabilities, float32, eager attention."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    model = hf_model_class(model_path).from_pretrained(model_path, dtype=torch.float32,
+                                                       attn_implementation="eager").eval()
     out = []
     with torch.no_grad():
         for ids in prompts:
@@ -124,3 +128,94 @@ def test_the_full_cache_gives_transformers_tokens(groups: _Groups, arch: str) ->
         got = greedy(server, ids, NEW_TOKENS, to_length="ignore_eos")
         assert got.tokens == tokens, f"{arch}, {len(ids)} prompt tokens"
         assert max(abs(a - b) for a, b in zip(got.logprobs, logprobs, strict=True)) < 1e-3
+
+
+# ---- Images: the vision-language model's group is the last, so its server is still up ----
+VISION = "Qwen2VLForConditionalGeneration"
+PREAMBLE = "a picture follows, and after it one question about what it shows: "  # 67 tokens
+
+
+def _image(seed: int) -> tuple[Any, str]:
+    """A random 224 x 448 RGB image (8 x 16 image tokens of 28 x 28 pixels) and its data URL."""
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (224, 448, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    buffer.seek(0)
+    return Image.open(buffer), "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _image_prompt(question: str) -> str:
+    return PREAMBLE + "<|vision_start|><|image_pad|><|vision_end|>" + question
+
+
+def _vision_reference(model_path: Path, text: str, image: Any) -> tuple[int, list[int], list[float]]:
+    """transformers' prompt length (image tokens expanded), greedy tokens and log-probabilities."""
+    import torch
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_path)
+    model = hf_model_class(model_path).from_pretrained(model_path, dtype=torch.float32,
+                                                       attn_implementation="eager").eval()
+    inputs = processor(text=[text], images=[image], return_tensors="pt")
+    with torch.no_grad():
+        gen = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+                             eos_token_id=None)
+    prompt = inputs["input_ids"].shape[1]
+    tokens = gen.sequences[0, prompt:].tolist()
+    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item()
+                for s, t in zip(gen.scores, tokens, strict=True)]
+    return prompt, tokens, logprobs
+
+
+def _generate_with_image(server: ServerProcess, text: str, url: str) -> dict[str, Any]:
+    reply = requests.post(f"{server.base_url}/generate", timeout=300, json={
+        "text": text, "image_data": url, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_images_give_transformers_tokens(groups: _Groups) -> None:
+    """An image prompt over 4 pages and 2 prefill chunks, the same image again under another
+    question (its pages from the radix cache), and another image after the same preamble (which
+    must not reuse the first image's pages) each give transformers' tokens."""
+    model, server = groups.get(VISION)
+    first, first_url = _image(0)
+    other, other_url = _image(1)
+    cached = []
+    for image, url, question in ((first, first_url, " what is in it?"),
+                                 (first, first_url, " which colour is most common?"),
+                                 (other, other_url, " what is in it?")):
+        text = _image_prompt(question)
+        prompt, tokens, logprobs = _vision_reference(model, text, image)
+        got = _generate_with_image(server, text, url)
+        meta = got["meta_info"]
+        assert meta["prompt_tokens"] == prompt > 3 * 64, question
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == tokens, question
+        assert max(abs(lp - want) for (lp, _, _), want
+                   in zip(meta["output_token_logprobs"], logprobs, strict=True)) < 1e-3
+        cached.append(meta["cached_tokens"])
+    image_end = len(PREAMBLE) + 1 + 128 + 1  # the preamble, the image and its two markers
+    assert cached[1] >= 64 * (image_end // 64)  # the preamble's and the image's pages
+    assert cached[2] < len(PREAMBLE) + 1  # at most the preamble: another image's pages differ
+
+
+def test_chat_completions_take_an_image(groups: _Groups) -> None:
+    """/v1/chat/completions with an image_url part: the image is expanded into its 128 tokens
+    through the checkpoint's chat template and the answer runs to max_tokens."""
+    _, server = groups.get(VISION)
+    _, url = _image(2)
+    reply = requests.post(f"{server.base_url}/v1/chat/completions", timeout=300, json={
+        "model": "tiny", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": PREAMBLE},
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": " what is in it?"}]}]})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    # the template's text parts, the image's markers and its tokens
+    assert body["usage"]["prompt_tokens"] == len(PREAMBLE) + 130 + len(" what is in it?")

@@ -19,6 +19,7 @@ from sgl_ragged.emulator.chunks import ChunkingConfig
 from sgl_ragged.emulator.compressed import CompressedLoss, SlotSelection
 from sgl_ragged.emulator.runner import CaptureRunner
 from sgl_ragged.emulator.samples import build_samples
+from sgl_ragged.profile import ModelShape, model_shape
 from sgl_ragged.scoring import make_scorer
 from sgl_ragged.testing.tiny_model import MHA_ONLY, save_tiny_model
 
@@ -34,6 +35,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("offline-arch")
     return {arch: save_tiny_model(root / arch, arch, layers=2, kv_heads=2, q_heads=4)
             for arch in SUPPORTED_ARCHITECTURES}
+
+
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)
+def test_the_fingerprint_names_the_checkpoints_architecture(checkpoints, arch: str) -> None:
+    # a vision-language model's geometry is its language model's (text_config), its
+    # architecture the checkpoint's own
+    assert model_shape(str(checkpoints[arch])) == ModelShape(arch, 2, _kv_heads(arch), 16)
 
 
 @pytest.mark.parametrize("arch", SUPPORTED_ARCHITECTURES)

@@ -322,6 +322,20 @@ def test_amx_detection_stays_off(real_import_fails: None) -> None:
     """SGLang enables its AMX kernels if torch.ops.sgl_kernel has convert_weight_packed."""
     sk.install_if_needed()
     assert not hasattr(torch.ops.sgl_kernel, "convert_weight_packed")
+    from sglang.srt.utils.common import cpu_has_amx_support
+
+    assert not cpu_has_amx_support()
+
+
+def test_torch_op_stubs_bind_and_raise_naming_the_op(real_import_fails: None) -> None:
+    """Qwen3.5's CPU path binds these at import (the Qwen-VL processor imports it): they exist,
+    and calling one raises NotImplementedError naming it; installing again keeps them."""
+    sk.install_if_needed()
+    sk._register_torch_op_stubs()
+    for name in sk.TORCH_OP_STUBS:
+        with pytest.raises(NotImplementedError, match=f"sgl_kernel.{name} "):
+            getattr(torch.ops.sgl_kernel, name)(torch.zeros(1))
+    import sglang.srt.models.qwen3_5  # noqa: F401
 
 
 # --- startup import hook (.pth) --------------------------------------------------------
