@@ -40,6 +40,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "OlmoeForCausalLM",
     "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
 )
 DEFAULT_PAGE_SIZE = 64
 DEFAULT_MAX_RUNNING_REQUESTS = 32

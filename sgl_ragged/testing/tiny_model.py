@@ -110,22 +110,34 @@ TINY_ARCHITECTURES = {
         "norm_topk_prob": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "Qwen2VLForConditionalGeneration": ("Qwen2VLConfig", {
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}),
+    "Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", {
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}),
 }  # fmt: skip
 
 # Vision-language architectures: the vision tower of their tiny checkpoint (TINY_ARCHITECTURES
-# holds the language model's settings) and the tokens the processor needs; the byte tokenizer
-# gets them as special tokens (the last ids of the vocabulary). Qwen2-VL's tower: 2 blocks of
-# width 32, 14-pixel patches merged 2 x 2 into one image token per 28 x 28 pixels (`in_chans`
-# and `spatial_patch_size` are the names SGLang 0.5.23's model reads). Its image processor
-# keeps images between 56 x 56 and 448 x 448 pixels (4 to 256 image tokens).
+# holds the language model's settings), their processor, and the tokens it needs, which the
+# byte tokenizer gets as special tokens (the last ids of the vocabulary). Both towers have 2
+# blocks and 14-pixel patches merged 2 x 2 into one image token per 28 x 28 pixels (`in_chans`
+# and `spatial_patch_size` are the names SGLang 0.5.23's Qwen2-VL reads); Qwen2.5-VL's attends
+# in windows of 2 x 2 image tokens in its first block and over the whole image in its last.
+# The image processor keeps images between 56 x 56 and 448 x 448 pixels (4 to 256 image tokens).
+_QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+                   "<|endoftext|>")
 VISION_LANGUAGE = {
     "Qwen2VLForConditionalGeneration": {
         "vision": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
                    "mlp_ratio": 2, "patch_size": 14, "spatial_patch_size": 14,
                    "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
                    "in_chans": 3},
-        "tokens": ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
-                   "<|endoftext|>"),
+        "processor": "Qwen2VLProcessor", "tokens": _QWEN_VL_TOKENS,
+        "pixels": (56 * 56, 448 * 448),
+    },
+    "Qwen2_5_VLForConditionalGeneration": {
+        "vision": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                   "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+                   "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
+                   "in_channels": 3, "in_chans": 3},
+        "processor": "Qwen2_5_VLProcessor", "tokens": _QWEN_VL_TOKENS,
         "pixels": (56 * 56, 448 * 448),
     },
 }  # fmt: skip
@@ -197,7 +209,7 @@ def _save_tiny_vision_language(path: Path, architecture: str, layers: int, kv_he
     torch.manual_seed(seed)
     getattr(transformers, architecture)(config).save_pretrained(path)
     low, high = spec["pixels"]
-    transformers.Qwen2VLProcessor(
+    getattr(transformers, spec["processor"])(
         image_processor=transformers.Qwen2VLImageProcessor(min_pixels=low, max_pixels=high),
         video_processor=transformers.Qwen2VLVideoProcessor(), tokenizer=tokenizer,
         chat_template=IMAGE_CHAT_TEMPLATE).save_pretrained(path)

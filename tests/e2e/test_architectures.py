@@ -3,14 +3,16 @@
 `config.SUPPORTED_ARCHITECTURES` admits the families whose SGLang models call RadixAttention for
 plain causal attention, each with its own head layout, q/k/v biases (Qwen2, Phi-3's fused
 projections), q/k norms (Qwen3, Qwen3-MoE, Olmo2, OLMoE), partial rotary embeddings (StableLM),
-softmax scale (Granite's attention multiplier) and MLP (the experts of Mixtral, Qwen3-MoE and
-OLMoE, Qwen2-MoE's with its gated shared expert).
+softmax scale (Granite's attention multiplier), MLP (the experts of Mixtral, Qwen3-MoE and
+OLMoE, Qwen2-MoE's with its gated shared expert) and inputs (the images of Qwen2-VL and Qwen2.5-VL,
+placed by their multimodal rotary embedding).
 Here a tiny random-weight checkpoint of each (sgl_ragged/testing/tiny_model.py) is served in
 float32 at `uniform:1.0` (every token kept: the rows are the full cache) and its greedy tokens
 and their log-probabilities are compared with transformers' eager forward of the same
 checkpoint, an implementation that shares no code with SGLang or the plugin. The default
 model covers Llama everywhere else; the others are only here. The servers start a group at a
-time (`GROUPS`), each group's together, so that at most three are alive at once.
+time (`GROUPS`), each group's together, so that at most three are alive at once. The
+vision-language model's server also answers prompts with images, against transformers too.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ GROUPS = (
     ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GemmaForCausalLM"),
     ("Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM"),
     ("StableLmForCausalLM", "Starcoder2ForCausalLM", "Qwen2MoeForCausalLM"),
-    ("OlmoeForCausalLM", "Qwen2VLForConditionalGeneration"),
+    ("OlmoeForCausalLM", "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"),
 )
 ARCHITECTURES = tuple(arch for group in GROUPS for arch in group)
 NEW_TOKENS = 24
@@ -131,7 +133,7 @@ def test_the_full_cache_gives_transformers_tokens(groups: _Groups, arch: str) ->
 
 
 # ---- Images: the vision-language model's group is the last, so its server is still up ----
-VISION = "Qwen2VLForConditionalGeneration"
+VISION = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 PREAMBLE = "a picture follows, and after it one question about what it shows: "  # 67 tokens
 
 
@@ -179,11 +181,12 @@ def _generate_with_image(server: ServerProcess, text: str, url: str) -> dict[str
     return reply.json()
 
 
-def test_images_give_transformers_tokens(groups: _Groups) -> None:
+@pytest.mark.parametrize("arch", VISION)
+def test_images_give_transformers_tokens(groups: _Groups, arch: str) -> None:
     """An image prompt over 4 pages and 2 prefill chunks, the same image again under another
     question (its pages from the radix cache), and another image after the same preamble (which
     must not reuse the first image's pages) each give transformers' tokens."""
-    model, server = groups.get(VISION)
+    model, server = groups.get(arch)
     first, first_url = _image(0)
     other, other_url = _image(1)
     cached = []
@@ -204,10 +207,11 @@ def test_images_give_transformers_tokens(groups: _Groups) -> None:
     assert cached[2] < len(PREAMBLE) + 1  # at most the preamble: another image's pages differ
 
 
-def test_chat_completions_take_an_image(groups: _Groups) -> None:
+@pytest.mark.parametrize("arch", VISION)
+def test_chat_completions_take_an_image(groups: _Groups, arch: str) -> None:
     """/v1/chat/completions with an image_url part: the image is expanded into its 128 tokens
     through the checkpoint's chat template and the answer runs to max_tokens."""
-    _, server = groups.get(VISION)
+    _, server = groups.get(arch)
     _, url = _image(2)
     reply = requests.post(f"{server.base_url}/v1/chat/completions", timeout=300, json={
         "model": "tiny", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": [
