@@ -112,6 +112,9 @@ TINY_ARCHITECTURES = {
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}),
     "Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", {
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}),
+    "Qwen3VLForConditionalGeneration": ("Qwen3VLConfig", {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "mrope_section": [2, 3, 3], "mrope_interleaved": True}}),
 }  # fmt: skip
 
 # Vision-language architectures: the vision tower of their tiny checkpoint (TINY_ARCHITECTURES
@@ -139,6 +142,14 @@ VISION_LANGUAGE = {
                    "in_channels": 3, "in_chans": 3},
         "processor": "Qwen2_5_VLProcessor", "tokens": _QWEN_VL_TOKENS,
         "pixels": (56 * 56, 448 * 448),
+    },
+    "Qwen3VLForConditionalGeneration": {
+        "vision": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                   "out_hidden_size": 64, "patch_size": 16, "spatial_merge_size": 2,
+                   "temporal_patch_size": 2, "num_position_embeddings": 64,
+                   "deepstack_visual_indexes": [0], "in_channels": 3},
+        "processor": "Qwen3VLProcessor", "video": "Qwen3VLVideoProcessor",
+        "tokens": _QWEN_VL_TOKENS, "pixels": (64 * 64, 512 * 512),
     },
 }  # fmt: skip
 VISION_LANGUAGE_VOCAB = 320
@@ -209,9 +220,13 @@ def _save_tiny_vision_language(path: Path, architecture: str, layers: int, kv_he
     torch.manual_seed(seed)
     getattr(transformers, architecture)(config).save_pretrained(path)
     low, high = spec["pixels"]
+    patch, merge = spec["vision"]["patch_size"], spec["vision"]["spatial_merge_size"]
+    image = transformers.Qwen2VLImageProcessor(min_pixels=low, max_pixels=high,
+                                               patch_size=patch, merge_size=merge)
+    video = getattr(transformers, spec.get("video", "Qwen2VLVideoProcessor"))(
+        patch_size=patch, merge_size=merge)
     getattr(transformers, spec["processor"])(
-        image_processor=transformers.Qwen2VLImageProcessor(min_pixels=low, max_pixels=high),
-        video_processor=transformers.Qwen2VLVideoProcessor(), tokenizer=tokenizer,
+        image_processor=image, video_processor=video, tokenizer=tokenizer,
         chat_template=IMAGE_CHAT_TEMPLATE).save_pretrained(path)
     return path
 

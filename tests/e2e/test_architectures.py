@@ -4,8 +4,8 @@
 plain causal attention, each with its own head layout, q/k/v biases (Qwen2, Phi-3's fused
 projections), q/k norms (Qwen3, Qwen3-MoE, Olmo2, OLMoE), partial rotary embeddings (StableLM),
 softmax scale (Granite's attention multiplier), MLP (the experts of Mixtral, Qwen3-MoE and
-OLMoE, Qwen2-MoE's with its gated shared expert) and inputs (the images of Qwen2-VL and Qwen2.5-VL,
-placed by their multimodal rotary embedding).
+OLMoE, Qwen2-MoE's with its gated shared expert) and inputs (the images of Qwen2-VL, Qwen2.5-VL and
+Qwen3-VL, placed by their multimodal rotary embedding).
 Here a tiny random-weight checkpoint of each (sgl_ragged/testing/tiny_model.py) is served in
 float32 at `uniform:1.0` (every token kept: the rows are the full cache) and its greedy tokens
 and their log-probabilities are compared with transformers' eager forward of the same
@@ -32,7 +32,7 @@ import requests
 from sgl_ragged.config import SUPPORTED_ARCHITECTURES
 from sgl_ragged.emulator.runner import hf_model_class
 from sgl_ragged.testing.server import ServerProcess
-from sgl_ragged.testing.tiny_model import TINY_ARCHITECTURES, save_tiny_model
+from sgl_ragged.testing.tiny_model import TINY_ARCHITECTURES, VISION_LANGUAGE, save_tiny_model
 from tests.e2e.conftest import INTEGRITY_ENV, greedy, started_together
 
 pytestmark = pytest.mark.e2e
@@ -44,7 +44,10 @@ GROUPS = (
     ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GemmaForCausalLM"),
     ("Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM"),
     ("StableLmForCausalLM", "Starcoder2ForCausalLM", "Qwen2MoeForCausalLM"),
-    ("OlmoeForCausalLM", "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"),
+    ("OlmoeForCausalLM",),
+    # last, so the image tests after the loop over every architecture find them up
+    ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+     "Qwen3VLForConditionalGeneration"),
 )
 ARCHITECTURES = tuple(arch for group in GROUPS for arch in group)
 NEW_TOKENS = 24
@@ -53,6 +56,8 @@ NEW_TOKENS = 24
 def test_every_supported_architecture_has_a_tiny_model() -> None:
     assert set(SUPPORTED_ARCHITECTURES) == set(TINY_ARCHITECTURES)
     assert sorted(ARCHITECTURES) == sorted(set(SUPPORTED_ARCHITECTURES) - {"LlamaForCausalLM"})
+    # the image tests run after the loop over every architecture: on the last group, still up
+    assert set(VISION) == set(VISION_LANGUAGE) == set(GROUPS[-1])
 
 
 class _Groups:
@@ -132,17 +137,21 @@ def test_the_full_cache_gives_transformers_tokens(groups: _Groups, arch: str) ->
         assert max(abs(a - b) for a, b in zip(got.logprobs, logprobs, strict=True)) < 1e-3
 
 
-# ---- Images: the vision-language model's group is the last, so its server is still up ----
-VISION = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-PREAMBLE = "a picture follows, and after it one question about what it shows: "  # 67 tokens
+# ---- Images: the vision-language models' group is the last (tests run in file order) ----
+VISION = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+          "Qwen3VLForConditionalGeneration")
+PREAMBLE = "a picture follows, and after it one question about what it shows: "  # 66 tokens
+MARKED = "<|vision_start|><|image_pad|><|vision_end|>"  # 3 tokens; the processor expands the pad
 
 
 def _image(seed: int) -> tuple[Any, str]:
-    """A random 224 x 448 RGB image (8 x 16 image tokens of 28 x 28 pixels) and its data URL."""
+    """A random 256 x 512 RGB image and its data URL: 9 x 18 image tokens of 28 x 28 pixels
+    (Qwen2-VL, Qwen2.5-VL, after the processor's resize to 252 x 504), 8 x 16 of 32 x 32
+    (Qwen3-VL)."""
     import numpy as np
     from PIL import Image
 
-    pixels = np.random.default_rng(seed).integers(0, 256, (224, 448, 3), dtype=np.uint8)
+    pixels = np.random.default_rng(seed).integers(0, 256, (256, 512, 3), dtype=np.uint8)
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     buffer.seek(0)
@@ -150,7 +159,13 @@ def _image(seed: int) -> tuple[Any, str]:
 
 
 def _image_prompt(question: str) -> str:
-    return PREAMBLE + "<|vision_start|><|image_pad|><|vision_end|>" + question
+    return PREAMBLE + MARKED + question
+
+
+def _image_tokens(arch: str) -> int:
+    vision = VISION_LANGUAGE[arch]["vision"]
+    side = vision["patch_size"] * vision["spatial_merge_size"]
+    return round(256 / side) * round(512 / side)
 
 
 def _vision_reference(model_path: Path, text: str, image: Any) -> tuple[int, list[int], list[float]]:
@@ -197,19 +212,20 @@ def test_images_give_transformers_tokens(groups: _Groups, arch: str) -> None:
         prompt, tokens, logprobs = _vision_reference(model, text, image)
         got = _generate_with_image(server, text, url)
         meta = got["meta_info"]
-        assert meta["prompt_tokens"] == prompt > 3 * 64, question
+        assert meta["prompt_tokens"] == prompt == len(text) - len(MARKED) + 2 + _image_tokens(arch)
+        assert prompt > 3 * 64, question
         assert [t for _, t, _ in meta["output_token_logprobs"]] == tokens, question
         assert max(abs(lp - want) for (lp, _, _), want
                    in zip(meta["output_token_logprobs"], logprobs, strict=True)) < 1e-3
         cached.append(meta["cached_tokens"])
-    image_end = len(PREAMBLE) + 1 + 128 + 1  # the preamble, the image and its two markers
+    image_end = len(PREAMBLE) + 1 + _image_tokens(arch) + 1  # the preamble, the image, its markers
     assert cached[1] >= 64 * (image_end // 64)  # the preamble's and the image's pages
     assert cached[2] < len(PREAMBLE) + 1  # at most the preamble: another image's pages differ
 
 
 @pytest.mark.parametrize("arch", VISION)
 def test_chat_completions_take_an_image(groups: _Groups, arch: str) -> None:
-    """/v1/chat/completions with an image_url part: the image is expanded into its 128 tokens
+    """/v1/chat/completions with an image_url part: the image is expanded into its tokens
     through the checkpoint's chat template and the answer runs to max_tokens."""
     _, server = groups.get(arch)
     _, url = _image(2)
@@ -222,4 +238,5 @@ def test_chat_completions_take_an_image(groups: _Groups, arch: str) -> None:
     body = reply.json()
     assert body["choices"][0]["finish_reason"] == "length"
     # the template's text parts, the image's markers and its tokens
-    assert body["usage"]["prompt_tokens"] == len(PREAMBLE) + 130 + len(" what is in it?")
+    assert body["usage"]["prompt_tokens"] == \
+        len(PREAMBLE) + 2 + _image_tokens(arch) + len(" what is in it?")
