@@ -119,11 +119,13 @@ TINY_ARCHITECTURES = {
 
 # Vision-language architectures: the vision tower of their tiny checkpoint (TINY_ARCHITECTURES
 # holds the language model's settings), their processor, and the tokens it needs, which the
-# byte tokenizer gets as special tokens (the last ids of the vocabulary). Both towers have 2
-# blocks and 14-pixel patches merged 2 x 2 into one image token per 28 x 28 pixels (`in_chans`
-# and `spatial_patch_size` are the names SGLang 0.5.23's Qwen2-VL reads); Qwen2.5-VL's attends
-# in windows of 2 x 2 image tokens in its first block and over the whole image in its last.
-# The image processor keeps images between 56 x 56 and 448 x 448 pixels (4 to 256 image tokens).
+# byte tokenizer gets as special tokens (the last ids of the vocabulary). Each tower has 2
+# blocks, and its patches merge 2 x 2 into one image token: 28 x 28 pixels from Qwen2-VL's and
+# Qwen2.5-VL's 14-pixel patches (`in_chans` and `spatial_patch_size` are the names SGLang
+# 0.5.23's Qwen2-VL reads), 32 x 32 from Qwen3-VL's 16-pixel ones. Qwen2.5-VL's tower attends
+# in windows of 2 x 2 image tokens in its first block and over the whole image in its last;
+# Qwen3-VL's first block also feeds the first decoder layer (deepstack). The image processors
+# keep 4 to 256 image tokens (56 x 56 to 448 x 448 pixels; 64 x 64 to 512 x 512 for Qwen3-VL).
 _QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
                    "<|endoftext|>")
 VISION_LANGUAGE = {
