@@ -182,18 +182,25 @@ def save_tiny_model(path: Path, architecture: str = "LlamaForCausalLM", layers: 
     if architecture in VISION_LANGUAGE:
         return _save_tiny_vision_language(path, architecture, layers, kv_heads, q_heads,
                                           head_dim, seed)
-    vocab = _save_byte_tokenizer(path)
-    fields = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=q_heads,
-        num_key_value_heads=q_heads if architecture in MHA_ONLY else kv_heads,
-        head_dim=head_dim, max_position_embeddings=1024, initializer_range=0.2,
-        architectures=[architecture], tie_word_embeddings=False,
-    )  # fmt: skip
-    config = getattr(transformers, config_name)(**{**fields, **extra})
+    fields = _language_fields(architecture, _save_byte_tokenizer(path), layers, kv_heads,
+                              q_heads, head_dim, 1024)
+    config = getattr(transformers, config_name)(architectures=[architecture],
+                                                **{**fields, **extra})
     torch.manual_seed(seed)
     getattr(transformers, architecture)(config).save_pretrained(path)
     return path
+
+
+def _language_fields(architecture: str, vocab: int, layers: int, kv_heads: int, q_heads: int,
+                     head_dim: int, max_positions: int) -> dict[str, object]:
+    """The language model's shape every tiny checkpoint shares (hidden 64, untied lm_head)."""
+    return dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=q_heads,
+        num_key_value_heads=q_heads if architecture in MHA_ONLY else kv_heads,
+        head_dim=head_dim, max_position_embeddings=max_positions, initializer_range=0.2,
+        tie_word_embeddings=False,
+    )  # fmt: skip
 
 
 def _save_tiny_vision_language(path: Path, architecture: str, layers: int, kv_heads: int,
@@ -209,11 +216,10 @@ def _save_tiny_vision_language(path: Path, architecture: str, layers: int, kv_he
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in spec["tokens"]}
     tokenizer.eos_token = tokenizer.pad_token = "<|endoftext|>"
-    text = dict(vocab_size=VISION_LANGUAGE_VOCAB, hidden_size=64, intermediate_size=128,
-                num_hidden_layers=layers, num_attention_heads=q_heads,
-                num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=4096,
-                initializer_range=0.2, tie_word_embeddings=False, bos_token_id=None,
-                eos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"], **extra)
+    text = dict(**_language_fields(architecture, VISION_LANGUAGE_VOCAB, layers, kv_heads,
+                                   q_heads, head_dim, 4096),
+                bos_token_id=None, eos_token_id=ids["<|endoftext|>"],
+                pad_token_id=ids["<|endoftext|>"], **extra)
     config = getattr(transformers, config_name)(
         text_config=text, vision_config=spec["vision"], tie_word_embeddings=False,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
