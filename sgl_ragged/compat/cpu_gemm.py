@@ -1,5 +1,5 @@
 """bfloat16 dense layers on a CPU without bfloat16 dot products (AVX2, AVX-512 without BF16),
-and decode batches on one with AVX512-BF16 and no AMX.
+and decode batches on one with AVX512-BF16, with or without AMX.
 
 SGLang 0.5.23 multiplies a dense layer's bfloat16 activations and weights with `F.linear` on a
 CPU without AMX (`UnquantizedLinearMethod.apply`), and its logits with `torch.matmul` against
@@ -21,7 +21,11 @@ rows but streams a decode batch's weights at half to two thirds of the speed of 
 kernel's vdpbf16ps dots (a Zen 5, 2 threads, spinning workers: x1.6-1.7 at 1-16 rows, x1.2 at
 32-47; docs/results.md, "Decode rows on vdpbf16ps" and "Decode's small products on both
 cores"), so there calls below the kernel's `linear_dot_rows()` (48) go to the kernel and larger
-ones stay torch's.
+ones stay torch's. With AMX, torch's product runs on the tiles and overtakes the dots sooner, but
+a decode batch is still streamed faster by the dots (an Intel Xeon with AMX, 2 threads, SmolLM2's
+model step: x2.2 at 1 row, x1.9 at 4, x1.4-1.5 at 8, x1.15 at 12, x0.89 at 16; its lm_head x1.7,
+x1.6, x1.1-1.2, x0.9-0.94: docs/results.md, "Decode's dense layers on an AMX CPU"), so there
+calls below AMX_DOT_ROWS (12) go to the kernel.
 
 Without the native extension built, calls below FLOAT32_ROWS stay as SGLang makes them and
 larger ones are converted to float32 (session 23's form, RAGGED_CPU_GEMM=float32).
@@ -63,6 +67,11 @@ x1.02-1.04 at 1-4 requests, where workers sleep again between products; docs/res
 SERIAL_MACS_SPINNING = 1 << 18
 SERIAL_MACS_DEFAULT = 1 << 22  # linear.cpp's own default
 
+AMX_DOT_ROWS = 12
+"""On a CPU with AMX, calls below this many rows go to the native dots, larger ones to torch's
+product on the tiles: where the lm_head's crossing (10-11 rows) and the model step's (about 15)
+meet, the step's loss at 12-14 rows (x1.15-1.11 slower on the tiles) beside the lm_head's gain."""
+
 FLOAT32_ROWS = 16
 """Without the native kernel, calls with at least this many rows convert to float32 (2 threads:
 x0.38 at 1 row, x1.03 at 8, x1.67 at 16, x2.45 at 32, x4.45 at 256)."""
@@ -70,7 +79,8 @@ x0.38 at 1 row, x1.03 at 8, x1.67 at 16, x2.45 at 32, x4.45 at 256)."""
 CHOICES = {
     "auto": "the native kernel where the CPU has neither amx_bf16 nor avx512_bf16; with "
             "avx512_bf16 and no amx_bf16 the native kernel for decode batches (below its "
-            "linear_dot_rows()) and torch's bfloat16 product from there; else torch's",
+            "linear_dot_rows()) and torch's bfloat16 product from there; with amx_bf16 the "
+            "same below AMX_DOT_ROWS rows",
     "native": "the native kernel, on any CPU",
     "float32": "float32 from FLOAT32_ROWS rows, torch's bfloat16 product below",
     "bfloat16": "torch's bfloat16 product throughout (SGLang's own calls)",
@@ -83,16 +93,14 @@ def _choice() -> str:
 
 def routes() -> str:
     """How this process multiplies bfloat16 dense layers on the CPU: 'native' (the native
-    kernel), 'decode' (the native kernel below its linear_dot_rows(), torch's product from
-    there), 'float32' (float32 from FLOAT32_ROWS rows) or 'bfloat16' (torch's product). Raises
+    kernel), 'decode' (the native kernel below `_decode_rows()`, torch's product from there),
+    'float32' (float32 from FLOAT32_ROWS rows) or 'bfloat16' (torch's product). Raises
     ValueError for a bad RAGGED_CPU_GEMM, or for RAGGED_CPU_GEMM=native where the native
     extension is not built."""
     choice = _choice()
     if choice == "auto":
         flags = cpu_flags()
-        if "amx_bf16" in flags:
-            return "bfloat16"
-        if "avx512_bf16" in flags:
+        if {"amx_bf16", "avx512_bf16"} & flags:
             return "decode" if _native_ready() and _dot_rows() > 0 else "bfloat16"
         return "native" if _native_ready() else "float32"
     if choice == "native" and not _native_ready():
@@ -107,6 +115,13 @@ def _native_ready() -> bool:
     """The native extension is built and loads. is_built first: a server never compiles it
     (scripts/env.sh builds it)."""
     return native.is_built() and native.available()
+
+
+def _decode_rows() -> int:
+    """Below how many rows route 'decode' sends a call to the native kernel: its
+    linear_dot_rows(), and on a CPU with AMX no more than AMX_DOT_ROWS."""
+    rows = _dot_rows()
+    return min(rows, AMX_DOT_ROWS) if "amx_bf16" in cpu_flags() else rows
 
 
 @functools.cache
@@ -139,7 +154,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> s
         return "native" if plain else "float32"
     rows = x.numel() // max(x.shape[-1], 1)
     if mode == "decode":
-        return "native" if plain and rows < _dot_rows() else None
+        return "native" if plain and rows < _decode_rows() else None
     if mode == "float32" and rows >= FLOAT32_ROWS:
         return "float32"
     return None

@@ -110,7 +110,8 @@ def test_calls_it_leaves_to_sglang(case: str, monkeypatch: pytest.MonkeyPatch) -
     ({"avx512f", "avx512bw"}, 0, "native", "float32"),
     ({"avx512f", "avx512_bf16"}, 24, "decode", "bfloat16"),
     ({"avx512f", "avx512_bf16"}, 0, "bfloat16", "bfloat16"),  # RAGGED_NATIVE_ISA=avx2
-    ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, 24, "bfloat16", "bfloat16"),
+    ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, 24, "decode", "bfloat16"),
+    ({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, 0, "bfloat16", "bfloat16"),
 ])
 @pytest.mark.parametrize("built", [True, False])
 def test_auto_routes_by_the_cpus_bfloat16_dots(
@@ -276,12 +277,16 @@ def test_native_route_at_every_row_count(monkeypatch: pytest.MonkeyPatch) -> Non
     assert calls == 0 and taken == ["float32"]
 
 
-def test_decode_route_below_the_kernels_dot_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto on an AVX512-BF16 CPU without AMX: decode batches (below linear_dot_rows()) to the
-    native kernel, larger calls and non-contiguous weights left to SGLang's bfloat16 product."""
+@pytest.mark.parametrize("amx", [False, True])
+def test_decode_route_below_the_kernels_dot_rows(amx: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto on an AVX512-BF16 CPU: decode batches (below linear_dot_rows(), and with AMX below
+    AMX_DOT_ROWS too) to the native kernel, larger calls and non-contiguous weights left to
+    SGLang's bfloat16 product."""
     from sgl_ragged import native
 
-    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    flags = {"avx512f", "avx512_bf16"} | ({"amx_bf16", "amx_tile"} if amx else set())
+    monkeypatch.setattr(cpu_gemm, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(cpu_gemm, "_dot_rows", lambda: 24)
     assert cpu_gemm.routes() == "decode"
     taken = _routes_taken(monkeypatch)
@@ -289,7 +294,11 @@ def test_decode_route_below_the_kernels_dot_rows(monkeypatch: pytest.MonkeyPatch
     with torch.no_grad():
         layer.weight.div_(8)
     gen = torch.Generator().manual_seed(6)
-    for rows, native_rows in ((1, True), (23, True), (24, False), (200, False)):
+    end = cpu_gemm.AMX_DOT_ROWS if amx else 24
+    if amx:
+        assert end < 24
+    for rows, native_rows in ((1, True), (end - 1, True), (end, False), (23, end == 24),
+                              (24, False), (200, False)):
         taken.clear()
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         out, calls = _run(x, layer)
