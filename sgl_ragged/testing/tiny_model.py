@@ -108,6 +108,18 @@ TINY_ARCHITECTURES = {
     "OlmoeForCausalLM": ("OlmoeConfig", {
         "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
         "norm_topk_prob": False, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "Glm4ForCausalLM": ("Glm4Config", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "CohereForCausalLM": ("CohereConfig", {"tie_word_embeddings": True, "logit_scale": 0.5}),
+    "PhiForCausalLM": ("PhiConfig", {"partial_rotary_factor": 0.5}),
+    "OlmoForCausalLM": ("OlmoConfig", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "GraniteMoeForCausalLM": ("GraniteMoeConfig", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "attention_multiplier": 0.3,
+        "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "logits_scaling": 4.0}),
+    "ArceeForCausalLM": ("ArceeConfig", {}),
+    "Glm4MoeForCausalLM": ("Glm4MoeConfig", {
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+        "use_qk_norm": True}),
     "Qwen2VLForConditionalGeneration": ("Qwen2VLConfig", {
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}),
     "Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", {
@@ -164,9 +176,10 @@ IMAGE_CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}{% endfor %}")
 
 # Architectures whose tiny checkpoint has as many KV heads as query heads, whatever `kv_heads`
-# says: SGLang 0.5.23's OLMoE sizes its k_norm for the query heads (OLMoE itself is MHA), so it
-# cannot load a GQA checkpoint.
-MHA_ONLY = frozenset({"OlmoeForCausalLM"})
+# says: SGLang 0.5.23's OLMoE sizes its k_norm for the query heads, and its Phi (phi-1 to 2) and
+# OLMo (the first) models build as many KV heads as query heads (all three are MHA models), so
+# none of them can load a GQA checkpoint.
+MHA_ONLY = frozenset({"OlmoeForCausalLM", "PhiForCausalLM", "OlmoForCausalLM"})
 
 
 def save_tiny_model(path: Path, architecture: str = "LlamaForCausalLM", layers: int = 2,

@@ -2,9 +2,11 @@
 
 `config.SUPPORTED_ARCHITECTURES` admits the families whose SGLang models call RadixAttention for
 plain causal attention, each with its own head layout, q/k/v biases (Qwen2, Phi-3's fused
-projections), q/k norms (Qwen3, Qwen3-MoE, Olmo2, OLMoE), partial rotary embeddings (StableLM),
-softmax scale (Granite's attention multiplier), MLP (the experts of Mixtral, Qwen3-MoE and
-OLMoE, Qwen2-MoE's with its gated shared expert) and inputs (the images of Qwen2-VL, Qwen2.5-VL and
+projections, GLM-4), q/k norms (Qwen3, Qwen3-MoE, Olmo2, OLMoE, GLM-4.5), partial rotary
+embeddings (StableLM, Phi, GLM-4), softmax scale (Granite's and Granite-MoE's attention
+multiplier), residual layout (Command-R's parallel attention and MLP), MLP (the experts of
+Mixtral, Qwen3-MoE, OLMoE, Granite-MoE and GLM-4.5's with its dense first layer, Qwen2-MoE's with
+its gated shared expert, Arcee's squared ReLU) and inputs (the images of Qwen2-VL, Qwen2.5-VL and
 Qwen3-VL, placed by their multimodal rotary embedding).
 Here a tiny random-weight checkpoint of each (sgl_ragged/testing/tiny_model.py) is served in
 float32 at `uniform:1.0` (every token kept: the rows are the full cache) and its greedy tokens
@@ -44,7 +46,9 @@ GROUPS = (
     ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "GemmaForCausalLM"),
     ("Phi3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM"),
     ("StableLmForCausalLM", "Starcoder2ForCausalLM", "Qwen2MoeForCausalLM"),
-    ("OlmoeForCausalLM",),
+    ("OlmoeForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM"),
+    ("PhiForCausalLM", "OlmoForCausalLM", "GraniteMoeForCausalLM"),
+    ("ArceeForCausalLM", "Glm4MoeForCausalLM"),
     # last, so the image tests after the loop over every architecture find them up
     ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
      "Qwen3VLForConditionalGeneration"),

@@ -52,7 +52,8 @@ def test_the_runner_captures_every_layer(checkpoints, arch: str) -> None:
     kv = _kv_heads(arch)
     for layer in layers:
         assert (layer.q.shape, layer.k.shape, layer.v.shape) == ((40, 4, 16), (40, kv, 16), (40, kv, 16))
-    want = 0.3 if arch == "GraniteForCausalLM" else 16 ** -0.5  # Granite's attention_multiplier
+    # Granite's attention_multiplier
+    want = 0.3 if arch in ("GraniteForCausalLM", "GraniteMoeForCausalLM") else 16 ** -0.5
     assert runner.scale == pytest.approx(want)
 
 
