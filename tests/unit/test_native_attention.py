@@ -1,7 +1,7 @@
 """Native CPU attention (cuda_ext/, attention_backend/native_impl.py) against the torch reference.
 
 Fresh random storages and batches (decode, prefill chunks, mixed; ragged tails, random
-per-group budgets) for every row precision, head_dim 16/64/96/128/256, GQA 1/2/3/4/8, float32 and
+per-group budgets) for every row precision, head_dim 16/64/80/96/128/256, GQA 1/2/3/4/8, float32 and
 bfloat16: outputs, log-sum-exps and (float32) the storage after the forward agree with the
 reference's. The extension must build here: every test fails, none skips, if it does not.
 H+L pairs (a quantized high tier) and groups of one layer in different formats (mixed at the
@@ -177,7 +177,8 @@ def test_matches_reference_small_shapes(precision, decode):
 
 @pytest.mark.parametrize("serial_pairs", [0, 2**30], ids=["split", "serial"])
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("head_dim,gqa", [(64, 1), (64, 3), (96, 3), (128, 4), (128, 8), (256, 2)])
+@pytest.mark.parametrize("head_dim,gqa", [(64, 1), (64, 3), (80, 4), (96, 3), (128, 4), (128, 8),
+                                         (256, 2)])
 def test_matches_reference_float32(precision, head_dim, gqa, serial_pairs):
     """Serving head sizes and GQA ratios, a mixed batch (decode requests beside prefill
     chunks, ragged tails): outputs, the window's log-sum-exps and the storage after."""
@@ -294,7 +295,7 @@ def test_matches_reference_bfloat16(precision, decode):
     torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, decode))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("gqa", [1, 2, 3, 5, 6, 7, 8])
 def test_dense_bfloat16_keys_of_decode_rows(head_dim, gqa):
     """Decode rows of a bfloat16 storage: on AVX-512 the dense keys' logits (sealed hi slots,
@@ -330,7 +331,8 @@ def test_dense_bfloat16_keys_of_decode_rows(head_dim, gqa):
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
 @pytest.mark.parametrize("precision", ["int8", "int4", "int2", "int8+int4", "int8+int2"])
 @pytest.mark.parametrize("head_dim,page,heads,per_group", [
-    (64, 16, 2, 2), (96, 16, 2, 2), (128, 16, 2, 2), (192, 16, 2, 2), (256, 16, 2, 2), (64, 64, 3, 3),
+    (64, 16, 2, 2), (80, 16, 2, 2), (96, 16, 2, 2), (128, 16, 2, 2), (192, 16, 2, 2), (256, 16, 2, 2),
+    (64, 64, 3, 3),
     (64, 64, 3, 1), (128, 64, 2, 1)])
 def test_integer_tiers_of_bfloat16_storages(precision, head_dim, page, heads, per_group, decode):
     """Integer tiers of a bfloat16 storage: on AVX-512 and AVX2 the key codes are dotted as
@@ -373,7 +375,7 @@ def test_integer_tiers_of_bfloat16_storages(precision, head_dim, page, heads, pe
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int4"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
 def test_prefill_chunks_on_serving_pages(precision, head_dim):
     """Pages of 64 tokens (the server's), prefill chunks of up to three pages: a causal row's
     key limit ends inside or before a 16-lane vector of its page's logits (masks for rows
@@ -389,7 +391,7 @@ def test_prefill_chunks_on_serving_pages(precision, head_dim):
 
 
 @pytest.mark.parametrize("precision", [*PRECISIONS, "int8+int4"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 @pytest.mark.parametrize("gqa", [1, 3, 8])
 def test_prefill_chunks_on_amx_tiles(precision, head_dim, gqa):
     """bfloat16 prefill chunks on the server's 64-token pages: the avx512 and amx variants run
