@@ -46,6 +46,7 @@ SUPPORTED_ARCHITECTURES = (
     "GraniteMoeForCausalLM",
     "ArceeForCausalLM",
     "Glm4MoeForCausalLM",
+    "OPTForCausalLM",
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",

@@ -53,16 +53,19 @@ class CaptureRunner:
             model_path, dtype=getattr(torch, dtype), attn_implementation=self._attn_name
         ).to(self.device).eval()  # fmt: skip
         self.shape = model_shape(str(model_path))  # the fingerprint the server checks
-        self.scale = float(self.layers[0].self_attn.scaling)
         self._captured: list[LayerQKV] = []
         self._capture = True
         self._attention: Any = None  # (layer_idx, q, k, v) -> out, replacing SDPA when set
+        self._call_scale: float | None = None
+        self.scale = self._attention_scale()
 
     @property
     def layers(self) -> Any:
-        """The decoder layers (a vision-language model's are its language model's)."""
+        """The decoder layers (a vision-language model's are its language model's, OPT's its
+        decoder's)."""
         decoder = self.model.model
-        return getattr(decoder, "language_model", decoder).layers
+        decoder = getattr(decoder, "language_model", decoder)
+        return getattr(decoder, "decoder", decoder).layers
 
     def logits(self, input_ids: torch.Tensor, attention: Any = None, start: int = 0) -> torch.Tensor:
         """[T - start, V] float32 next-token logits of input_ids [T] at positions start.. (the
@@ -94,6 +97,14 @@ class CaptureRunner:
             )
         return captured
 
+    def _attention_scale(self) -> float:
+        """The softmax scale the model hands its attention function, for the captured queries:
+        most pass their `scaling` (Granite's attention multiplier), OPT multiplies its queries
+        by it first and passes 1.0. Read from a one-token forward."""
+        self.run(torch.zeros(1, dtype=torch.long))
+        assert self._call_scale is not None
+        return self._call_scale
+
     def _register(self) -> None:
         from transformers import AttentionInterface, AttentionMaskInterface
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -105,6 +116,8 @@ class CaptureRunner:
             if self._attention is not None:
                 out = self._attention(module.layer_idx, query[0], key[0], value[0])
                 return out[None].transpose(1, 2).contiguous().to(query.dtype), None
+            scaling = kwargs.get("scaling")
+            self._call_scale = float(query.shape[-1] ** -0.5 if scaling is None else scaling)
             if self._capture:
                 self._captured.append(LayerQKV(*(x[0].transpose(0, 1).float() for x in (query, key, value))))
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

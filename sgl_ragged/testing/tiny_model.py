@@ -120,6 +120,9 @@ TINY_ARCHITECTURES = {
         "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
         "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
         "use_qk_norm": True}),
+    "OPTForCausalLM": ("OPTConfig", {
+        "ffn_dim": 128, "word_embed_proj_dim": 64, "pad_token_id": 0, "bos_token_id": 1,
+        "eos_token_id": 2}),
     "Qwen2VLForConditionalGeneration": ("Qwen2VLConfig", {
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}),
     "Qwen2_5_VLForConditionalGeneration": ("Qwen2_5_VLConfig", {
@@ -177,9 +180,9 @@ IMAGE_CHAT_TEMPLATE = (
 
 # Architectures whose tiny checkpoint has as many KV heads as query heads, whatever `kv_heads`
 # says: SGLang 0.5.23's OLMoE sizes its k_norm for the query heads, and its Phi (phi-1 to 2) and
-# OLMo (the first) models build as many KV heads as query heads (all three are MHA models), so
-# none of them can load a GQA checkpoint.
-MHA_ONLY = frozenset({"OlmoeForCausalLM", "PhiForCausalLM", "OlmoForCausalLM"})
+# OLMo (the first) models build as many KV heads as query heads, as OPT's config knows no other
+# (all four are MHA models), so none of them can load a GQA checkpoint.
+MHA_ONLY = frozenset({"OlmoeForCausalLM", "PhiForCausalLM", "OlmoForCausalLM", "OPTForCausalLM"})
 
 
 def save_tiny_model(path: Path, architecture: str = "LlamaForCausalLM", layers: int = 2,

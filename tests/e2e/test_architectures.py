@@ -48,7 +48,7 @@ GROUPS = (
     ("StableLmForCausalLM", "Starcoder2ForCausalLM", "Qwen2MoeForCausalLM"),
     ("OlmoeForCausalLM", "Glm4ForCausalLM", "CohereForCausalLM"),
     ("PhiForCausalLM", "OlmoForCausalLM", "GraniteMoeForCausalLM"),
-    ("ArceeForCausalLM", "Glm4MoeForCausalLM"),
+    ("ArceeForCausalLM", "Glm4MoeForCausalLM", "OPTForCausalLM"),
     # last, so the image tests after the loop over every architecture find them up
     ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
      "Qwen3VLForConditionalGeneration"),

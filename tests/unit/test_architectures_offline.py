@@ -52,8 +52,9 @@ def test_the_runner_captures_every_layer(checkpoints, arch: str) -> None:
     kv = _kv_heads(arch)
     for layer in layers:
         assert (layer.q.shape, layer.k.shape, layer.v.shape) == ((40, 4, 16), (40, kv, 16), (40, kv, 16))
-    # Granite's attention_multiplier
-    want = 0.3 if arch in ("GraniteForCausalLM", "GraniteMoeForCausalLM") else 16 ** -0.5
+    # Granite's attention_multiplier; OPT scales its queries before attention and passes 1.0
+    want = {"GraniteForCausalLM": 0.3, "GraniteMoeForCausalLM": 0.3,
+            "OPTForCausalLM": 1.0}.get(arch, 16 ** -0.5)
     assert runner.scale == pytest.approx(want)
 
 
