@@ -169,7 +169,7 @@ def sensitivity(runner: Any, scorer: Any, chunking: Any, groups: Any,
     for si, sample in enumerate(samples, start=1):
         layers = runner.run(sample.input_ids)
         for li, layer in enumerate(layers):
-            w_o = runner.layers[li].self_attn.o_proj.weight.detach().float()
+            w_o = runner.output_projection(li)
             for g, heads in enumerate(groups[li]):
                 errs = group_errors(layer, list(heads), options[li][g], scorer, chunking,
                                     runner.scale, w_o)

@@ -67,6 +67,16 @@ class CaptureRunner:
         decoder = getattr(decoder, "language_model", decoder)
         return getattr(decoder, "decoder", decoder).layers
 
+    def output_projection(self, layer_idx: int) -> torch.Tensor:
+        """[hidden, H_q * D] float32 weight of a layer's attention output projection (`o_proj`;
+        OPT's `out_proj`, Phi's `dense`)."""
+        attention = self.layers[layer_idx].self_attn
+        for name in ("o_proj", "out_proj", "dense"):
+            if hasattr(attention, name):
+                return getattr(attention, name).weight.detach().float()
+        raise RuntimeError(f"layer {layer_idx}'s attention ({type(attention).__name__}) has no "
+                           "output projection named o_proj, out_proj or dense")
+
     def logits(self, input_ids: torch.Tensor, attention: Any = None, start: int = 0) -> torch.Tensor:
         """[T - start, V] float32 next-token logits of input_ids [T] at positions start.. (the
         LM head runs on those only). ``attention``, if given, computes

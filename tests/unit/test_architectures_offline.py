@@ -9,6 +9,7 @@ ones route tokens to experts) or norms.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,8 @@ def test_the_runner_captures_every_layer(checkpoints, arch: str) -> None:
     kv = _kv_heads(arch)
     for layer in layers:
         assert (layer.q.shape, layer.k.shape, layer.v.shape) == ((40, 4, 16), (40, kv, 16), (40, kv, 16))
+    for li in range(2):  # per-head precision's search projects each head's error through it
+        assert runner.output_projection(li).shape == (64, 4 * 16)
     # Granite's attention_multiplier; OPT scales its queries before attention and passes 1.0
     want = {"GraniteForCausalLM": 0.3, "GraniteMoeForCausalLM": 0.3,
             "OPTForCausalLM": 1.0}.get(arch, 16 ** -0.5)
@@ -77,3 +80,18 @@ def test_a_full_budget_gives_the_models_own_loss(checkpoints, arch: str) -> None
     assert not torch.allclose(squeezed, full, atol=1e-3)
     with pytest.raises(ValueError, match="no token after the first"):
         loss.token_nll(sample.input_ids[:32], None)
+
+
+@pytest.mark.parametrize("arch", ["PhiForCausalLM", "OPTForCausalLM"])
+def test_per_head_precision_searches_on_other_projection_names(checkpoints, arch: str,
+                                                               tmp_path: Path) -> None:
+    """The per-head precision search weighs each head's error by the attention's output
+    projection: Phi's is `dense`, OPT's `out_proj` (Phi's search failed on `o_proj` before)."""
+    from sgl_ragged.cli import main
+
+    out = tmp_path / "mixed.json"
+    assert main(["profile", "tiers", "uniform:0.3", "--model", str(checkpoints[arch]),
+                 "--precision", "mixed", "-o", str(out), "--samples", "2", "--sens-samples", "1",
+                 "--page-size", "16", "--chunk-size", "32", "--min-tokens", "128",
+                 "--max-tokens", "128"]) == 0
+    assert json.loads(out.read_text())["tiers"]["precision"] == "mixed"
