@@ -51,7 +51,7 @@ def register() -> None:
 
 def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
     """(dotted SGLang target, hook, kind) of every hook register() installs."""
-    from sgl_ragged.compat import cpu_gemm, cpu_ops, cpu_tp, cpu_triton
+    from sgl_ragged.compat import cpu_gemm, cpu_lora, cpu_ops, cpu_tp, cpu_triton
     from sgl_ragged.serving import scheduler_hooks as hooks
     from sgl_ragged.serving import server_args
 
@@ -84,6 +84,8 @@ def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
         (f"{_SRT}.layers.rotary_embedding.base.RotaryEmbedding.forward_native",
          cpu_ops.rotary_native, HookType.AROUND),
         (cpu_triton.TARGET, cpu_triton.gate_sigmoid_mul, HookType.AROUND),
+        (f"{_SRT}.model_executor.model_runner.ModelRunner.init_lora_manager",
+         cpu_lora.init_lora_manager, HookType.AROUND),
     ]
 
 

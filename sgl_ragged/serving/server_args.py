@@ -12,7 +12,7 @@ import os
 from typing import Any
 
 from sgl_ragged.attention_backend.registry import triton_refuses
-from sgl_ragged.compat import cpu_gemm, cpu_ops
+from sgl_ragged.compat import cpu_gemm, cpu_lora, cpu_ops
 from sgl_ragged.config import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_PAGE_SIZE,
@@ -55,6 +55,7 @@ def resolve_ragged_args(server_args: Any, previous: Any) -> None:
     from sglang.srt.arg_groups.overrides import declare_resolution
 
     cfg = resolving_view(server_args)
+    cpu_lora.resolve(server_args, cfg)  # every server of the environment
     if "ragged" not in (cfg.attention_backend, cfg.prefill_attention_backend, cfg.decode_attention_backend):
         os.environ.pop(ACTIVE_ENV, None)
         return

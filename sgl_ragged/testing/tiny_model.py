@@ -290,6 +290,53 @@ def save_random_llama(path: Path, shape: dict[str, object] = LLAMA_3_1_8B, layer
     return path
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def save_lora_adapter(model_path: Path, path: Path, rank: int = 4, alpha: int = 8,
+                      targets: tuple[str, ...] = LORA_TARGETS, strength: float = 1.0,
+                      seed: int = 0) -> Path:
+    """A random LoRA adapter in PEFT's format (adapter_config.json, adapter_model.safetensors)
+    for the Llama-layout checkpoint at `model_path`: rank-`rank` A and B on each layer's
+    attention projections `targets`. B is not zero (a freshly trained adapter's is), so the
+    adapter changes the model's keys and values, and so its greedy tokens; `strength` scales
+    B (how far the adapted model moves from the base)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    hidden, q_heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // q_heads
+    q, kv = q_heads * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+              "o_proj": (q, hidden)}  # (in, out)
+    unknown = sorted(set(targets) - set(shapes))
+    if unknown:
+        raise ValueError(f"LoRA targets {unknown}: choose from {sorted(shapes)}")
+    dtype = {"float32": torch.float32, "float16": torch.float16}.get(
+        cfg.get("torch_dtype") or cfg.get("dtype"), torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for name in targets:
+            n_in, n_out = shapes[name]
+            key = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            weights[f"{key}.lora_A.weight"] = (torch.randn(rank, n_in, generator=gen)
+                                               / n_in ** 0.5).to(dtype)
+            weights[f"{key}.lora_B.weight"] = (torch.randn(n_out, rank, generator=gen)
+                                               * strength / rank ** 0.5).to(dtype)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+        "lora_dropout": 0.0, "bias": "none", "target_modules": list(targets),
+        "base_model_name_or_path": str(model_path)}, indent=1))
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Save a random-weight Llama-3.1-8B-shaped "
                                      "checkpoint (byte-level tokenizer; nothing downloaded).")
