@@ -108,3 +108,21 @@ def test_a_batch_mixing_adapters(servers) -> None:
         together = list(pool.map(lambda job: _generate(servers["ragged"], *job), jobs))
     for (ids, adapter), got, want in zip(jobs, together, alone, strict=True):
         _assert_same(got, want, f"{len(ids)} tokens, adapter {adapter}, in a mixed batch")
+
+
+def test_an_adapter_loaded_while_serving(servers, tmp_path) -> None:
+    """/load_lora_adapter at run time (its weights staged as at startup), served as stock
+    serves it, then /unload_lora_adapter."""
+    model = servers["ragged"].args[servers["ragged"].args.index("--model-path") + 1]
+    path = save_lora_adapter(Path(model), tmp_path / "c", seed=3)
+    ids = _prompt(4, 90)
+    outs = {}
+    for name, server in servers.items():
+        loaded = post(server.base_url, "/load_lora_adapter", {"lora_name": "c",
+                                                              "lora_path": str(path)})
+        assert loaded["success"], loaded
+        outs[name] = _generate(server, ids, "c")
+        assert outs[name].tokens != _generate(server, ids, None).tokens, name
+        unloaded = post(server.base_url, "/unload_lora_adapter", {"lora_name": "c"})
+        assert unloaded["success"] and "c" not in unloaded["loaded_adapters"], unloaded
+    _assert_same(outs["ragged"], outs["stock"], "adapter c, loaded at run time")
