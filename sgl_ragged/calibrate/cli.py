@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profile file, or a pattern with {scorer} and {rho} "
                         "(default calib_profiles/<model dir>/{scorer}-rho{rho}.json)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lora", metavar="DIR", default=None,
+                   help="calibrate for a LoRA adapter's requests: the PEFT adapter directory "
+                        "(one of the server's --lora-paths), merged into the model as SGLang "
+                        "serves it")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -77,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             source_options=source.options_from_args(args),
             chunking=ChunkingConfig(args.page_size, args.chunk_size, args.obs_window),
             min_tokens=args.min_tokens, max_tokens=args.max_tokens, seed=args.seed,
-            device=args.device, dtype=args.dtype,
+            device=args.device, dtype=args.dtype, lora=args.lora,
         )  # fmt: skip
         paths = calibrate(cfg, progress=not args.quiet)
     except (ValueError, OSError) as exc:  # OSError: a model path transformers cannot load

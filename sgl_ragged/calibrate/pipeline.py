@@ -25,7 +25,7 @@ T = TypeVar("T")
 def calibrate(cfg: CalibrationConfig, progress: bool = True) -> list[Path]:
     """Run the calibration of ``cfg.source`` and write its profiles; returns their paths."""
     started = time.perf_counter()
-    runner = CaptureRunner(cfg.model_path, cfg.device, cfg.dtype)
+    runner = CaptureRunner(cfg.model_path, cfg.device, cfg.dtype, cfg.lora)
     check_heads_per_group(runner.shape.num_kv_heads, cfg.heads_per_group)
     samples = build_samples(runner.tokenizer, cfg.samples, cfg.seed, cfg.min_tokens,
                             cfg.max_tokens, cfg.chunking.page_size)  # fmt: skip

@@ -42,7 +42,10 @@ def hf_model_class(model_path: str | Path) -> Any:
 class CaptureRunner:
     """Loads an HF causal LM and returns its per-layer Q/K/V for a token sequence."""
 
-    def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "float32") -> None:
+    def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "float32",
+                 lora: str | Path | None = None) -> None:
+        """`lora`: a PEFT LoRA adapter directory, merged into the weights as SGLang serves it
+        (emulator/lora.py): the model of that adapter's requests."""
         from transformers import AutoTokenizer
 
         self.device = torch.device(device)
@@ -52,6 +55,10 @@ class CaptureRunner:
         self.model = hf_model_class(model_path).from_pretrained(
             model_path, dtype=getattr(torch, dtype), attn_implementation=self._attn_name
         ).to(self.device).eval()  # fmt: skip
+        if lora is not None:
+            from sgl_ragged.emulator.lora import merge_lora
+
+            merge_lora(self.model, lora)
         self.shape = model_shape(str(model_path))  # the fingerprint the server checks
         self._captured: list[LayerQKV] = []
         self._capture = True

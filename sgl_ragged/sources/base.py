@@ -141,6 +141,7 @@ class BudgetSource(ABC):
             "chunk_size": cfg.chunking.chunk_size,
             "obs_window": cfg.chunking.obs_window,
             "model_path_name": Path(cfg.model_path).name,
+            **({"lora_name": Path(cfg.lora).name} if cfg.lora else {}),
             "dtype": cfg.dtype,
             "method": self.name,
             "selection": self.selection,

@@ -36,6 +36,7 @@ class CalibrationConfig:
     seed: int = 0
     device: str = "cpu"
     dtype: str = "float32"
+    lora: str | None = None  # a LoRA adapter directory merged into the model (emulator/lora.py)
 
     def __post_init__(self) -> None:
         if not self.scorers or not self.rhos:

@@ -87,9 +87,11 @@ def ragged_server(request: pytest.FixtureRequest, model_path: str) -> ServerProc
 
 @pytest.fixture(scope="session")
 def oracle_pair(request: pytest.FixtureRequest, model_path: str) -> tuple[ServerProcess, ServerProcess]:
-    """float32 servers for the ratio-1.0 oracle: ragged uniform:1.0 and stock torch_native."""
+    """float32 servers for the ratio-1.0 oracle: ragged uniform:1.0 and stock torch_native (with
+    hidden states and custom logit processors on, for the requests that ask for them)."""
     f32 = ["--model-path", model_path, *COMMON, "--dtype", "float32", "--max-total-tokens", "8192",
-           "--max-running-requests", "4", "--disable-radix-cache"]
+           "--max-running-requests", "4", "--disable-radix-cache",
+           "--enable-return-hidden-states", "--enable-custom-logit-processor"]
     ragged = _start(request, [*f32, "--attention-backend", "ragged", "--ragged-profile", "uniform:1.0"],
                     "oracle-ragged")
     native = _start(request, [*f32, "--attention-backend", "torch_native"], "oracle-native")

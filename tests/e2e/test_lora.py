@@ -126,3 +126,24 @@ def test_an_adapter_loaded_while_serving(servers, tmp_path) -> None:
         unloaded = post(server.base_url, "/unload_lora_adapter", {"lora_name": "c"})
         assert unloaded["success"] and "c" not in unloaded["loaded_adapters"], unloaded
     _assert_same(outs["ragged"], outs["stock"], "adapter c, loaded at run time")
+
+
+def test_the_offline_tools_merge_an_adapter_as_sglang_serves_it(servers) -> None:
+    """CaptureRunner with `lora` (what `sgl-ragged-calibrate --lora` calibrates): transformers
+    with the adapter merged (emulator/lora.py) gives the servers' greedy tokens for it."""
+    import torch
+
+    from sgl_ragged.emulator.runner import CaptureRunner
+
+    args = servers["stock"].args
+    model = Path(args[args.index("--model-path") + 1])
+    ids = _prompt(5, 70)
+    served = _generate(servers["stock"], ids, "b")
+    runner = CaptureRunner(model, lora=model.parent / "b")
+    seq, logprobs = torch.tensor(ids), []
+    for _ in range(NEW_TOKENS):
+        step = torch.log_softmax(runner.logits(seq, start=len(seq) - 1)[-1], dim=-1)
+        token = int(step.argmax())
+        logprobs.append(float(step[token]))
+        seq = torch.cat([seq, torch.tensor([token])])
+    _assert_same(Greedy(seq[len(ids):].tolist(), logprobs, 0), served, "merged adapter b")
