@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from sgl_ragged.calibrate.knapsack import allocate
+from sgl_ragged.emulator.lora import lora_record
 from sgl_ragged.mem_pool.tiers import RowTiers, compose, tier_bytes
 from sgl_ragged.precision import LOW_PRECISIONS, MIXED_PRECISION, LowPrecision
 from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileTiers
@@ -98,6 +99,7 @@ class PrecisionSearchConfig:
     chunk_size: int = 512
     obs_window: int = 32
     dtype_bytes: int = 2
+    lora: str | None = None  # a LoRA adapter directory merged into the model (emulator/lora.py)
 
     def __post_init__(self) -> None:
         bad = [f for f in self.formats if f not in LOW_PRECISIONS]
@@ -125,7 +127,7 @@ def search_precisions(profile: BudgetProfile, cfg: PrecisionSearchConfig, progre
     from sgl_ragged.emulator.samples import build_samples
     from sgl_ragged.scoring import make_scorer
 
-    runner = CaptureRunner(cfg.model_path)
+    runner = CaptureRunner(cfg.model_path, lora=cfg.lora)
     profile.check_model(runner.shape)
     head_dim = runner.shape.head_dim
     chunking = ChunkingConfig(cfg.page_size, cfg.chunk_size, cfg.obs_window)
@@ -304,7 +306,7 @@ def with_formats(profile: BudgetProfile, choice: Choice, cfg: PrecisionSearchCon
     stats["tier_search"] = {"precision": MIXED_PRECISION, "chosen": chosen, "formats": list(cfg.formats),
                             "samples": cfg.samples, "seed": cfg.seed, "sens_samples": cfg.sens_samples,
                             "sens_seed": cfg.sens_seed, "page_size": cfg.page_size,
-                            "chunk_size": cfg.chunk_size, "dtype_bytes": cfg.dtype_bytes,
+                            "chunk_size": cfg.chunk_size, "dtype_bytes": cfg.dtype_bytes, **lora_record(cfg.lora),
                             "knapsack_proxy_error": proxy_error, "candidates": rows}
     return replace(profile, model=profile.model or model,
                    tiers=ProfileTiers(MIXED_PRECISION, hi, lo, formats), stats=stats)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from sgl_ragged.emulator.lora import lora_record
 from sgl_ragged.mem_pool.tiers import RowTiers, compose
 from sgl_ragged.precision import LowPrecision, low_precision
 from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileTiers
@@ -91,6 +92,7 @@ class TierSearchConfig:
     chunk_size: int = 512
     obs_window: int = 32
     dtype_bytes: int = 2  # bytes of the serving dtype the budgets are spent in (bf16)
+    lora: str | None = None  # a LoRA adapter directory merged into the model (emulator/lora.py)
 
     def __post_init__(self) -> None:
         if low_precision(self.precision) is None:
@@ -113,7 +115,7 @@ def search_tiers(profile: BudgetProfile, cfg: TierSearchConfig, progress: bool =
     from sgl_ragged.scoring import make_scorer
 
     fmt = low_precision(cfg.precision)
-    runner = CaptureRunner(cfg.model_path)
+    runner = CaptureRunner(cfg.model_path, lora=cfg.lora)
     profile.check_model(runner.shape)
     head_dim = runner.shape.head_dim
     chunking = ChunkingConfig(cfg.page_size, cfg.chunk_size, cfg.obs_window)
@@ -150,7 +152,7 @@ def with_tiers(profile: BudgetProfile, tiers: Tiers, cfg: TierSearchConfig, chos
     stats = dict(profile.stats)
     stats["tier_search"] = {"precision": cfg.precision, "chosen": chosen, "samples": cfg.samples,
                             "seed": cfg.seed, "page_size": cfg.page_size, "chunk_size": cfg.chunk_size,
-                            "dtype_bytes": cfg.dtype_bytes, "candidates": rows}
+                            "dtype_bytes": cfg.dtype_bytes, **lora_record(cfg.lora), "candidates": rows}
     return replace(profile, model=profile.model or model, tiers=ProfileTiers(cfg.precision, hi, lo),
                    stats=stats)
 

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from sgl_ragged.emulator.lora import check_profile_lora
 from sgl_ragged.precision import MIXED_PRECISION
 from sgl_ragged.profile import (
     BudgetProfile,
@@ -69,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "samples of the per-group sensitivity step (default 2)")
     tiers.add_argument("-o", "--output", type=Path, required=True, help="new profile path")
     tiers.add_argument("--model", help="HF checkpoint (default: SmolLM2-135M-Instruct, built if needed)")
+    tiers.add_argument("--lora", metavar="DIR", help="search for a LoRA adapter's requests: "
+                       "its PEFT directory, merged into the model (as sgl-ragged-calibrate --lora)")
     tiers.add_argument("--samples", type=int, default=6, help="held-out samples (default 6)")
     tiers.add_argument("--shares", type=float, nargs="+", help="candidate byte shares of the "
                        "full-precision tier besides the default rule (default 0 0.15 0.3 0.5 1)")
@@ -136,8 +139,10 @@ def _tiers(args: argparse.Namespace) -> int:
     cfg = TierSearchConfig(model_path=model, precision=args.precision.lower(),
                            shares=tuple(args.shares or DEFAULT_SHARES), samples=args.samples,
                            page_size=args.page_size, chunk_size=args.chunk_size,
-                           min_tokens=args.min_tokens, max_tokens=args.max_tokens)
+                           min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+                           lora=args.lora)
     profile = load_profile(args.profile, model)
+    check_profile_lora(profile.source, args.lora)
     tiered, rows = search_tiers(profile, cfg)
     tiered.save(args.output)
     chosen = tiered.stats["tier_search"]["chosen"]
@@ -159,8 +164,10 @@ def _mixed_tiers(args: argparse.Namespace, model: str) -> int:
     cfg = PrecisionSearchConfig(model_path=model, formats=tuple(f.lower() for f in args.formats or DEFAULT_FORMATS),
                                 samples=args.samples, sens_samples=args.sens_samples,
                                 page_size=args.page_size, chunk_size=args.chunk_size,
-                                min_tokens=args.min_tokens, max_tokens=args.max_tokens)
+                                min_tokens=args.min_tokens, max_tokens=args.max_tokens,
+                                lora=args.lora)
     profile = load_profile(args.profile, model)
+    check_profile_lora(profile.source, args.lora)
     if profile.heads_per_group != args.heads_per_group:
         profile = profile.regrouped(args.heads_per_group)
     tiered, rows = search_precisions(profile, cfg)

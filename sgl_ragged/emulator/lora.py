@@ -11,16 +11,35 @@ adapter_model.bin), its keys `base_model.model.<module>.lora_A.weight` / `.lora_
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _PREFIX = "base_model.model."
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 
 
+def lora_record(lora: str | Path | None) -> dict[str, str]:
+    """What a profile records of the adapter it was searched or calibrated for: its name."""
+    return {"lora_name": Path(lora).name} if lora else {}
+
+
+def check_profile_lora(record: Mapping[str, Any], lora: str | Path | None) -> None:
+    """A profile calibrated for an adapter (its source `record` names it) is searched further
+    only with that adapter: ValueError, saying what to pass, otherwise."""
+    name = record.get("lora_name")
+    if name is not None and (lora is None or Path(lora).name != name):
+        given = f"--lora {lora}" if lora else "no --lora"
+        raise ValueError(f"the profile was calibrated for LoRA adapter {name!r} (its source's "
+                         f"lora_name), but {given}: pass --lora with that adapter's directory")
+
+
 def _adapter_weights(path: Path) -> dict[str, torch.Tensor]:
+    import torch
+
     if (path / "adapter_model.safetensors").is_file():
         from safetensors.torch import load_file
 
@@ -34,6 +53,8 @@ def merge_lora(model: Any, adapter: str | Path) -> int:
     """Add the adapter at `adapter` to `model`'s weights in place; returns how many projections
     it changed. ValueError where the adapter does not fit the model (a module it names that
     the model lacks, a shape that differs) or is not a plain LoRA SGLang serves."""
+    import torch
+
     path = Path(adapter)
     config_file = path / "adapter_config.json"
     if not config_file.is_file():

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from sgl_ragged.emulator.lora import lora_record
 from sgl_ragged.profile.source import SourceRecord
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ class BudgetSource(ABC):
             "chunk_size": cfg.chunking.chunk_size,
             "obs_window": cfg.chunking.obs_window,
             "model_path_name": Path(cfg.model_path).name,
-            **({"lora_name": Path(cfg.lora).name} if cfg.lora else {}),
+            **lora_record(cfg.lora),
             "dtype": cfg.dtype,
             "method": self.name,
             "selection": self.selection,

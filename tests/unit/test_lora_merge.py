@@ -95,3 +95,33 @@ def test_the_calibrator_says_what_is_wrong_with_an_adapter(tmp_path: Path, capsy
     assert code == 2
     assert "error: LoRA adapter" in capsys.readouterr().err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_tier_searches_of_an_adapters_profile_need_its_adapter(tmp_path: Path, capsys) -> None:
+    """`profile tiers` (int4 and the per-head mixed search) on a profile calibrated for an
+    adapter: with the adapter it searches and records it, without it (or with another) it
+    says what to pass."""
+    from sgl_ragged.calibrate.cli import main as calibrate_main
+    from sgl_ragged.cli import main
+
+    model = save_tiny_llama(tmp_path / "llama")
+    adapter = save_lora_adapter(model, tmp_path / "ad", seed=4)
+    other = save_lora_adapter(model, tmp_path / "other", seed=5)
+    sizes = ["--page-size", "16", "--chunk-size", "64", "--min-tokens", "128",
+             "--max-tokens", "128"]
+    profile = tmp_path / "ad.json"
+    assert calibrate_main([str(model), "--lora", str(adapter), "--samples", "2", "--rho", "0.5",
+                           "--output", str(profile), "--quiet", "--obs-window", "8",
+                           *sizes]) == 0
+    for precision in ("int4", "mixed"):
+        search = ["profile", "tiers", str(profile), "--model", str(model), "--precision",
+                  precision, "--samples", "1", "--sens-samples", "1", *sizes]
+        for lora in (None, other):
+            assert main([*search, "-o", str(tmp_path / "x.json"),
+                         *(["--lora", str(lora)] if lora else [])]) == 2
+            assert ("calibrated for LoRA adapter 'ad'" in capsys.readouterr().err)
+        out = tmp_path / f"{precision}.json"
+        assert main([*search, "-o", str(out), "--lora", str(adapter)]) == 0
+        data = json.loads(out.read_text())
+        assert data["stats"]["tier_search"]["lora_name"] == "ad"
+        assert data["source"]["lora_name"] == "ad"
