@@ -180,6 +180,27 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                            help=f"{flag.help} [env {flag.env}]")
 
 
+_SET_FROM_KEYWORDS: dict[str, str | None] = {}  # env var -> its value before the keywords
+
+
+def move_keyword_args_to_env(kwargs: dict[str, object]) -> None:
+    """Pop our flags off `sglang.Engine(**kwargs)` (`ragged_profile="uniform:0.3"`, ...) into
+    the environment, as `move_cli_args_to_env` does for the command line. What an earlier
+    Engine of this process set this way is undone first, so each Engine gets its own keywords
+    (and the environment's own RAGGED_* values where it passes none). True / False are 1 / 0."""
+    for env, before in _SET_FROM_KEYWORDS.items():
+        if before is None:
+            os.environ.pop(env, None)
+        else:
+            os.environ[env] = before
+    _SET_FROM_KEYWORDS.clear()
+    for flag in FLAGS:
+        value = kwargs.pop("ragged_" + flag.name.replace("-", "_"), None)
+        if value is not None:
+            _SET_FROM_KEYWORDS[flag.env] = os.environ.get(flag.env)
+            os.environ[flag.env] = str(int(value)) if isinstance(value, bool) else str(value)
+
+
 def move_cli_args_to_env(args: argparse.Namespace) -> None:
     """Pop our flags off the namespace (ServerArgs has no such fields) into the environment,
     which the spawned scheduler and detokenizer processes inherit."""

@@ -34,7 +34,7 @@ def register() -> None:
     from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.layers.attention.attention_registry import register_attention_backend
 
-    from sgl_ragged.serving import server_args
+    from sgl_ragged.serving import engine_args, server_args
     from sgl_ragged.serving.backend import create_ragged_backend
 
     if "ragged" not in ATTENTION_BACKEND_CHOICES:
@@ -44,6 +44,7 @@ def register() -> None:
     register_resolution_hook("handle_other_validations")(server_args.validate_ragged_args)
     for target, hook, kind in hook_table():
         HookRegistry.register(target, hook, kind)
+    engine_args.install()  # sglang.Engine(ragged_profile=...) in a process that built one
     if multiprocessing.parent_process() is None:  # the HTTP server's process, not a child
         for target, hook, kind in guard_hook_table():
             HookRegistry.register(target, hook, kind)
