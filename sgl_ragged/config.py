@@ -51,6 +51,14 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
 )
+# Sequence classifiers and reward models of those families: their decoder under a score head
+# on the last token, served as SGLang serves them (an embedding model: /v1/embeddings returns
+# the scores); tests/e2e/test_classifiers.py holds them to transformers. The offline tools
+# calibrate their retention (TANGRAM, KVCompose); the loss-based searches need an LM head.
+# (Not Qwen2's or Qwen3's: SGLang 0.5.23 gives their score heads a bias that transformers'
+# checkpoints do not carry and leaves it uninitialized, so stock backends score them wrong too.)
+SEQUENCE_CLASSIFIERS = ("LlamaForSequenceClassification",)
+SERVED_ARCHITECTURES = SUPPORTED_ARCHITECTURES + SEQUENCE_CLASSIFIERS
 DEFAULT_PAGE_SIZE = 64
 DEFAULT_MAX_RUNNING_REQUESTS = 32
 ATTENTION_IMPLS = ("auto", "triton", "native", "batched", "reference")

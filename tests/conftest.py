@@ -60,6 +60,7 @@ builds); the others are unit-a, the decode-graph replays under the interpreter a
 E2E_B_MODULES = ("test_equivalence.py", "test_precision.py",  # oracle_pair
                  "test_native_attention.py", "test_tensor_parallel.py",
                  "test_pipeline_parallel.py", "test_embeddings.py", "test_lora.py",
+                 "test_classifiers.py",
                  "test_vision_compressed.py")
 """tests/e2e modules of shard e2e-b (about half of the end-to-end server time); the others,
 the shared ragged_server's modules among them, are e2e-a (test_architectures.py too since

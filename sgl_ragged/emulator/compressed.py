@@ -249,6 +249,7 @@ class CompressedLoss:
     """Next-token loss of a model whose prefill KV cache is compressed per head."""
 
     def __init__(self, runner: CaptureRunner, scorer: Scorer, cfg: ChunkingConfig) -> None:
+        runner.require_lm_head()
         self.runner, self.scorer, self.cfg = runner, scorer, cfg
 
     def log_probs(self, input_ids: torch.Tensor, selection: Selection | None) -> torch.Tensor:

@@ -31,12 +31,25 @@ class LayerQKV:
 
 
 def hf_model_class(model_path: str | Path) -> Any:
-    """The transformers auto class that loads a checkpoint with its LM head: a causal LM's, or
-    a vision-language model's (which runs its language model alone on text, without pixels)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    """The transformers auto class that loads a checkpoint with its head: a causal LM's, a
+    vision-language model's (which runs its language model alone on text, without pixels), or
+    a sequence classifier's (its score head)."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
 
-    vision = hasattr(AutoConfig.from_pretrained(model_path), "vision_config")
-    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(model_path)
+    if is_classifier(config):
+        return AutoModelForSequenceClassification
+    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+
+
+def is_classifier(config: Any) -> bool:
+    """Whether an HF config is a sequence classifier's (config.SEQUENCE_CLASSIFIERS)."""
+    return any(a.endswith("ForSequenceClassification") for a in config.architectures or ())
 
 
 class CaptureRunner:
@@ -60,6 +73,7 @@ class CaptureRunner:
 
             merge_lora(self.model, lora)
         self.shape = model_shape(str(model_path))  # the fingerprint the server checks
+        self.classifier = is_classifier(self.model.config)
         self._captured: list[LayerQKV] = []
         self._capture = True
         self._attention: Any = None  # (layer_idx, q, k, v) -> out, replacing SDPA when set
@@ -88,7 +102,9 @@ class CaptureRunner:
         """[T - start, V] float32 next-token logits of input_ids [T] at positions start.. (the
         LM head runs on those only). ``attention``, if given, computes
         every layer's attention instead of SDPA: (layer_idx, q [H_q, T, D], k [H_kv, T, D],
-        v [H_kv, T, D]) -> [H_q, T, D] (queries and keys after RoPE)."""
+        v [H_kv, T, D]) -> [H_q, T, D] (queries and keys after RoPE). ValueError for a
+        sequence classifier, which has no next-token head."""
+        self.require_lm_head()
         self._capture, self._attention = False, attention
         try:
             with torch.inference_mode():
@@ -99,6 +115,15 @@ class CaptureRunner:
         finally:
             self._capture, self._attention = True, None
         return logits.float()
+
+    def require_lm_head(self) -> None:
+        """ValueError for a sequence classifier: the next-token losses need an LM head."""
+        if self.classifier:
+            raise ValueError(
+                f"{self.shape.architecture} is a sequence classifier: it has no language-model "
+                "head, and this tool measures next-token losses (BaKlaVa, the tier and "
+                "precision searches, bench.offline_loss). Calibrate it with --source tangram or "
+                "kvcompose (attention retention only), or run this on its base language model")
 
     def run(self, input_ids: torch.Tensor) -> list[LayerQKV]:
         """input_ids [T] int64 -> one LayerQKV per layer, in layer order."""

@@ -16,7 +16,7 @@ from sgl_ragged.compat import cpu_gemm, cpu_lora, cpu_ops
 from sgl_ragged.config import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_PAGE_SIZE,
-    SUPPORTED_ARCHITECTURES,
+    SERVED_ARCHITECTURES,
     RaggedConfig,
     add_cli_args,
     move_cli_args_to_env,
@@ -214,10 +214,10 @@ def _check_pipeline(cfg: Any) -> None:
 
 
 def _check_model(shape: ModelShape, config: RaggedConfig, tp_size: int) -> None:
-    if shape.architecture not in SUPPORTED_ARCHITECTURES:
+    if shape.architecture not in SERVED_ARCHITECTURES:
         raise ValueError(
             f"--attention-backend ragged does not support {shape.architecture} yet; supported "
-            f"architectures (dense attention): {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"architectures (dense attention): {', '.join(SERVED_ARCHITECTURES)}"
         )
     # Every rank's slice, so that a --tp-size the profile cannot be split by fails here.
     resolve_rank_profiles(config.profile, shape, config.heads_per_group, tp_size)

@@ -185,16 +185,24 @@ IMAGE_CHAT_TEMPLATE = (
 MHA_ONLY = frozenset({"OlmoeForCausalLM", "PhiForCausalLM", "OlmoForCausalLM", "OPTForCausalLM"})
 
 
+# The sequence classifiers (config.SEQUENCE_CLASSIFIERS): two labels, a pad token for
+# transformers' last-token pooling.
+TINY_CLASSIFIERS = {
+    "LlamaForSequenceClassification": ("LlamaConfig", {"num_labels": 2, "pad_token_id": 0}),
+}
+
+
 def save_tiny_model(path: Path, architecture: str = "LlamaForCausalLM", layers: int = 2,
                     kv_heads: int = 2, q_heads: int = 4, head_dim: int = 16, seed: int = 0) -> Path:
     """A random-weight checkpoint of one of `TINY_ARCHITECTURES` (hidden 64, an untied lm_head
-    unless the architecture ties it) with the byte-level tokenizer."""
+    unless the architecture ties it) or `TINY_CLASSIFIERS` with the byte-level tokenizer."""
     import torch
     import transformers
 
-    if architecture not in TINY_ARCHITECTURES:
-        raise ValueError(f"no tiny {architecture}; one of {sorted(TINY_ARCHITECTURES)}")
-    config_name, extra = TINY_ARCHITECTURES[architecture]
+    known = {**TINY_ARCHITECTURES, **TINY_CLASSIFIERS}
+    if architecture not in known:
+        raise ValueError(f"no tiny {architecture}; one of {sorted(known)}")
+    config_name, extra = known[architecture]
     if architecture in VISION_LANGUAGE:
         return _save_tiny_vision_language(path, architecture, layers, kv_heads, q_heads,
                                           head_dim, seed)
