@@ -19,6 +19,7 @@ from sgl_ragged.precision import (
     tier_precision,
 )
 from sgl_ragged.profile import profile_precision
+from sgl_ragged.rotation import ROTATIONS
 from sgl_ragged.scoring import SCORERS
 
 # Model families whose SGLang models call RadixAttention for plain causal attention (a
@@ -103,6 +104,11 @@ FLAGS = (
          "quantizes the best tokens too, in H; or mixed: each head group's format and composition "
          "from the profile (`sgl-ragged profile tiers --precision mixed`). Every attention path "
          "reads all of them."),
+    Flag("rotation", "RAGGED_ROTATION", "none",
+         "none (default) or hadamard: store every row of a KV head rotated by a fixed randomized "
+         "Hadamard matrix (queries rotated alike, outputs rotated back: the same attention), so "
+         "that quantized tiers see no outlier channels; needs a low precision, a power-of-two "
+         "head_dim and a scorer that reads dot products and norms (not expected_attention)."),
     Flag("check-integrity", "RAGGED_CHECK_INTEGRITY", "0",
          "1 = run the pool's integrity check after every forward pass (debugging, tests)."),
 )
@@ -120,6 +126,7 @@ class RaggedConfig:
     attention: str = "auto"
     precision: str = AUTO_PRECISION  # resolved in __post_init__: never "auto" after it
     check_integrity: bool = False
+    rotation: str = "none"  # rotation.ROTATIONS
 
     def __post_init__(self) -> None:
         if not self.profile:
@@ -151,6 +158,31 @@ class RaggedConfig:
             )
         if self.heads_per_group is not None and self.heads_per_group < 1:
             raise ValueError(f"--ragged-heads-per-group must be >= 1, got {self.heads_per_group}")
+        self._check_rotation()
+
+    @property
+    def rotated(self) -> bool:
+        return self.rotation != "none"
+
+    def _check_rotation(self) -> None:
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"--ragged-rotation {self.rotation!r} is unknown; choose one of "
+                             f"{list(ROTATIONS)}")
+        if not self.rotated:
+            return
+        if self.precision == FULL_PRECISION:
+            raise ValueError(
+                f"--ragged-rotation {self.rotation} rotates rows so that their quantized tiers "
+                f"lose less, but --ragged-precision {FULL_PRECISION} keeps none; pass a low "
+                "precision (e.g. --ragged-precision int4, or mixed with a per-head profile) or "
+                "--ragged-rotation none")
+        if not SCORERS[self.scorer].rotation_invariant:
+            raise ValueError(
+                f"--ragged-rotation {self.rotation} stores rotated keys, and --ragged-scorer "
+                f"{self.scorer} scores them by per-channel statistics, which a rotation changes "
+                "(its pages would keep other tokens than calibrated); use a scorer of dot "
+                f"products and norms ({', '.join(sorted(n for n, c in SCORERS.items() if c.rotation_invariant))}) "
+                "or --ragged-rotation none")
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> RaggedConfig:
@@ -170,6 +202,7 @@ class RaggedConfig:
             attention=get("attention") or "auto",
             precision=(get("precision") or AUTO_PRECISION).strip().lower(),
             check_integrity=(get("check-integrity") or "0").lower() in ("1", "true", "yes"),
+            rotation=(get("rotation") or "none").strip().lower(),
         )
 
 

@@ -9,12 +9,15 @@ originals. What changes is quantization: a rotation spreads an outlier channel o
 channel, so per-token (value) and per-channel (key) scales see flatter data (QuaRot's idea).
 
 Row vectors: ``apply(x)`` is x @ R on the last axis, ``invert(y)`` is y @ R^T; both run the
-fast Walsh-Hadamard transform (D log D), never the dense matrix.
+fast Walsh-Hadamard transform (D log D), never the dense matrix. The server's rotated rows
+(`HeadRotations`, --ragged-rotation hadamard) multiply by the dense matrices instead: one
+batched product per tensor and layer costs fewer small ops in a decode step than the transform.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,3 +94,55 @@ class Rotation:
         if x.dim() < 2 or x.shape[-2:] != (len(heads), self.head_dim):
             raise ValueError(f"expected [..., {len(heads)} heads, {self.head_dim}], got {list(x.shape)}")
         return self.signs(layer, heads).to(device=x.device, dtype=x.dtype)
+
+
+ROTATIONS = ("none", "hadamard")
+"""--ragged-rotation's values: rows stored as computed, or every row rotated (`HeadRotations`)."""
+
+
+class HeadRotations:
+    """The server's rotated rows (--ragged-rotation hadamard): every key and value a layer
+    stores is x @ R of its (layer, KV head), queries are rotated by their KV head's R and the
+    output rotated back, so every attention path (reference, batched, native, Triton) runs
+    unchanged on rotated rows and computes the same attention (R is orthogonal).
+
+    The hi slots, the staged pages and the new tokens are rotated too: rounding them to the
+    model dtype in the rotated basis is the one difference from the emulator's `TierSelection`
+    (which rotates only the quantized tiers). Page scores are unchanged wherever a scorer reads
+    only dot products and norms (`Scorer.rotation_invariant`).
+
+    ``layers`` and ``kv_heads`` are the global indices of the rows this rank stores (a pipeline
+    stage's layers, a tensor-parallel rank's heads), so every rank rotates a head as the
+    emulator and a single-rank server do. The matrices are dense float32 [H_kv, D, D] per layer
+    (one batched product per tensor: fewer small ops than the transform in a decode step)."""
+
+    def __init__(self, rotation: Rotation, layers: Sequence[int], kv_heads: Sequence[int],
+                 device: str | torch.device = "cpu") -> None:
+        self.rotation = rotation
+        self.layers = tuple(layers)
+        self.kv_heads = tuple(kv_heads)
+        basis = hadamard(rotation.head_dim)
+        self.matrices = [(rotation.signs(layer, list(self.kv_heads))[:, :, None] * basis)
+                         .to(device) for layer in self.layers]  # [H_kv, D, D] each
+        self.transposed = [m.transpose(1, 2).contiguous() for m in self.matrices]
+
+    def rotate(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """x [T, H, D] of local layer `layer` (keys and values: H = H_kv; queries: H a multiple,
+        head h belonging to KV head h // (H / H_kv)) -> x @ R per head, in x's dtype."""
+        return _per_kv_head(x, self.matrices[layer])
+
+    def restore(self, y: torch.Tensor, layer: int) -> torch.Tensor:
+        """y [T, H_q, D] (an attention output over rotated values) -> y @ R^T per head."""
+        return _per_kv_head(y, self.transposed[layer])
+
+
+def _per_kv_head(x: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
+    t, h, d = x.shape
+    h_kv = mats.shape[0]
+    if h % h_kv or d != mats.shape[-1]:
+        raise ValueError(f"expected [T, a multiple of {h_kv} heads, {mats.shape[-1]}], got "
+                         f"{list(x.shape)}")
+    g = h // h_kv
+    grouped = x.float().view(t, h_kv, g, d).transpose(0, 1).reshape(h_kv, t * g, d)
+    out = torch.bmm(grouped, mats)
+    return out.view(h_kv, t, g, d).transpose(0, 1).reshape(t, h, d).to(x.dtype)

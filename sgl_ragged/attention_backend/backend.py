@@ -20,6 +20,7 @@ from sgl_ragged.attention_backend.plan import BatchPlan
 from sgl_ragged.attention_backend.planner import plan_batch, take_staging
 from sgl_ragged.config import RaggedConfig
 from sgl_ragged.mem_pool.storage import RaggedStorage, SealCounters
+from sgl_ragged.rotation import HeadRotations
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +59,27 @@ class RaggedAttention:
     def __init__(self, storage: RaggedStorage, impl: AttentionImpl, config: RaggedConfig,
                  req_to_token: torch.Tensor, *,
                  free_pages: Callable[[], torch.Tensor] | None = None,
-                 metrics: BackendMetrics | None = None) -> None:
+                 metrics: BackendMetrics | None = None,
+                 rotation: HeadRotations | None = None) -> None:
         """req_to_token: [requests, max context] int, the logical token slot of each request's
         positions (SGLang's ReqToTokenPool table, read live). free_pages: the allocator's free
-        logical pages, for the integrity check (`config.check_integrity`)."""
+        logical pages, for the integrity check (`config.check_integrity`). rotation: the rows
+        are stored rotated (--ragged-rotation hadamard; None: as computed); required exactly
+        when `config.rotated`."""
         if config.check_integrity and free_pages is None:
             raise ValueError("config.check_integrity needs free_pages (the allocator's free "
                              "pages) to check the storage against")
+        if config.rotated and rotation is None:
+            raise ValueError(f"--ragged-rotation {config.rotation} needs the rows' rotations "
+                             "(rotation=HeadRotations(...))")
+        if rotation is not None and not config.rotated:
+            raise ValueError("rotation= was given, but the config's --ragged-rotation is none")
+        if rotation is not None and len(rotation.layers) != storage.layout.num_layers:
+            raise ValueError(f"the rotations cover {len(rotation.layers)} layers, the storage "
+                             f"{storage.layout.num_layers}")
         self.storage = storage
         self.impl = impl
+        self.rotation = rotation
         self.config = config
         self.req_to_token = req_to_token
         self.free_pages = free_pages
@@ -149,7 +162,12 @@ class RaggedAttention:
             logger.warning("layer %d's attention scale %g differs from the model config's %g "
                            "(the scale scorers use when sealing outside a forward)",
                            layer_id, scale, self.storage.scale)
+        rot = self.rotation
+        if rot is not None:  # rows stored rotated: attention in the rotated basis, then back
+            q, k, v = rot.rotate(q, layer_id), rot.rotate(k, layer_id), rot.rotate(v, layer_id)
         out = self.impl.forward(layer_id, meta.prepared, q, k, v, scale, decode)
+        if rot is not None:
+            out = rot.restore(out, layer_id)
         if layer_id == self.num_layers - 1 and not meta.graph:
             self._finish_forward(meta)  # graphs: finish_graph_replay, after the replay
         return out

@@ -43,6 +43,10 @@ class Scorer(ABC):
     """
 
     name: str
+    # Scores unchanged when every key, value and query of a head is rotated by one orthogonal
+    # matrix (--ragged-rotation hadamard): true of scores read from attention probabilities,
+    # dot products and norms.
+    rotation_invariant: bool = True
 
     @abstractmethod
     def page_scores(self, stats: PageStats) -> torch.Tensor:

@@ -32,6 +32,7 @@ class ExpectedAttentionScorer(Scorer):
     """Expected attention share of each token under the page's query Gaussian, times ||v||."""
 
     name = "expected_attention"
+    rotation_invariant = False  # the diagonal variance is per channel: a rotation changes it
 
     def __init__(self, epsilon: float = 1e-3) -> None:
         if epsilon < 0:

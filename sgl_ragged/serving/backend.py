@@ -70,7 +70,8 @@ class RaggedAttnBackend(AttentionBackend):
         attention = RaggedAttention(pool.storage, impl, setup.config,
                                     model_runner.req_to_token_pool.req_to_token,
                                     free_pages=allocator.get_all_free_pages,
-                                    metrics=make_metrics())
+                                    metrics=make_metrics(),
+                                    rotation=setup.rotations(pool.storage.device))
         return cls(attention, pool.prefill_chunks, setup.start_layer, pool,
                    model_runner.req_to_token_pool)
 

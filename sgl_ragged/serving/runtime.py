@@ -18,6 +18,7 @@ from typing import Any
 from sgl_ragged.config import RaggedConfig
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.profile import BudgetProfile, ModelShape
+from sgl_ragged.rotation import HeadRotations, Rotation
 from sgl_ragged.tp import agreed_cell_size, agreed_logical_pages, resolve_rank_profiles
 
 
@@ -44,6 +45,17 @@ class ServingSetup:
         """This rank's layout."""
         return self.rank_layouts[self.tp_rank]
 
+    def rotations(self, device: Any) -> HeadRotations | None:
+        """The rows' rotations of this rank (--ragged-rotation hadamard; None: none): its
+        pipeline stage's layers and its KV heads, by their indices in the whole model."""
+        if not self.config.rotated:
+            return None
+        layout = self.layout
+        local = layout.num_kv_heads
+        return HeadRotations(Rotation(layout.head_dim),
+                             range(self.start_layer, self.start_layer + layout.num_layers),
+                             range(self.tp_rank * local, (self.tp_rank + 1) * local), device)
+
     @property
     def dynamic_rho(self) -> float | None:
         """rho of the dynamic reference mode (profile dynamic:<rho>), else None."""
@@ -67,6 +79,11 @@ def build_setup(config: RaggedConfig, shape: ModelShape, *, page_size: int, dtyp
     request's worth (the scratch page comes out of it)."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} outside the {tp_size} tensor-parallel ranks")
+    if config.rotated and (shape.head_dim < 1 or shape.head_dim & (shape.head_dim - 1)):
+        raise ValueError(
+            f"--ragged-rotation {config.rotation} rotates each head by a Hadamard matrix, which "
+            f"needs a power-of-two head_dim; this model's is {shape.head_dim}: pass "
+            "--ragged-rotation none")
     profiles = resolve_rank_profiles(config.profile, shape, config.heads_per_group, tp_size, layers)
     layouts = tuple(RaggedLayout.from_profile(p, page_size, shape.head_dim, dtype_bytes,
                                               precision=config.precision) for p in profiles)

@@ -77,8 +77,9 @@ def resolve_ragged_args(server_args: Any, previous: Any) -> None:
         **({} if decode_graphs else {"disable_cuda_graph": True}),
     )
     os.environ[ACTIVE_ENV] = "1"
-    logger.info("ragged backend: profile %s, precision %s, scorer %s, window %d page(s)",
-                config.profile, config.precision, config.scorer, config.window_pages)
+    logger.info("ragged backend: profile %s, precision %s, rotation %s, scorer %s, window %d "
+                "page(s)", config.profile, config.precision, config.rotation, config.scorer,
+                config.window_pages)
 
 
 def _decode_graphs(cfg: Any, config: RaggedConfig, head_dim: int | None = None) -> bool:
