@@ -134,14 +134,11 @@ def main() -> None:
 
     model = args.model or str(ensure_smollm2())
     profile_dir = args.profile_dir or Path("calib_profiles") / Path(model).name.lower()
-    if any(split_rotated(p)[1] for p in args.precision):
-        raise SystemExit(f"--precision {args.precision}: rotated tiers (int4r, ...) are offline only "
-                         "(python -m bench.offline_loss); the server does not rotate its tiers yet")
     from sgl_ragged.precision import tier_precision
 
     for pair in (p for p in args.precision if MIXED_SEP in p):
-        try:
-            tier_precision(pair)  # the pairs a server stores (bench.offline_loss has more)
+        try:  # the pairs a server stores (bench.offline_loss has more), rotated or not
+            tier_precision(split_rotated(pair)[0])
         except ValueError as e:
             raise SystemExit(f"--precision {pair}: {e}") from None
     from sgl_ragged.profile import model_shape

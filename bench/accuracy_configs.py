@@ -39,8 +39,10 @@ class Config:
 
             return ["--attention-backend", stock_backend("cpu", self.precision),
                     "--kv-cache-dtype", self.precision]
+        base, rotated = split_rotated(self.precision)  # int4r: int4 rows stored rotated
         return ["--attention-backend", "ragged", "--ragged-profile", self.profile,
-                "--ragged-scorer", self.scorer, "--ragged-precision", self.precision]
+                "--ragged-scorer", self.scorer, "--ragged-precision", base,
+                *(["--ragged-rotation", "hadamard"] if rotated else [])]
 
 
 def precision_configs(rhos: list[float], precisions: list[str], scorer: str, head_dim: int,
@@ -51,8 +53,8 @@ def precision_configs(rhos: list[float], precisions: list[str], scorer: str, hea
     and nothing else (r: the budget that buys exactly that, in bf16 bytes). A pair "h+l" (e.g.
     int8+int4, `MIXED_SEP`) gives "h+l@rho": both tiers quantized (tiers.compose_mixed, as the
     server's --ragged-precision h+l stores them). A trailing `ROTATED_SUFFIX` (int4r, int2r,
-    int8+int4r) quantizes every quantized tier rotated (rotation.py; same bytes, offline only),
-    e.g. "int4r@0.3", "int4r-all@0.28125"."""
+    int8+int4r) quantizes every quantized tier rotated (rotation.py; same bytes; served with
+    --ragged-rotation hadamard), e.g. "int4r@0.3", "int4r-all@0.28125"."""
     from sgl_ragged.precision import low_precision
 
     configs = []
@@ -79,8 +81,9 @@ ROTATED_SUFFIX = "r"  # "int4r", "int8+int4r": every quantized tier rotated (rot
 
 def split_rotated(precision: str) -> tuple[str, bool]:
     """A --precision of the benches -> (its unrotated precision, whether it is rotated):
-    "int4r" -> ("int4", True), "int8+int4r" -> ("int8+int4", True), "int4" -> ("int4", False).
-    Checks the name (a low precision or a pair of them, at most one suffix, at the end)."""
+    "int4r" -> ("int4", True), "int8+int4r" -> ("int8+int4", True), "mixedr" -> ("mixed", True),
+    "int4" -> ("int4", False). Checks the name (a low precision, a pair of them or the per-head
+    precisions, at most one suffix, at the end)."""
     from sgl_ragged.precision import FULL_PRECISION, LOW_PRECISIONS
 
     rotated = precision.endswith(ROTATED_SUFFIX)
@@ -92,7 +95,7 @@ def split_rotated(precision: str) -> tuple[str, bool]:
     if any(x.endswith(ROTATED_SUFFIX) and x[:-1] in LOW_PRECISIONS for x in parts):
         raise ValueError(f"precision {precision!r}: one {ROTATED_SUFFIX!r} suffix, after the whole "
                          f"precision (it rotates every quantized tier of the row); {example}")
-    if rotated and MIXED_SEP not in base and base not in LOW_PRECISIONS:
+    if rotated and MIXED_SEP not in base and base not in (*LOW_PRECISIONS, PER_HEAD):
         raise ValueError(f"precision {precision!r}: {base!r} is not a low precision "
                          f"({list(LOW_PRECISIONS)}); {example}")
     if MIXED_SEP in base:
@@ -242,13 +245,13 @@ def plan_configs(rhos: list[float], scorers: list[str], profile_dir: Path, head_
                 if (profile_dir / file).is_file():
                     configs.append(Config(f"{source}-{s}@{rho}", source, rho, s, str(profile_dir / file)))
             configs.append(Config(f"dynamic-{s}@{rho}", "dynamic", rho, s, f"dynamic:{rho}"))
-    if PER_HEAD in precisions:  # the shipped per-head precision profiles (calibrate/precision_search.py)
-        precisions = [p for p in precisions if p != PER_HEAD]
+    per_head = [p for p in precisions if split_rotated(p)[0] == PER_HEAD]  # mixed, mixedr
+    precisions = [p for p in precisions if p not in per_head]
+    for p in per_head:  # the shipped per-head precision profiles (calibrate/precision_search.py)
         for rho in sorted(rhos):
             path = profile_dir / f"{PER_HEAD}-uniform-rho{rho:g}.json"
             if path.is_file():
-                configs.append(Config(f"{PER_HEAD}@{rho}", "tiers-per-head", rho, scorers[0], str(path),
-                                      PER_HEAD))
-            else:
+                configs.append(Config(f"{p}@{rho}", "tiers-per-head", rho, scorers[0], str(path), p))
+            elif str(path) not in missing:
                 missing.append(str(path))
     return configs + precision_configs(rhos, list(precisions), scorers[0], head_dim, page_size), missing

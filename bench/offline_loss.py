@@ -99,9 +99,11 @@ def selection_for(config: Config, shape: Any, page_size: int) -> tuple[Any, floa
         return TierSelection(head_tiers(tiers, groups), lo_fmt, hi_fmt, rotation), retention
     profile = resolve_profile(config.profile, shape)
     layout = RaggedLayout.from_profile(profile, page_size, shape.head_dim, 2, base)
-    if layout.quantized:
+    if layout.quantized:  # per-head formats (mixed) where the profile has them
+        formats = (None if layout.low_formats is None
+                   else head_tiers(layout.low_formats, layout.groups))
         return TierSelection(head_tiers(layout.tiers, layout.groups), layout.low, layout.high,
-                             rotation), layout.retention
+                             rotation, formats), layout.retention
     return SlotSelection(head_slots(profile.budgets, profile.groups, page_size)), layout.retention
 
 

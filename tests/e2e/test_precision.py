@@ -1,7 +1,8 @@
 """Row tiers end to end (--ragged-precision, docs/architecture.md, "Row tiers"): the server reserves exactly
 the bytes the tiered layout predicts at each low precision, serves multi-turn traffic from
 quantized sealed pages with the pool's integrity check after every forward, and with every
-sealed token in int8 stays within a tight tolerance of stock torch_native in float32."""
+sealed token in int8 stays within a tight tolerance of stock torch_native in float32, its rows
+stored as computed or rotated (--ragged-rotation hadamard)."""
 
 from __future__ import annotations
 
@@ -31,13 +32,17 @@ def _layout(precision: str, ratio: float, dtype_bytes: int) -> RaggedLayout:
     return RaggedLayout.from_profile(uniform_profile(ratio, 30, 3), 64, 64, dtype_bytes, precision)
 
 
-@pytest.fixture(scope="module", params=["int4", "int8", "int2", "fp8", "int8+int4", "fp8+int4"])
+@pytest.fixture(scope="module", params=["int4", "int8", "int2", "fp8", "int8+int4", "fp8+int4",
+                                        "int4@hadamard"])
 def tiered_server(request: pytest.FixtureRequest, model_path: str):
+    """<precision>[@<rotation>]: the rotation changes the rows' values, never their bytes."""
+    precision, _, rotation = request.param.partition("@")
     server = _start(request, ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
-                              "--ragged-profile", f"uniform:{RATIO}", "--ragged-precision", request.param,
+                              "--ragged-profile", f"uniform:{RATIO}", "--ragged-precision", precision,
+                              "--ragged-rotation", rotation or "none",
                               "--max-total-tokens", str(MAX_TOKENS), "--max-running-requests", "4",
-                              "--enable-metrics"], f"precision-{request.param}")
-    server.precision = request.param
+                              "--enable-metrics"], f"precision-{request.param.replace('@', '-')}")
+    server.precision, server.rotation = precision, rotation or "none"
     return server
 
 
@@ -52,6 +57,7 @@ def test_capacity_is_what_the_tiered_layout_predicts(tiered_server):
     info = json.loads(get(tiered_server.base_url, "/get_server_info"))
     assert info["max_total_num_tokens"] == min(pages * 64, MAX_TOKENS)
     assert f"retention {layout.retention:.3f}; {layout.describe_tiers()}" in log
+    assert f"precision {tiered_server.precision}, rotation {tiered_server.rotation}," in log
 
 
 def assert_second_turn_reads_sealed_pages(base_url: str) -> None:
@@ -74,15 +80,18 @@ def test_multi_turn_reads_quantized_history(tiered_server):
     assert_second_turn_reads_sealed_pages(tiered_server.base_url)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["none", "hadamard"])
 def int8_server(request: pytest.FixtureRequest, model_path: str) -> ServerProcess:
-    """float32, every sealed token int8 (see ALL_INT8_F32), same settings as the oracle pair.
-    (At uniform:1.0 the budget buys every token at full precision, so the default composition
-    keeps no int8 slot there and the oracle pair's uniform:1.0 test already covers it.)"""
+    """float32, every sealed token int8 (see ALL_INT8_F32), same settings as the oracle pair,
+    rows as computed or rotated (a rotation applied or undone wrongly anywhere breaks the
+    outputs, not just their rounding). (At uniform:1.0 the budget buys every token at full
+    precision, so the default composition keeps no int8 slot there and the oracle pair's
+    uniform:1.0 test already covers it.)"""
     f32 = ["--model-path", model_path, *COMMON, "--dtype", "float32", "--max-total-tokens", "8192",
            "--max-running-requests", "4", "--disable-radix-cache"]
     return _start(request, [*f32, "--attention-backend", "ragged", "--ragged-profile",
-                            f"uniform:{ALL_INT8_F32}", "--ragged-precision", "int8"], "oracle-int8")
+                            f"uniform:{ALL_INT8_F32}", "--ragged-precision", "int8",
+                            "--ragged-rotation", request.param], f"oracle-int8-{request.param}")
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "chunked"])
@@ -99,6 +108,12 @@ def test_every_token_int8_stays_close_to_torch_native(int8_server, oracle_pair, 
 def test_precision_with_the_dynamic_reference_is_refused(model_path):
     log = _launch_error(model_path, ["--ragged-profile", "dynamic:0.3", "--ragged-precision", "int4"])
     assert "--ragged-precision int4 cannot be combined with the dynamic reference mode" in log
+
+
+def test_rotation_of_rows_without_a_low_tier_is_refused(model_path):
+    log = _launch_error(model_path, ["--ragged-profile", "uniform:0.3", "--ragged-rotation", "hadamard"])
+    assert "--ragged-rotation hadamard rotates rows so that their quantized tiers lose less, but " \
+           "--ragged-precision bf16 keeps none" in log
 
 
 def test_unknown_precision_is_refused(model_path):

@@ -131,3 +131,25 @@ def test_offline_loss_bench_profile_config(tiny_llama: Path, tmp_path: Path) -> 
     assert rows["mine"]["kl"]["mean"] < rows["drop"]["kl"]["mean"]
     with pytest.raises(ValueError, match="expected NAME=PATH or NAME=PATH=PRECISION"):
         offline_loss.main(["--model", str(tiny_llama), "--profile-config", str(path)])
+
+
+def test_selection_of_a_per_head_profile_quantizes_each_head_in_its_format(tmp_path: Path) -> None:
+    """A per-head precision profile (--precision mixed or --profile-config) is emulated with
+    each head's low tier in its own format, as the server stores it (not all in the commonest
+    one), rotated for mixedr."""
+    from bench.accuracy_configs import PROFILE, Config
+    from sgl_ragged.profile import ModelShape
+    from tests.unit.test_per_head_precision import mixed_profile
+
+    profile = mixed_profile(layers=2, heads=4)
+    path = tmp_path / "mixed.json"
+    profile.save(path)
+    shape = ModelShape("LlamaForCausalLM", 2, 4, 16)
+    want = [[name if lo > 0 else None for name, lo in zip(names, los, strict=True)]
+            for names, los in zip(profile.tiers.formats, profile.tiers.lo, strict=True)]
+    assert len({f for layer in want for f in layer if f}) > 1
+    for precision in ("mixed", "mixedr"):
+        config = Config("m", PROFILE, 0.5, "snapkv", str(path), precision)
+        selection, _ = offline_loss.selection_for(config, shape, 8)
+        assert [[f and f.name for f in layer] for layer in selection.formats] == want
+        assert (selection.rotation is not None) == (precision == "mixedr")

@@ -188,9 +188,24 @@ def test_rotated_precisions_parse_and_cost_the_same_bytes() -> None:
         assert config_bytes(c, Shape(), 64) == config_bytes(twin, Shape(), 64)
 
 
-def test_bench_accuracy_refuses_rotated(monkeypatch: pytest.MonkeyPatch) -> None:
-    import bench.accuracy as acc
+def test_rotated_configurations_are_served_rotated(tmp_path: Path) -> None:
+    """bench.accuracy serves a rotated configuration as its base precision with
+    --ragged-rotation hadamard ("int4r@0.3": int4 rows stored rotated); "mixedr" is the
+    per-head profiles' "mixed" rotated, with the same file."""
+    from bench.accuracy_configs import plan_configs
 
-    monkeypatch.setattr("sys.argv", ["bench.accuracy", "--precision", "int4r", "--model", "/nonexistent"])
-    with pytest.raises(SystemExit, match="offline only"):
-        acc.main()
+    int4r = precision_configs([0.3], ["int4r"], "snapkv", 64)[-1]
+    assert int4r.server_args()[-4:] == ["--ragged-precision", "int4", "--ragged-rotation", "hadamard"]
+    int4 = precision_configs([0.3], ["int4"], "snapkv", 64)[-1]
+    assert "--ragged-rotation" not in int4.server_args()
+    pair = precision_configs([0.3], ["int8+int4r"], "snapkv", 64)[-1]
+    assert pair.server_args()[-4:] == ["--ragged-precision", "int8+int4", "--ragged-rotation", "hadamard"]
+    assert split_rotated("mixedr") == ("mixed", True)
+    (tmp_path / "mixed-uniform-rho0.3.json").write_text("{}")
+    configs, missing = plan_configs([0.3, 0.2], ["snapkv"], tmp_path, 64, ["mixed", "mixedr"])
+    per_head = [c for c in configs if c.kind == "tiers-per-head"]
+    assert [(c.name, c.precision, Path(c.profile).name) for c in per_head] == [
+        ("mixed@0.3", "mixed", "mixed-uniform-rho0.3.json"),
+        ("mixedr@0.3", "mixedr", "mixed-uniform-rho0.3.json")]
+    assert per_head[1].server_args()[-4:] == ["--ragged-precision", "mixed", "--ragged-rotation", "hadamard"]
+    assert missing.count(str(tmp_path / "mixed-uniform-rho0.2.json")) == 1
