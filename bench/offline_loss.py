@@ -20,7 +20,8 @@ server stores the pairs --ragged-precision accepts (H int8 or fp8); others (e.g.
 are offline only.
 A trailing ``r`` (``int4r``, ``int2r``, ``int8+int4r``: ``int4r@rho``, ``int4r-all@r``)
 quantizes every quantized tier after a fixed randomized Hadamard rotation per (layer, KV head)
-(sgl_ragged/rotation.py, ``TierSelection.rotation``): same bytes, offline only; each rotated row
+(sgl_ragged/rotation.py, ``TierSelection.rotation``; served: --ragged-rotation hadamard): same
+bytes; each rotated row
 is paired with its unrotated twin. Every row also gives the top-1 next-token accuracy and the
 top-1 agreement with the full cache (the fraction of tokens whose argmax is full's).
 
