@@ -79,7 +79,8 @@ class Rotation:
         return torch.stack(rows)
 
     def matrix(self, layer: int, head: int) -> torch.Tensor:
-        """[D, D] float32 R of one head (dense; for tests): x @ R is ``apply``."""
+        """[D, D] float32 R of one head (dense; tests and the server's `HeadRotations`): x @ R
+        is ``apply``."""
         return self.signs(layer, [head])[0][:, None] * hadamard(self.head_dim)
 
     def apply(self, x: torch.Tensor, layer: int, heads: list[int]) -> torch.Tensor:
@@ -121,9 +122,8 @@ class HeadRotations:
         self.rotation = rotation
         self.layers = tuple(layers)
         self.kv_heads = tuple(kv_heads)
-        basis = hadamard(rotation.head_dim)
-        self.matrices = [(rotation.signs(layer, list(self.kv_heads))[:, :, None] * basis)
-                         .to(device) for layer in self.layers]  # [H_kv, D, D] each
+        self.matrices = [torch.stack([rotation.matrix(layer, h) for h in self.kv_heads]).to(device)
+                         for layer in self.layers]  # [H_kv, D, D] each
         self.transposed = [m.transpose(1, 2).contiguous() for m in self.matrices]
 
     def rotate(self, x: torch.Tensor, layer: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from sgl_ragged.config import RaggedConfig
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.profile import BudgetProfile, ModelShape
 from sgl_ragged.rotation import HeadRotations, Rotation
-from sgl_ragged.tp import agreed_cell_size, agreed_logical_pages, resolve_rank_profiles
+from sgl_ragged.tp import agreed_cell_size, agreed_logical_pages, rank_heads, resolve_rank_profiles
 
 
 @dataclass(frozen=True)
@@ -50,11 +50,10 @@ class ServingSetup:
         pipeline stage's layers and its KV heads, by their indices in the whole model."""
         if not self.config.rotated:
             return None
-        layout = self.layout
-        local = layout.num_kv_heads
+        layout, tp_size = self.layout, len(self.rank_layouts)
         return HeadRotations(Rotation(layout.head_dim),
                              range(self.start_layer, self.start_layer + layout.num_layers),
-                             range(self.tp_rank * local, (self.tp_rank + 1) * local), device)
+                             rank_heads(layout.num_kv_heads * tp_size, tp_size, self.tp_rank), device)
 
     @property
     def dynamic_rho(self) -> float | None:

@@ -43,10 +43,7 @@ class _Request:
     def forward(self, n_new: int, window: int, final: bool = True) -> list[torch.Tensor]:
         prefix = self.k.shape[1]
         seq_len = prefix + n_new
-        for pos in range(prefix, seq_len):  # allocate logical pages like SGLang's paged allocator
-            if pos % P == 0:
-                page = self.free_pages.pop()
-                self.req_to_token[0, pos : pos + P] = torch.arange(page * P, page * P + P)
+        self.allocate(prefix, seq_len)
         meta = take_staging(self.storage, plan_batch(self.req_to_token, self.storage, [0],
                                                       [prefix], [seq_len], window, obs_window=4,
                                                       final=[final]))
@@ -62,6 +59,13 @@ class _Request:
             torch.testing.assert_close(out, self._dense(layer, q, meta.requests[0]))
         self.storage.mark_sealed(meta.pages_to_seal)
         return outs
+
+    def allocate(self, prefix: int, seq_len: int) -> None:
+        """Logical pages for positions [prefix, seq_len), like SGLang's paged allocator."""
+        for pos in range(prefix, seq_len):
+            if pos % P == 0:
+                page = self.free_pages.pop()
+                self.req_to_token[0, pos : pos + P] = torch.arange(page * P, page * P + P)
 
     def _dense(self, layer: int, q: torch.Tensor, plan) -> torch.Tensor:
         """Softmax attention over the kept tokens of sealed pages plus the whole tail."""

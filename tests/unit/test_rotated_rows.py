@@ -21,10 +21,10 @@ from sgl_ragged.profile import BudgetProfile, ModelShape
 from sgl_ragged.rotation import HeadRotations, Rotation
 from sgl_ragged.serving.runtime import build_setup
 from tests.unit.kernel_cases import make_storage
-from tests.unit.test_high_tier import _ranked
+from tests.unit.test_high_tier import _Brute, _ranked
+from tests.unit.test_ragged_attention import GQA, H_KV, LAYERS, D, P
+from tests.unit.test_ragged_attention import GROUPS_2 as GROUPS
 
-P, D, H_KV, GQA, LAYERS = 8, 16, 4, 2, 2
-GROUPS = [((0, 2), (1, 3)), ((0, 1), (2, 3))]
 SCALE = 1 / math.sqrt(D)
 
 
@@ -96,46 +96,28 @@ def test_the_flag_refuses_what_it_cannot_rotate() -> None:
 # ---- RaggedAttention on rotated rows -------------------------------------------------------
 
 
-class _Server:
+class _Server(_Brute):
     """One request through RaggedAttention (float32 storage), its full history kept, every
-    seal's scores recorded (layer, page) -> (scores [H, P], sinks [P])."""
+    seal's scores recorded (test_high_tier's driver)."""
 
     def __init__(self, budgets, precision: str, rotation: str, impl: str, window: int,
                  history_gen: torch.Generator) -> None:
         profile = BudgetProfile(model=None, budgets=budgets, groups=GROUPS, source={"kind": "uniform"})
-        self.storage = make_storage(profile, P, D, 64, 8, precision=precision)
+        super().__init__(make_storage(profile, P, D, 64, 8, precision=precision), history_gen)
         config = RaggedConfig(profile="uniform:0.5", precision=precision, rotation=rotation,
                               window_pages=window, obs_window=4)
         self.rot = Rotation(D)
         rotations = (HeadRotations(self.rot, range(LAYERS), range(H_KV))
                      if config.rotated else None)
-        self.req_to_token = torch.zeros(1, 256, dtype=torch.int64)
-        self.free_pages = list(range(1, 64))
-        random.Random(0).shuffle(self.free_pages)
         self.attention = RaggedAttention(self.storage, make_attention_impl(self.storage, None, impl),
                                          config, self.req_to_token, rotation=rotations)
-        self.gen = history_gen
-        self.k = torch.empty(LAYERS, 0, H_KV, D)
-        self.v = torch.empty(LAYERS, 0, H_KV, D)
-        self.seals: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        write = self.storage.write_sealed
-
-        def recording(layer, pages, k_tok, v_tok, selection):
-            for n, page in enumerate(pages.tolist()):
-                self.seals[layer, page] = (selection.scores[n].clone(), selection.sinks[n].clone())
-            return write(layer, pages, k_tok, v_tok, selection)
-
-        self.storage.write_sealed = recording
 
     def forward(self, n_new: int, final: bool = True, outlier: float = 0.0):
         """One forward of n_new tokens -> (per layer (q, output), the plan). outlier: channel
         3 of every value is scaled up by it (an outlier channel)."""
         prefix = self.k.shape[1]
         seq_len = prefix + n_new
-        for pos in range(prefix, seq_len):
-            if pos % P == 0:
-                page = self.free_pages.pop()
-                self.req_to_token[0, pos : pos + P] = torch.arange(page * P, page * P + P)
+        self.allocate(prefix, seq_len)
         self.attention.begin_forward([0], [prefix], [seq_len], [final])
         plan = self.attention.forward_metadata.plan.requests[0]
         k_new = torch.randn(LAYERS, n_new, H_KV, D, generator=self.gen)
