@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from bench.accuracy_configs import Config, other_sources
+from bench.accuracy_configs import STOCK, Config, other_sources, split_rotated
 from bench.accuracy_stats import binomial_se, paired_diff
 from sgl_ragged.stats import mean_se
 
@@ -27,7 +27,8 @@ def comparisons(configs: list[Config], records: dict[str, list[dict[str, Any]]])
     """static vs dynamic (same scorer and rho) and static vs uniform (same rho); static-mean
     (equal memory) vs uniform, dynamic and static; kvcompose and baklava (equal memory) vs
     uniform and static-mean; row tiers vs uniform, and a quantized high tier (h+l@rho) vs int4
-    tiers too; paired over the same questions."""
+    tiers too; a rotated precision (int4r@0.3, mixedr@0.3) vs its unrotated twin; paired over
+    the same questions."""
     by_name = {c.name: c for c in configs if c.name in records}
     versus = {"static": ("dynamic-{s}@{r}", "uniform@{r}"),
               "static-mean": ("uniform@{r}", "dynamic-{s}@{r}", "static-{s}@{r}"),
@@ -40,6 +41,9 @@ def comparisons(configs: list[Config], records: dict[str, list[dict[str, Any]]])
             other = other.format(s=c.scorer, r=c.rho)
             if other in by_name:
                 pairs.append((c.name, other))
+        twin = rotated_twin(c)
+        if twin in by_name:
+            pairs.append((c.name, twin))
     out = []
     for a, b in pairs:
         ra, rb = records[a], records[b]
@@ -57,3 +61,12 @@ def comparisons(configs: list[Config], records: dict[str, list[dict[str, Any]]])
                     **{f"kl_{k}": v for k, v in d_kl._asdict().items()},
                     "kl_z": d_kl.z, "kl_exceeds_se": d_kl.exceeds_se, "kl_exceeds_2se": d_kl.exceeds_2se})
     return out
+
+
+def rotated_twin(config: Config) -> str | None:
+    """The name of a rotated configuration's unrotated twin ("int4r@0.3" -> "int4@0.3",
+    "mixedr@0.3" -> "mixed@0.3"), None for an unrotated one or a name not led by its precision."""
+    if config.kind == STOCK or not config.name.startswith(config.precision):
+        return None
+    base, rotated = split_rotated(config.precision)
+    return base + config.name[len(config.precision):] if rotated else None

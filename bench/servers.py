@@ -67,7 +67,8 @@ GPU_ARGS = ("--sampling-backend", "pytorch", "--grammar-backend", "none",
 class Target:
     """A deployment to launch: `baseline` (stock torch_native on the CPU, triton on CUDA),
     `baseline@<kv dtype>` (stock with --kv-cache-dtype, STOCK_KV_BYTES), `ragged:<profile>`,
-    `ragged@<precision>:<profile>` (row tiers, --ragged-precision), or
+    `ragged@<precision>:<profile>` (row tiers, --ragged-precision; a trailing r, as in
+    `ragged@int4r:uniform:0.3`, also stores them rotated: --ragged-rotation hadamard), or
     `router:<N>:<policy>:<either>` (N such workers behind SGLang's router with that policy)."""
 
     label: str
@@ -76,6 +77,7 @@ class Target:
     workers: int = 1  # > 1 or a policy: behind sglang_router
     policy: str | None = None  # router policy (sgl_ragged.testing.router.POLICIES)
     kv_dtype: str | None = None  # stock's --kv-cache-dtype; None: the model's dtype
+    rotated: bool = False  # ragged workers' --ragged-rotation hadamard
 
     @classmethod
     def parse(cls, spec: str) -> Target:
@@ -86,11 +88,14 @@ class Target:
         if kind == "baseline" and not rest:
             return cls._parse_stock(spec, variant)
         if kind == "ragged" and rest:
-            if variant:
-                from sgl_ragged.precision import tier_precision
+            if not variant:
+                return cls(spec, rest)
+            from bench.accuracy_configs import split_rotated
+            from sgl_ragged.precision import tier_precision
 
-                tier_precision(variant)  # raises for an unknown one
-            return cls(spec, rest, variant or "bf16")
+            precision, rotated = split_rotated(variant)
+            tier_precision(precision)  # raises for an unknown one
+            return cls(spec, rest, precision, rotated=rotated)
         raise ValueError(f"--launch {spec!r}: use 'baseline', 'baseline@<kv dtype>', "
                          "'ragged:<profile>' or 'ragged@<precision>:<profile>' (e.g. "
                          "baseline@fp8_e4m3, ragged:uniform:0.3, ragged@int4:uniform:0.3 or "
@@ -120,7 +125,7 @@ class Target:
                              "'ragged:<profile>' (e.g. router:2:cache_aware:ragged:uniform:0.3)")
         worker = cls.parse(inner)
         return cls(f"router:{count}:{policy}:{worker.label}", worker.profile, worker.precision,
-                   int(count), policy, worker.kv_dtype)
+                   int(count), policy, worker.kv_dtype, worker.rotated)
 
 
 def kv_geometry(model: str) -> tuple[ModelShape, int]:
@@ -189,8 +194,9 @@ def launch_args(target: Target, model: str, kv_tokens: int, *, max_running: int,
     if target.profile is None:
         kv = ["--kv-cache-dtype", target.kv_dtype] if target.kv_dtype else []
         return [*common, "--attention-backend", stock_backend(device, target.kv_dtype), *kv, *extra]
+    rotation = ["--ragged-rotation", "hadamard"] if target.rotated else []
     return [*common, "--attention-backend", "ragged", "--ragged-profile", target.profile,
-            "--ragged-precision", target.precision, *extra]
+            "--ragged-precision", target.precision, *rotation, *extra]
 
 
 def _check_device(device: str) -> None:

@@ -199,6 +199,24 @@ def test_quantized_high_tiers_pair_with_drop_and_int4_tiers(tmp_path: Path):
             ("int4@0.2", "uniform@0.2")} <= pairs
 
 
+def test_rotated_precisions_pair_with_their_unrotated_twins(tmp_path: Path):
+    (tmp_path / "mixed-uniform-rho0.2.json").write_text("{}")
+    precisions = ["int4", "int4r", "int8+int4r", "mixed", "mixedr"]
+    configs, _ = plan_configs([0.2], ["snapkv"], tmp_path, 64, precisions)
+    def recs(kl: list[float]) -> list[dict]:
+        return [{"session": i, "turn": 0, "exact": True, "kl": k, "top1": [True]}
+                for i, k in enumerate(kl)]
+
+    records = {c.name: recs([0.3, 0.5]) for c in configs}
+    records["int4r@0.2"] = recs([0.1, 0.2])
+    comps = {(c["a"], c["b"]): c for c in comparisons(configs, records)}
+    assert {("int4r@0.2", "int4@0.2"), ("mixedr@0.2", "mixed@0.2"),
+            ("int4r-all@0.28125", "int4-all@0.28125")} <= comps.keys()
+    assert comps["int4r@0.2", "int4@0.2"]["kl_mean"] == pytest.approx(-0.25)
+    # no twin run (int8+int4 not asked for), no unrotated config paired with a rotated one
+    assert not any(b == "int8+int4@0.2" or (a, b) == ("int4@0.2", "int4r@0.2") for a, b in comps)
+
+
 def test_a_profile_file_is_one_config(tmp_path: Path):
     from bench.accuracy_configs import PROFILE, profile_config
     from sgl_ragged.profile import model_shape, uniform_profile

@@ -144,6 +144,14 @@ def test_target_parse():
         Target.parse("vllm")
     with pytest.raises(ValueError, match="unknown"):
         Target.parse("ragged@int3:uniform:0.3")
+    rotated = Target.parse("ragged@int4r:uniform:0.3")  # int4 rows stored rotated
+    assert (rotated.precision, rotated.rotated, tiered.rotated) == ("int4", True, False)
+    args = launch_args(rotated, "m", 4096, max_running=4, chunk=256, device="cpu", extra=["--x"])
+    assert args[-7:] == ["--ragged-profile", "uniform:0.3", "--ragged-precision", "int4",
+                         "--ragged-rotation", "hadamard", "--x"]
+    assert Target.parse("router:2:round_robin:ragged@mixedr:p.json").rotated
+    with pytest.raises(ValueError, match="no quantized tier to rotate"):
+        Target.parse("ragged@bf16r:uniform:0.3")
 
 
 def test_equal_budget_of_tiered_rows(model_path):
