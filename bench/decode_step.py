@@ -16,12 +16,17 @@ after the prefill, with random rows. Each round runs what the backend runs for o
     |----------|----------------------------------------------------------------------------|
     | plan     | planner.plan_batch and take_staging (once per forward)                     |
     | prepare  | NativeAttention.prepare: the kernels' tables and the tails' (once)         |
+    | rotate   | with --rotation hadamard, every layer's HeadRotations: q, k and v rotated  |
+    |          | before staging, the output rotated back after the kernel (RaggedAttention) |
     | stage    | every layer's NativeAttention.stage: the new token into its staging slots, |
     |          | the tail pages read back for the kernels                                   |
     | attend   | every layer's kernel call (NativeAttention.attend)                          |
     | store    | every layer's NativeAttention.store: window statistics and their staging   |
 
-Steps are timed in order within a round (each needs the previous one's output); medians over the
+`--rotation hadamard` stores the rows rotated as the server does (`--ragged-rotation hadamard`:
+on the CPU one native Hadamard transform per tensor, `hadamard_heads`); `hadamard-dense` rotates
+by the dense matrices instead (one batched product per tensor, the GPU's form); several values
+run each case with each. Steps are timed in order within a round (each needs the previous one's output); medians over the
 repeats after warm-up, the model's dense layers excluded. The same token is staged every round,
 so the storage's state is the same at every round. With `--baseline SO` (another build of
 cuda_ext/, `python -m bench.native_baseline --rev R`) the same case also runs on that build's
@@ -50,9 +55,11 @@ from sgl_ragged.attention_backend.native_impl import NativeAttention
 from sgl_ragged.attention_backend.planner import plan_batch, take_staging
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.profile import BudgetProfile
+from sgl_ragged.rotation import ROTATIONS, HeadRotations, Rotation
 
 DEFAULT_PROFILE = Path("calib_profiles/smollm2-135m-instruct/mixed-uniform-rho0.3.json")
-STEPS = ("plan", "prepare", "stage", "attend", "store")
+STEPS = ("plan", "prepare", "rotate", "stage", "attend", "store")
+DENSE_ROTATION = "hadamard-dense"  # --rotation: the rotation by dense matrices (the GPU's form)
 WINDOW_PAGES, OBS_WINDOW = 1, 32  # RaggedConfig's defaults
 
 
@@ -73,8 +80,10 @@ def served_case(profile: BudgetProfile, batch: int, context: int, precision: str
 
 
 def step_seconds(impl: NativeAttention, req_to_token: torch.Tensor, context: int,
-                 qkv: tuple[torch.Tensor, ...], scale: float) -> dict[str, float]:
-    """One decode forward, each step's seconds (layers summed)."""
+                 qkv: tuple[torch.Tensor, ...], scale: float,
+                 rotations: HeadRotations | None = None) -> dict[str, float]:
+    """One decode forward, each step's seconds (layers summed); with `rotations` the rows are
+    rotated as RaggedAttention.forward rotates them (the "rotate" step)."""
     storage, (q, k, v) = impl.storage, qkv
     batch = req_to_token.shape[0]
     prefix = context + TAIL
@@ -89,23 +98,39 @@ def step_seconds(impl: NativeAttention, req_to_token: torch.Tensor, context: int
     seconds["plan"], seconds["prepare"] = t1 - t0, t2 - t1
     for layer in range(storage.layout.num_layers):
         t0 = time.perf_counter()
-        k_pages, v_pages = impl.stage(layer, prepared, k, v)
+        q_l, k_l, v_l = q, k, v
+        if rotations is not None:
+            q_l, k_l, v_l = (rotations.rotate(x, layer) for x in (q, k, v))
         t1 = time.perf_counter()
-        _, lse = impl.attend(layer, prepared, q, k_pages, v_pages, scale)
+        k_pages, v_pages = impl.stage(layer, prepared, k_l, v_l)
         t2 = time.perf_counter()
-        impl.store(layer, prepared, q, k_pages, v_pages, lse, scale)
+        out, lse = impl.attend(layer, prepared, q_l, k_pages, v_pages, scale)
         t3 = time.perf_counter()
-        seconds["stage"] += t1 - t0
-        seconds["attend"] += t2 - t1
-        seconds["store"] += t3 - t2
+        if rotations is not None:
+            rotations.restore(out, layer)
+        t4 = time.perf_counter()
+        impl.store(layer, prepared, q_l, k_pages, v_pages, lse, scale)
+        t5 = time.perf_counter()
+        if rotations is not None:
+            seconds["rotate"] += (t1 - t0) + (t4 - t3)
+        seconds["stage"] += t2 - t1
+        seconds["attend"] += t3 - t2
+        seconds["store"] += t5 - t4
     return seconds
 
 
 def measure(profile: BudgetProfile, batch: int, context: int, precision: str, warmup: int,
-            repeats: int, baseline: ModuleType | None = None) -> list[dict]:
+            repeats: int, baseline: ModuleType | None = None,
+            rotation: str = ROTATIONS[0]) -> list[dict]:
     """This build's row of the case, and with `baseline` the baseline build's, their rounds
     alternating (the order swapped every round)."""
     storage, req_to_token, qkv = served_case(profile, batch, context, precision)
+    rotations = None
+    if rotation != ROTATIONS[0]:
+        layout = storage.layout
+        rotations = HeadRotations(Rotation(layout.head_dim), range(layout.num_layers),
+                                  range(sum(len(g) for g in layout.groups[0])),
+                                  native=rotation != DENSE_ROTATION)
     impls = {"current": NativeAttention(storage)}
     module = baseline_module(baseline, storage)
     if baseline is not None and module is None:
@@ -117,13 +142,13 @@ def measure(profile: BudgetProfile, batch: int, context: int, precision: str, wa
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in impls}
     for i in range(warmup + repeats):
         for name in cpu_sweep.round_order(impls, i):
-            seconds = step_seconds(impls[name], req_to_token, context, qkv, scale)
+            seconds = step_seconds(impls[name], req_to_token, context, qkv, scale, rotations)
             if i >= warmup:
                 samples[name].append(seconds)
     results = []
     for name, runs in samples.items():
         result = {"batch": batch, "context": context, "precision": precision, "build": name,
-                  "layers": storage.layout.num_layers}
+                  "rotation": rotation, "layers": storage.layout.num_layers}
         for step in STEPS:
             result[f"{step}_s"] = statistics.median(s[step] for s in runs)
         result["total_s"] = statistics.median(sum(s.values()) for s in runs)
@@ -135,13 +160,14 @@ def markdown(results: list[dict], profile_name: str) -> str:
     lines = [f"The ragged backend's part of a CPU decode step ({profile_name}; "
              f"{torch.get_num_threads()} threads), medians in ms (stage, attend and store summed "
              "over the layers); outside: everything but the kernel, per layer in us.", "",
-             "| batch | context | rows | build | plan | prepare | stage | attend | store | total | "
-             "outside the kernel | per layer (us) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| batch | context | rows | rotation | build | plan | prepare | rotate | stage | attend | "
+             "store | total | outside the kernel | per layer (us) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         outside = r["total_s"] - r["attend_s"]
         cells = [f"{1e3 * r[f'{name}_s']:.2f}" for name in STEPS]
-        lines.append(f"| {r['batch']} | {r['context']} | {r['precision']} | {r['build']} | "
+        lines.append(f"| {r['batch']} | {r['context']} | {r['precision']} | "
+                     f"{r.get('rotation', ROTATIONS[0])} | {r['build']} | "
                      f"{' | '.join(cells)} | {1e3 * r['total_s']:.2f} | "
                      f"{100 * outside / r['total_s']:.0f}% | {1e6 * outside / r['layers']:.0f} |")
     pairs = [(c, b) for c, b in zip(results, results[1:], strict=False)
@@ -151,10 +177,11 @@ def markdown(results: list[dict], profile_name: str) -> str:
                   "| batch | context | " + " | ".join(STEPS) + " | total | outside the kernel |",
                   "|---|---|" + "---|" * (len(STEPS) + 2)]
         for c, b in pairs:
-            ratios = [b[f"{s}_s"] / c[f"{s}_s"] for s in (*STEPS, "total")]
-            outside = (b["total_s"] - b["attend_s"]) / (c["total_s"] - c["attend_s"])
+            ratios = [(b[f"{s}_s"], c[f"{s}_s"]) for s in (*STEPS, "total")]
+            outside = (b["total_s"] - b["attend_s"], c["total_s"] - c["attend_s"])
             lines.append(f"| {c['batch']} | {c['context']} | "
-                         + " | ".join(f"x{x:.2f}" for x in (*ratios, outside)) + " |")
+                         + " | ".join(f"x{x / y:.2f}" if y else "-" for x, y in (*ratios, outside))
+                         + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -170,6 +197,11 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, default=None, metavar="SO",
                         help="another build of the kernels to time in the same rounds "
                              "(python -m bench.native_baseline --rev R prints its path)")
+    parser.add_argument("--rotation", choices=(*ROTATIONS, DENSE_ROTATION), nargs="+",
+                        default=[ROTATIONS[0]],
+                        help="store the rows rotated (hadamard: --ragged-rotation hadamard, "
+                             f"native; {DENSE_ROTATION}: by dense matrices) and time the "
+                             "rotations; several: each case with each")
     parser.add_argument("--out", type=Path, default=Path("results/decode-step"))
     args = parser.parse_args()
     if min(args.batch) < 1 or min(args.context) < PAGE or args.repeats < 1 or args.warmup < 0:
@@ -183,12 +215,13 @@ def main() -> None:
     native.load()
     baseline = load_baseline(args.baseline) if args.baseline else None
     profile = BudgetProfile.load(args.profile)
-    cases = [(b, c) for c in args.context for b in args.batch]
+    cases = [(b, c, r) for c in args.context for b in args.batch for r in args.rotation]
     results = []
-    for i, (batch, context) in enumerate(cases, 1):
-        print(f"[{i}/{len(cases)}] batch {batch}, context {context} ...", flush=True)
+    for i, (batch, context, rotation) in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] batch {batch}, context {context}, rotation {rotation} ...",
+              flush=True)
         results += measure(profile, batch, context, args.precision, args.warmup, args.repeats,
-                           baseline)
+                           baseline, rotation)
     cpu_sweep.write(args.out, "decode_step", {"profile": str(args.profile),
                                               "baseline": str(args.baseline or ""),
                                               "results": results},

@@ -337,4 +337,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("query"), pybind11::arg("key"), pybind11::arg("cos_sin_cache"),
         pybind11::arg("head_size"), pybind11::arg("neox"),
         "SGLang's RotaryEmbedding.forward_native in one pass, bit for bit: [query, key] (elementwise.cpp)");
+  m.def("hadamard_heads", &ragged::hadamard_heads, pybind11::arg("x"), pybind11::arg("signs"),
+        pybind11::arg("inverse"),
+        "x [T, heads, D] times each KV head's randomized Hadamard matrix (R^T: inverse), as "
+        "rotation.py's fwht (elementwise.cpp)");
 }

@@ -101,6 +101,23 @@ auto rotate_heads_at(Width w, bool neox) {
   }
 }
 
+template <typename T, int64_t DC>
+auto hadamard_rows_of(Width w) {
+  switch (w) {
+    case Width::kAvx512: return &avx512::hadamard_rows<T, DC>;
+    case Width::kAvx2: return &avx2::hadamard_rows<T, DC>;
+    default: return &baseline::hadamard_rows<T, DC>;
+  }
+}
+
+// The loop for head_dim D: unrolled at the common head sizes 64 and 128.
+template <typename T>
+auto hadamard_rows_at(Width w, int64_t D) {
+  if (D == 64) return hadamard_rows_of<T, 64>(w);
+  if (D == 128) return hadamard_rows_of<T, 128>(w);
+  return hadamard_rows_of<T, 0>(w);
+}
+
 // Heads of a query or key tensor [T, heads * head] or [T, heads, head], and its row stride.
 struct HeadRows {
   int64_t heads, stride;
@@ -216,6 +233,36 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
     });
   });
   return {q_out, k_out};
+}
+
+at::Tensor hadamard_heads(const at::Tensor& x, const at::Tensor& signs, bool inverse) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3, "hadamard_heads: x must be a [T, heads, D] "
+              "CPU tensor, got ", x.sizes(), " on ", x.device());
+  check_cpu_tensor("hadamard_heads", signs, "signs", at::kFloat, 2);
+  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2), kv = signs.size(0);
+  TORCH_CHECK(D > 0 && (D & (D - 1)) == 0 && signs.size(1) == D, "hadamard_heads: head_dim ", D,
+              " must be a power of two and signs ", signs.sizes(), " [kv_heads, ", D, "]");
+  TORCH_CHECK(kv > 0 && heads % kv == 0, "hadamard_heads: x's ", heads, " heads are not a "
+              "multiple of the ", kv, " KV heads of signs");
+  TORCH_CHECK(x.stride(2) == 1 && (heads == 1 || x.stride(1) == D), "hadamard_heads: x ",
+              x.sizes(), " strides ", x.strides(), ": a token's heads must be contiguous (its "
+              "rows may be strided)");
+  at::Tensor out = at::empty({T, heads, D}, x.options());
+  const float root = std::sqrt(static_cast<float>(D));
+  const int64_t rows = T * heads;
+  with_type(x.scalar_type(), "hadamard_heads", "x", [&](auto xt) {
+    using X = decltype(xt);
+    const X* xp = x.data_ptr<X>();
+    X* op = out.data_ptr<X>();
+    const float* sp = signs.data_ptr<float>();
+    const auto rotate = hadamard_rows_at<X>(width(), D);
+    const int64_t grain = std::max<int64_t>(1, SERIAL_ELEMENTS / D);
+    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+      std::vector<float> f(D);
+      rotate(xp, op, sp, b, e, heads, heads / kv, D, x.stride(0), inverse, root, f.data());
+    });
+  });
+  return out;
 }
 
 }  // namespace ragged

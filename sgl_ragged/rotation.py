@@ -10,8 +10,11 @@ channel, so per-token (value) and per-channel (key) scales see flatter data (Qua
 
 Row vectors: ``apply(x)`` is x @ R on the last axis, ``invert(y)`` is y @ R^T; both run the
 fast Walsh-Hadamard transform (D log D), never the dense matrix. The server's rotated rows
-(`HeadRotations`, --ragged-rotation hadamard) multiply by the dense matrices instead: one
-batched product per tensor and layer costs fewer small ops in a decode step than the transform.
+(`HeadRotations`, --ragged-rotation hadamard) run the same transform in one native call per
+tensor on the CPU where the native kernels are built (cuda_ext/elementwise.cpp
+`hadamard_heads`), else one batched product by the dense matrices (a GPU, CUDA graphs: fewer
+small ops in a decode step than the torch transform). Imports only torch (and, for that call,
+sgl_ragged.native when a HeadRotations is built for the CPU).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -26,11 +30,13 @@ ROTATION_SEED = 0  # the seed of the rotation the emulator and bench.offline_los
 _MIX = 1_000_003  # a prime: (seed, layer, head) -> one generator seed
 
 
-def check_head_dim(head_dim: int) -> None:
-    """Raises unless head_dim is a power of two (a Walsh-Hadamard matrix of that size exists)."""
+def check_head_dim(head_dim: int,
+                   fix: str = "use an unrotated precision (drop the 'r' suffix) for this model",
+                   ) -> None:
+    """Raises unless head_dim is a power of two (a Walsh-Hadamard matrix of that size exists);
+    the message ends with `fix`, what the caller's user should do instead."""
     if head_dim < 1 or head_dim & (head_dim - 1):
-        raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim, got {head_dim}; "
-                         "use an unrotated precision (drop the 'r' suffix) for this model")
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim, got {head_dim}; {fix}")
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
@@ -101,6 +107,17 @@ ROTATIONS = ("none", "hadamard")
 """--ragged-rotation's values: rows stored as computed, or every row rotated (`HeadRotations`)."""
 
 
+def rotation_of(name: str, head_dim: int, fix: str) -> Rotation | None:
+    """The rotation a ROTATIONS name stands for at this head_dim (None for "none"); ValueError
+    ending with `fix` for an unknown name or a head_dim it cannot rotate."""
+    if name not in ROTATIONS:
+        raise ValueError(f"rotation {name!r} is unknown; choose one of {list(ROTATIONS)}")
+    if name == ROTATIONS[0]:
+        return None
+    check_head_dim(head_dim, fix)
+    return Rotation(head_dim)
+
+
 class HeadRotations:
     """The server's rotated rows (--ragged-rotation hadamard): every key and value a layer
     stores is x @ R of its (layer, KV head), queries are rotated by their KV head's R and the
@@ -114,14 +131,24 @@ class HeadRotations:
 
     ``layers`` and ``kv_heads`` are the global indices of the rows this rank stores (a pipeline
     stage's layers, a tensor-parallel rank's heads), so every rank rotates a head as the
-    emulator and a single-rank server do. The matrices are dense float32 [H_kv, D, D] per layer
-    (one batched product per tensor: fewer small ops than the transform in a decode step)."""
+    emulator and a single-rank server do.
+
+    On the CPU, where the native kernels are built, each tensor is rotated in one call of the
+    fast transform (`hadamard_heads`: rotation.py's fwht, D log D, float32, one rounding);
+    elsewhere (a GPU: CUDA graphs capture it) by one batched product with dense float32
+    [H_kv, D, D] matrices per layer. ``native`` forces the choice (None: the native call on a
+    CPU device where it is built)."""
 
     def __init__(self, rotation: Rotation, layers: Sequence[int], kv_heads: Sequence[int],
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", native: bool | None = None) -> None:
         self.rotation = rotation
         self.layers = tuple(layers)
         self.kv_heads = tuple(kv_heads)
+        self.kernels = _native_kernels(device) if native is not False else None
+        if native and self.kernels is None:
+            raise ValueError(f"HeadRotations(native=True) needs the native kernels on a CPU "
+                             f"device, got {device}")
+        self.signs = [rotation.signs(layer, list(self.kv_heads)) for layer in self.layers]
         self.matrices = [torch.stack([rotation.matrix(layer, h) for h in self.kv_heads]).to(device)
                          for layer in self.layers]  # [H_kv, D, D] each
         self.transposed = [m.transpose(1, 2).contiguous() for m in self.matrices]
@@ -129,19 +156,44 @@ class HeadRotations:
     def rotate(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         """x [T, H, D] of local layer `layer` (keys and values: H = H_kv; queries: H a multiple,
         head h belonging to KV head h // (H / H_kv)) -> x @ R per head, in x's dtype."""
+        if self.kernels is not None:
+            _check_heads(x, *self.signs[layer].shape)
+            return self.kernels.hadamard_heads(_heads_packed(x), self.signs[layer], False)
         return _per_kv_head(x, self.matrices[layer])
 
     def restore(self, y: torch.Tensor, layer: int) -> torch.Tensor:
         """y [T, H_q, D] (an attention output over rotated values) -> y @ R^T per head."""
+        if self.kernels is not None:
+            _check_heads(y, *self.signs[layer].shape)
+            return self.kernels.hadamard_heads(_heads_packed(y), self.signs[layer], True)
         return _per_kv_head(y, self.transposed[layer])
 
 
+def _native_kernels(device: str | torch.device) -> Any:
+    """The native module where `device` is the CPU and the kernels are built, else None."""
+    if torch.device(device).type != "cpu":
+        return None
+    from sgl_ragged import native
+
+    return native.load() if native.available() else None
+
+
+def _heads_packed(x: torch.Tensor) -> torch.Tensor:
+    """x, or a copy whose tokens' heads are contiguous (what hadamard_heads reads)."""
+    if x.dim() == 3 and x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]):
+        return x
+    return x.contiguous()
+
+
+def _check_heads(x: torch.Tensor, h_kv: int, d: int) -> None:
+    if x.dim() != 3 or x.shape[1] % h_kv or x.shape[2] != d:
+        raise ValueError(f"expected [T, a multiple of {h_kv} heads, {d}], got {list(x.shape)}")
+
+
 def _per_kv_head(x: torch.Tensor, mats: torch.Tensor) -> torch.Tensor:
+    _check_heads(x, mats.shape[0], mats.shape[-1])
     t, h, d = x.shape
     h_kv = mats.shape[0]
-    if h % h_kv or d != mats.shape[-1]:
-        raise ValueError(f"expected [T, a multiple of {h_kv} heads, {mats.shape[-1]}], got "
-                         f"{list(x.shape)}")
     g = h // h_kv
     grouped = x.float().view(t, h_kv, g, d).transpose(0, 1).reshape(h_kv, t * g, d)
     out = torch.bmm(grouped, mats)

@@ -21,11 +21,25 @@ def test_every_step_is_timed():
     profile = BudgetProfile.load(decode_step.DEFAULT_PROFILE)
     (result,) = decode_step.measure(profile, 3, 128, "mixed", warmup=0, repeats=2)
     assert result["batch"] == 3 and result["layers"] == profile.num_layers
-    assert result["build"] == "current"
-    assert all(result[f"{step}_s"] > 0 for step in decode_step.STEPS)
+    assert result["build"] == "current" and result["rotation"] == "none"
+    assert all(result[f"{step}_s"] > 0 for step in decode_step.STEPS if step != "rotate")
+    assert result["rotate_s"] == 0  # rows stored as computed: nothing to rotate
     assert result["total_s"] >= result["attend_s"]
     table = decode_step.markdown([result], decode_step.DEFAULT_PROFILE.name)
-    assert "| 3 | 128 | mixed | current |" in table and "Baseline / current" not in table
+    assert "| 3 | 128 | mixed | none | current |" in table and "Baseline / current" not in table
+
+
+def test_rotated_rows_time_their_rotations():
+    """--rotation hadamard: every layer's q, k, v rotated and the output rotated back, timed as
+    their own step (the server's RaggedAttention.forward around the kernel)."""
+    profile = BudgetProfile.load(decode_step.DEFAULT_PROFILE)
+    for rotation in ("hadamard", decode_step.DENSE_ROTATION):
+        (result,) = decode_step.measure(profile, 2, 128, "mixed", warmup=0, repeats=2,
+                                        rotation=rotation)
+        assert result["rotation"] == rotation and result["rotate_s"] > 0
+        assert all(result[f"{step}_s"] > 0 for step in decode_step.STEPS)
+        table = decode_step.markdown([result], decode_step.DEFAULT_PROFILE.name)
+        assert f"| 2 | 128 | mixed | {rotation} | current |" in table
 
 
 class _Recording:
@@ -58,9 +72,10 @@ def test_a_baseline_build_runs_the_kernels_in_alternating_rounds():
     assert baseline.calls.count("window_stats") == 4 * layers
     assert baseline.calls.count("gather_pages") + baseline.calls.count("copy_rows") >= 4 * layers
     table = decode_step.markdown([current, base], decode_step.DEFAULT_PROFILE.name)
-    assert "| 2 | 128 | mixed | baseline |" in table
+    assert "| 2 | 128 | mixed | none | baseline |" in table
     ratio = table.split("Baseline / current")[1].splitlines()[-1]
-    assert ratio.startswith("| 2 | 128 | x") and ratio.count("| x") == len(decode_step.STEPS) + 2
+    assert ratio.startswith("| 2 | 128 | x") and ratio.count("| x") == len(decode_step.STEPS) + 1
+    assert ratio.count("| - |") == 1  # rotate: no rotation, no ratio
 
 
 def test_a_build_from_before_per_group_formats_is_wrapped():

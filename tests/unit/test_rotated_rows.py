@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 
+from sgl_ragged import native
 from sgl_ragged.attention_backend.backend import RaggedAttention
 from sgl_ragged.attention_backend.registry import make_attention_impl
 from sgl_ragged.config import RaggedConfig
@@ -31,9 +32,15 @@ SCALE = 1 / math.sqrt(D)
 # ---- the matrices --------------------------------------------------------------------------
 
 
-def test_head_rotations_are_the_emulators_per_global_layer_and_head() -> None:
+KERNELS = [False, pytest.param(True, marks=pytest.mark.skipif(
+    not native.available(), reason=f"native kernels: {native.reason()}"))]
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=["dense", "native"])
+def test_head_rotations_are_the_emulators_per_global_layer_and_head(kernel: bool) -> None:
     rot = Rotation(D)
-    rotations = HeadRotations(rot, range(3, 5), range(2, 4))  # a pipeline stage, a TP rank
+    rotations = HeadRotations(rot, range(3, 5), range(2, 4), native=kernel)  # a PP stage, a TP rank
+    assert (rotations.kernels is not None) == kernel
     gen = torch.Generator().manual_seed(0)
     for local, layer in enumerate((3, 4)):
         for j, head in enumerate((2, 3)):
@@ -52,6 +59,40 @@ def test_head_rotations_are_the_emulators_per_global_layer_and_head() -> None:
         rotations.rotate(torch.zeros(1, 3, D), 0)
     with pytest.raises(ValueError, match="a multiple of 2 heads, 16"):
         rotations.rotate(torch.zeros(1, 2, 8), 0)
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.reason()}")
+@pytest.mark.parametrize("d", [8, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_rotation_is_the_transform_of_the_emulator(d: int, dtype: torch.dtype) -> None:
+    """hadamard_heads (one native call per tensor): rotation.py's fwht bit for bit (the same
+    butterflies in float32, one rounding) at head sizes whose sqrt is exact, within one rounding
+    otherwise; the dense float64 product within float32's error before that rounding; strided
+    token rows (a view of a fused qkv) read in place; empty batches."""
+    rot = Rotation(d)
+    gen = torch.Generator().manual_seed(d)
+    rotations = HeadRotations(rot, [7], [1, 4], native=True)
+    dense = torch.stack([rot.matrix(7, h) for h in (1, 4)]).double()
+    for heads in (2, 6):
+        fused = torch.randn(13, heads + 4, d, generator=gen).to(dtype)
+        x = fused[:, :heads]  # rows strided by the fused width, heads contiguous
+        got = rotations.rotate(x, 0)
+        assert got.dtype == dtype and got.is_contiguous()
+        groups = x.view(13, 2, heads // 2, d)
+        want = rot.apply(groups.transpose(1, 2), 7, [1, 4]).transpose(1, 2).reshape(13, heads, d)
+        back_want = rot.invert(groups.transpose(1, 2), 7, [1, 4]).transpose(1, 2).reshape(13, heads, d)
+        back = rotations.restore(x, 0)
+        exact = math.sqrt(d).is_integer()
+        tol = {} if exact else {"atol": 0, "rtol": 2 * torch.finfo(dtype).eps}
+        torch.testing.assert_close(got, want, **({"atol": 0, "rtol": 0} if exact else tol))
+        torch.testing.assert_close(back, back_want, **({"atol": 0, "rtol": 0} if exact else tol))
+        per_head = dense.repeat_interleave(heads // 2, 0)
+        exact_rot = torch.einsum("thd,hde->the", x.double(), per_head)
+        torch.testing.assert_close(got.double(), exact_rot, atol=4 * torch.finfo(dtype).eps * d ** 0.5,
+                                   rtol=2 * torch.finfo(dtype).eps)
+        torch.testing.assert_close(rotations.restore(got, 0).double(), x.double(),
+                                   atol=8 * torch.finfo(dtype).eps * d ** 0.5, rtol=4 * torch.finfo(dtype).eps)
+    assert rotations.rotate(torch.zeros(0, 2, d, dtype=dtype), 0).shape == (0, 2, d)
 
 
 def test_the_flag_refuses_what_it_cannot_rotate() -> None:
