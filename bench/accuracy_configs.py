@@ -42,7 +42,7 @@ class Config:
         base, rotated = split_rotated(self.precision)  # int4r: int4 rows stored rotated
         return ["--attention-backend", "ragged", "--ragged-profile", self.profile,
                 "--ragged-scorer", self.scorer, "--ragged-precision", base,
-                *(["--ragged-rotation", "hadamard"] if rotated else [])]
+                "--ragged-rotation", "hadamard" if rotated else "none"]  # never a profile's auto
 
 
 def precision_configs(rhos: list[float], precisions: list[str], scorer: str, head_dim: int,
@@ -167,7 +167,7 @@ def profile_config(spec: str, scorer: str, shape: Any, page_size: int = PAGE_SIZ
     """`NAME=PATH` or `NAME=PATH=PRECISION` (--profile-config) -> a configuration serving that
     profile file as is (its compositions where it has them: a `sgl-ragged profile tiers`
     output, e.g. per-head precision), at PRECISION (default: the profile's own compositions'
-    precision, else bf16). Its rho is its KV bytes per token (fraction of bf16), to 3 places."""
+    precision, with the rotated suffix where they were searched rotated, else bf16). Its rho is its KV bytes per token (fraction of bf16), to 3 places."""
     from sgl_ragged.profile import resolve_profile
 
     parts = spec.split("=")
@@ -178,7 +178,13 @@ def profile_config(spec: str, scorer: str, shape: Any, page_size: int = PAGE_SIZ
     if not Path(path).is_file():
         raise ValueError(f"--profile-config {spec!r}: no profile file at {path}")
     profile = resolve_profile(path, shape)
-    precision = parts[2] if len(parts) == 3 else (profile.tiers.precision if profile.tiers else "bf16")
+    tiers = profile.tiers
+    own = "bf16" if tiers is None else tiers.precision + (ROTATED_SUFFIX if tiers.rotated else "")
+    precision = parts[2] if len(parts) == 3 else own
+    if tiers is not None and tiers.rotated and precision == tiers.precision:
+        raise ValueError(f"--profile-config {spec!r}: {path} was searched for rows stored rotated "
+                         f"(tiers.rotation {tiers.rotation}); name its precision {own} (or leave "
+                         "it out)")
     config = Config(name, PROFILE, 0.0, scorer, path, precision)
     return Config(name, PROFILE, round(config_bytes(config, shape, page_size), 3), scorer, path,
                   precision)

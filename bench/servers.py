@@ -194,9 +194,9 @@ def launch_args(target: Target, model: str, kv_tokens: int, *, max_running: int,
     if target.profile is None:
         kv = ["--kv-cache-dtype", target.kv_dtype] if target.kv_dtype else []
         return [*common, "--attention-backend", stock_backend(device, target.kv_dtype), *kv, *extra]
-    rotation = ["--ragged-rotation", "hadamard"] if target.rotated else []
+    rotation = "hadamard" if target.rotated else "none"  # as labelled, never a profile's auto
     return [*common, "--attention-backend", "ragged", "--ragged-profile", target.profile,
-            "--ragged-precision", target.precision, *rotation, *extra]
+            "--ragged-precision", target.precision, "--ragged-rotation", rotation, *extra]
 
 
 def _check_device(device: str) -> None:

@@ -18,7 +18,7 @@ from sgl_ragged.precision import (
     TIER_SEP,
     tier_precision,
 )
-from sgl_ragged.profile import profile_precision
+from sgl_ragged.profile import profile_precision, profile_rotation
 from sgl_ragged.rotation import ROTATIONS
 from sgl_ragged.scoring import SCORERS
 
@@ -66,6 +66,9 @@ ATTENTION_IMPLS = ("auto", "triton", "native", "batched", "reference")
 AUTO_PRECISION = "auto"
 """--ragged-precision's default: what the profile file was written for (`profile_precision`:
 `mixed` for per-head formats, the precision `sgl-ragged profile tiers` searched), else bf16."""
+AUTO_ROTATION = "auto"
+"""--ragged-rotation's default: what the profile file's tiers were searched for
+(`profile_rotation`) where they are served at their precision, else none."""
 
 
 @dataclass(frozen=True)
@@ -104,11 +107,13 @@ FLAGS = (
          "quantizes the best tokens too, in H; or mixed: each head group's format and composition "
          "from the profile (`sgl-ragged profile tiers --precision mixed`). Every attention path "
          "reads all of them."),
-    Flag("rotation", "RAGGED_ROTATION", "none",
-         "none (default) or hadamard: store every row of a KV head rotated by a fixed randomized "
-         "Hadamard matrix (queries rotated alike, outputs rotated back: the same attention), so "
-         "that quantized tiers see no outlier channels; needs a low precision, a power-of-two "
-         "head_dim and a scorer that reads dot products and norms (not expected_attention)."),
+    Flag("rotation", "RAGGED_ROTATION", AUTO_ROTATION,
+         "auto (default: what the profile file's tiers were searched for when served at their "
+         "precision, else none), none, or hadamard: store every row of a KV head rotated by a "
+         "fixed randomized Hadamard matrix (queries rotated alike, outputs rotated back: the "
+         "same attention), so that quantized tiers see no outlier channels; needs a low "
+         "precision, a power-of-two head_dim and a scorer that reads dot products and norms "
+         "(not expected_attention)."),
     Flag("check-integrity", "RAGGED_CHECK_INTEGRITY", "0",
          "1 = run the pool's integrity check after every forward pass (debugging, tests)."),
 )
@@ -126,7 +131,7 @@ class RaggedConfig:
     attention: str = "auto"
     precision: str = AUTO_PRECISION  # resolved in __post_init__: never "auto" after it
     check_integrity: bool = False
-    rotation: str = "none"  # rotation.ROTATIONS
+    rotation: str = AUTO_ROTATION  # resolved in __post_init__: one of rotation.ROTATIONS after it
 
     def __post_init__(self) -> None:
         if not self.profile:
@@ -162,12 +167,23 @@ class RaggedConfig:
 
     @property
     def rotated(self) -> bool:
-        return self.rotation != "none"
+        return self.rotation != ROTATIONS[0]
 
     def _check_rotation(self) -> None:
-        if self.rotation not in ROTATIONS:
+        if self.rotation not in (AUTO_ROTATION, *ROTATIONS):
             raise ValueError(f"--ragged-rotation {self.rotation!r} is unknown; choose one of "
-                             f"{list(ROTATIONS)}")
+                             f"{[AUTO_ROTATION, *ROTATIONS]}")
+        # a profile's tiers searched on rotated rows, served at their precision: rotated rows
+        searched = (profile_rotation(self.profile)
+                    if profile_precision(self.profile) == self.precision else None)
+        if self.rotation == AUTO_ROTATION:
+            object.__setattr__(self, "rotation", searched or ROTATIONS[0])
+        elif searched not in (None, ROTATIONS[0]) and self.rotation != searched:
+            raise ValueError(
+                f"--ragged-rotation {self.rotation}: the profile {self.profile} was searched for "
+                f"rows stored with --ragged-rotation {searched} (its tiers.rotation): its "
+                f"{self.precision} compositions and formats were chosen for rotated rows; pass "
+                f"--ragged-rotation {searched} (or auto), or a profile searched without one")
         if not self.rotated:
             return
         if self.precision == FULL_PRECISION:
@@ -202,7 +218,7 @@ class RaggedConfig:
             attention=get("attention") or "auto",
             precision=(get("precision") or AUTO_PRECISION).strip().lower(),
             check_integrity=(get("check-integrity") or "0").lower() in ("1", "true", "yes"),
-            rotation=(get("rotation") or "none").strip().lower(),
+            rotation=(get("rotation") or AUTO_ROTATION).strip().lower(),
         )
 
 

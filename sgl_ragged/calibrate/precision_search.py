@@ -17,6 +17,12 @@ steps:
 3. Validation: the allocation and the uniform rules (tiers.compose at each format) on the
    compressed loss (mean KL per scored token, held-out samples, emulator/compressed.py); the
    best is written into the profile (tiers.precision "mixed", tiers.formats: format version 3).
+
+With a rotation (`--rotation hadamard`, rotation.py) every step sees the rows as the server stores
+them under --ragged-rotation hadamard: the sensitivity step rotates a group's queries, keys and
+values by their KV heads' matrices before it selects and quantizes (its error rotated back
+before o_proj), validation quantizes every tier rotated (TierSelection.rotation), and the profile
+records the rotation (tiers.rotation: format version 4), which --ragged-rotation auto serves.
 """
 
 from __future__ import annotations
@@ -30,10 +36,12 @@ from typing import Any
 import torch
 
 from sgl_ragged.calibrate.knapsack import allocate
+from sgl_ragged.calibrate.tier_search import ROTATION_FIX, check_rotation_name, rotation_record
 from sgl_ragged.emulator.lora import lora_record
 from sgl_ragged.mem_pool.tiers import RowTiers, compose, tier_bytes
 from sgl_ragged.precision import LOW_PRECISIONS, MIXED_PRECISION, LowPrecision
 from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileTiers
+from sgl_ragged.rotation import ROTATIONS, Rotation, rotation_of
 from sgl_ragged.scoring import SINK_TOKENS
 from sgl_ragged.stats import mean_se
 
@@ -100,8 +108,10 @@ class PrecisionSearchConfig:
     obs_window: int = 32
     dtype_bytes: int = 2
     lora: str | None = None  # a LoRA adapter directory merged into the model (emulator/lora.py)
+    rotation: str = ROTATIONS[0]  # "hadamard": search for rows stored rotated (rotation.py)
 
     def __post_init__(self) -> None:
+        check_rotation_name(self.rotation)
         bad = [f for f in self.formats if f not in LOW_PRECISIONS]
         if bad or not self.formats:
             raise ValueError(f"--formats {list(self.formats)}: each must be one of "
@@ -130,6 +140,7 @@ def search_precisions(profile: BudgetProfile, cfg: PrecisionSearchConfig, progre
     runner = CaptureRunner(cfg.model_path, lora=cfg.lora)
     profile.check_model(runner.shape)
     head_dim = runner.shape.head_dim
+    rotation = rotation_of(cfg.rotation, head_dim, ROTATION_FIX)
     chunking = ChunkingConfig(cfg.page_size, cfg.chunk_size, cfg.obs_window)
     scorer = make_scorer(str(profile.source.get("scorer", "snapkv")))
     slots = profile.slots_per_group(cfg.page_size, min_slots=SINK_TOKENS)
@@ -143,7 +154,7 @@ def search_precisions(profile: BudgetProfile, cfg: PrecisionSearchConfig, progre
                  for heads, k in zip(layer_groups, layer_slots, strict=True))
     sens = build_samples(runner.tokenizer, cfg.sens_samples, cfg.sens_seed, cfg.min_tokens,
                          cfg.max_tokens, cfg.page_size)
-    errors = sensitivity(runner, scorer, chunking, profile.groups, options, sens, progress)
+    errors = sensitivity(runner, scorer, chunking, profile.groups, options, sens, progress, rotation)
     flat_errors = [e for layer in errors for e in layer]
     alloc = allocate(costs, flat_errors, budget)
     picks = iter(alloc.choice)
@@ -156,7 +167,7 @@ def search_precisions(profile: BudgetProfile, cfg: PrecisionSearchConfig, progre
     loss = CompressedLoss(runner, scorer, chunking)
     held_out = build_samples(runner.tokenizer, cfg.samples, cfg.seed, cfg.min_tokens,
                              cfg.max_tokens, cfg.page_size)
-    kls = validate(loss, profile.groups, candidates, held_out, progress)
+    kls = validate(loss, profile.groups, candidates, held_out, progress, rotation)
     rows = _rows(profile, cfg, head_dim, candidates, kls, budget)
     best = min(rows, key=lambda r: r["kl"])["name"]
     return with_formats(profile, candidates[best], cfg, best, rows, alloc.error, runner.shape), rows
@@ -164,8 +175,9 @@ def search_precisions(profile: BudgetProfile, cfg: PrecisionSearchConfig, progre
 
 def sensitivity(runner: Any, scorer: Any, chunking: Any, groups: Any,
                 options: Sequence[Sequence[Sequence[Option]]], samples: Sequence[Any],
-                progress: bool = True) -> list[list[list[float]]]:
-    """[L][G][option] mean error of each option (module docstring, step 1) over the samples."""
+                progress: bool = True, rotation: Rotation | None = None) -> list[list[list[float]]]:
+    """[L][G][option] mean error of each option (module docstring, step 1) over the samples,
+    on rows stored rotated by `rotation` where given."""
     errors = [[[0.0] * len(opts) for opts in layer] for layer in options]
     t0 = time.monotonic()
     for si, sample in enumerate(samples, start=1):
@@ -174,7 +186,7 @@ def sensitivity(runner: Any, scorer: Any, chunking: Any, groups: Any,
             w_o = runner.output_projection(li)
             for g, heads in enumerate(groups[li]):
                 errs = group_errors(layer, list(heads), options[li][g], scorer, chunking,
-                                    runner.scale, w_o)
+                                    runner.scale, w_o, None if rotation is None else (rotation, li))
                 for i, e in enumerate(errs):
                     errors[li][g][i] += e / len(samples)
             if progress:
@@ -187,10 +199,15 @@ def sensitivity(runner: Any, scorer: Any, chunking: Any, groups: Any,
 
 
 def group_errors(layer: Any, heads: list[int], options: Sequence[Option], scorer: Any,
-                 chunking: Any, scale: float, w_o: torch.Tensor) -> list[float]:
+                 chunking: Any, scale: float, w_o: torch.Tensor,
+                 rotate: tuple[Rotation, int] | None = None) -> list[float]:
     """Each option's error for one group of one layer (module docstring, step 1): layer is a
     LayerQKV of the full-cache forward (q [T, H_q, D], k / v [T, H_kv, D]), w_o the layer's
-    o_proj weight [hidden, H_q * D]."""
+    o_proj weight [hidden, H_q * D]. With `rotate` (rotation, the layer's global index) the
+    group's rows are stored rotated, as the server's --ragged-rotation stores them: its queries,
+    keys and values are rotated by their KV heads' matrices before the selection and the
+    quantization, and the error is rotated back before o_proj (the scores, dot products, are
+    the same either way)."""
     from sgl_ragged.emulator.chunks import chunk_page_stats, chunk_sinks
     from sgl_ragged.emulator.compressed import TierSelection
 
@@ -208,6 +225,9 @@ def group_errors(layer: Any, heads: list[int], options: Sequence[Option], scorer
         scored.append((start, end, scores[:, heads], chunk_sinks(start, (end - start) // p, p)))
     q = layer.q[:, q_heads].transpose(0, 1)  # [H_q', T, D]
     k, v = layer.k[:, heads], layer.v[:, heads]  # [T, H', D]
+    if rotate is not None:
+        rot, li = rotate
+        k, v, q = rot.apply(k, li, heads), rot.apply(v, li, heads), _per_query(rot.apply, q, li, heads)
     cols = torch.cat([torch.arange(h * d, (h + 1) * d) for h in q_heads])
     w = w_o[:, cols]  # [hidden, H_q' * D]
     full = _attend(q, k, v, k, v, torch.ones(len(heads), num_tokens, dtype=torch.bool), chunking, scale)
@@ -223,9 +243,20 @@ def group_errors(layer: Any, heads: list[int], options: Sequence[Option], scorer
                                    v[start:end].view(n, p, -1, d))
             k_s[start:end], v_s[start:end] = kp.flatten(0, 1), vp.flatten(0, 1)
         diff = _attend(q, k, v, k_s, v_s, keep, chunking, scale) - full  # [H_q', T', D]
+        if rotate is not None:
+            diff = _per_query(rot.invert, diff, li, heads)
         proj = diff.transpose(0, 1).flatten(1) @ w.T  # [T', hidden]
         out.append(float(proj.square().sum(-1).mean()))
     return out
+
+
+def _per_query(fn: Any, x: torch.Tensor, layer: int, heads: list[int]) -> torch.Tensor:
+    """x [H_q', T, D], query heads ordered by KV head (h * G + r reads `heads[h]`) -> `fn`
+    (Rotation.apply or .invert) applied with each query head's KV head."""
+    hq, t, d = x.shape
+    rep = hq // len(heads)
+    per_kv = x.view(len(heads), rep, t, d).permute(1, 2, 0, 3)  # [G, T, H', D]
+    return fn(per_kv, layer, heads).permute(2, 0, 1, 3).reshape(hq, t, d)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sealed: torch.Tensor,
@@ -250,13 +281,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_sealed: torch.T
 
 
 def validate(loss: Any, groups: Any, candidates: dict[str, Choice], samples: Sequence[Any],
-             progress: bool = True) -> dict[str, list[float]]:
-    """Each candidate's mean KL per scored token on each held-out sample (emulator)."""
+             progress: bool = True, rotation: Rotation | None = None) -> dict[str, list[float]]:
+    """Each candidate's mean KL per scored token on each held-out sample (emulator), every
+    quantized tier rotated by `rotation` where given."""
     from sgl_ragged.calibrate.tier_search import candidate_kls
     from sgl_ragged.emulator.compressed import TierSelection, head_tiers
 
     selections = {name: TierSelection(head_tiers([[o.tiers for o in layer] for layer in choice], groups),
-                                      None,
+                                      None, rotation=rotation,
                                       formats=head_tiers([[o.fmt for o in layer] for layer in choice], groups))
                   for name, choice in candidates.items()}
     return candidate_kls(loss, samples, selections, "per-head precision: validation sample", progress)
@@ -307,6 +339,7 @@ def with_formats(profile: BudgetProfile, choice: Choice, cfg: PrecisionSearchCon
                             "samples": cfg.samples, "seed": cfg.seed, "sens_samples": cfg.sens_samples,
                             "sens_seed": cfg.sens_seed, "page_size": cfg.page_size,
                             "chunk_size": cfg.chunk_size, "dtype_bytes": cfg.dtype_bytes, **lora_record(cfg.lora),
-                            "knapsack_proxy_error": proxy_error, "candidates": rows}
+                            **rotation_record(cfg.rotation), "knapsack_proxy_error": proxy_error,
+                            "candidates": rows}
     return replace(profile, model=profile.model or model,
-                   tiers=ProfileTiers(MIXED_PRECISION, hi, lo, formats), stats=stats)
+                   tiers=ProfileTiers(MIXED_PRECISION, hi, lo, formats, cfg.rotation), stats=stats)

@@ -3,6 +3,9 @@
 offline emulator (emulator/compressed.py) on held-out samples, the one closest to the full cache (mean
 KL per scored token) written into the profile as its tiers (format version 2).
 
+With a rotation (`--rotation hadamard`) every candidate is scored on rows stored rotated, as the
+server stores them under --ragged-rotation hadamard, and the profile records it (tiers.rotation).
+
 Candidates: the default rule (tiers.compose: every token at the low precision when a page of it
 fits, upgrading the best with what is left; else the best at the low precision, the rest
 dropped) and "share s": s of the budget's bytes on full-precision slots, the rest on as many
@@ -22,6 +25,7 @@ from sgl_ragged.emulator.lora import lora_record
 from sgl_ragged.mem_pool.tiers import RowTiers, compose
 from sgl_ragged.precision import LowPrecision, low_precision
 from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileTiers
+from sgl_ragged.rotation import ROTATIONS, rotation_of
 from sgl_ragged.scoring import SINK_TOKENS
 from sgl_ragged.stats import mean_se
 
@@ -93,8 +97,10 @@ class TierSearchConfig:
     obs_window: int = 32
     dtype_bytes: int = 2  # bytes of the serving dtype the budgets are spent in (bf16)
     lora: str | None = None  # a LoRA adapter directory merged into the model (emulator/lora.py)
+    rotation: str = ROTATIONS[0]  # "hadamard": search for rows stored rotated (rotation.py)
 
     def __post_init__(self) -> None:
+        check_rotation_name(self.rotation)
         if low_precision(self.precision) is None:
             raise ValueError("--precision must be a low precision (int8, int4, int2, fp8) to search tiers")
         if not self.shares or any(not 0.0 <= s <= 1.0 for s in self.shares):
@@ -118,12 +124,14 @@ def search_tiers(profile: BudgetProfile, cfg: TierSearchConfig, progress: bool =
     runner = CaptureRunner(cfg.model_path, lora=cfg.lora)
     profile.check_model(runner.shape)
     head_dim = runner.shape.head_dim
+    rotation = rotation_of(cfg.rotation, head_dim, ROTATION_FIX)
     chunking = ChunkingConfig(cfg.page_size, cfg.chunk_size, cfg.obs_window)
     loss = CompressedLoss(runner, make_scorer(str(profile.source.get("scorer", "snapkv"))), chunking)
     candidates = candidate_tiers(profile, cfg.page_size, head_dim, cfg.dtype_bytes, fmt, cfg.shares)
     samples = build_samples(runner.tokenizer, cfg.samples, cfg.seed, cfg.min_tokens, cfg.max_tokens,
                             cfg.page_size)
-    kls = candidate_kls(loss, samples, {name: TierSelection(head_tiers(tiers, profile.groups), fmt)
+    kls = candidate_kls(loss, samples, {name: TierSelection(head_tiers(tiers, profile.groups), fmt,
+                                                            rotation=rotation)
                                         for name, tiers in candidates.items()},
                         "tier search: sample", progress)
     rows = []
@@ -152,7 +160,21 @@ def with_tiers(profile: BudgetProfile, tiers: Tiers, cfg: TierSearchConfig, chos
     stats = dict(profile.stats)
     stats["tier_search"] = {"precision": cfg.precision, "chosen": chosen, "samples": cfg.samples,
                             "seed": cfg.seed, "page_size": cfg.page_size, "chunk_size": cfg.chunk_size,
-                            "dtype_bytes": cfg.dtype_bytes, **lora_record(cfg.lora), "candidates": rows}
-    return replace(profile, model=profile.model or model, tiers=ProfileTiers(cfg.precision, hi, lo),
-                   stats=stats)
+                            "dtype_bytes": cfg.dtype_bytes, **lora_record(cfg.lora),
+                            **rotation_record(cfg.rotation), "candidates": rows}
+    return replace(profile, model=profile.model or model,
+                   tiers=ProfileTiers(cfg.precision, hi, lo, rotation=cfg.rotation), stats=stats)
+
+
+ROTATION_FIX = "search with --rotation none for this model"
+
+
+def check_rotation_name(name: str) -> None:
+    if name not in ROTATIONS:
+        raise ValueError(f"--rotation {name!r} is unknown; choose one of {list(ROTATIONS)}")
+
+
+def rotation_record(name: str) -> dict[str, str]:
+    """The search's rotation for its stats record (nothing for "none": older records unchanged)."""
+    return {} if name == ROTATIONS[0] else {"rotation": name}
 

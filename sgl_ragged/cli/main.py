@@ -5,6 +5,7 @@
     sgl-ragged profile derive FILE -o OUT [--budget-mode mean] [--alpha A] [--heads-per-group N]
     sgl-ragged profile tiers FILE|uniform:R --precision int4 -o OUT [--model PATH] [--samples 6]
     sgl-ragged profile tiers FILE|uniform:R --precision mixed -o OUT [--formats int8 int4 int2]
+                                    [--rotation hadamard]
     sgl-ragged calibrate ...        (same as python -m sgl_ragged.calibrate)
 """
 
@@ -24,6 +25,7 @@ from sgl_ragged.profile import (
     model_free_profile,
     resolve_profile,
 )
+from sgl_ragged.rotation import ROTATIONS
 from sgl_ragged.sources.statistics import BUDGET_MODES
 
 
@@ -57,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiers = actions.add_parser(
         "tiers", help="search how each group spends its bytes at a low precision (full-precision "
                       "vs quantized slots) on the compressed loss; writes a version-2 profile "
-                      "(version 3 with --precision mixed: a low format per head group)")  # fmt: skip
+                      "(version 3 with --precision mixed: a low format per head group; version 4 "
+                      "with --rotation hadamard)")  # fmt: skip
     tiers.add_argument("profile", help="profile JSON file or uniform:<ratio>")
     tiers.add_argument("--precision", required=True, help="low precision: int8, int4, int2 or fp8; "
                        "or mixed: search each group's format and composition at the profile's "
@@ -68,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "the profile searched (default 1: a format and composition per KV head)")
     tiers.add_argument("--sens-samples", type=int, default=2, help="--precision mixed: calibration "
                        "samples of the per-group sensitivity step (default 2)")
+    tiers.add_argument("--rotation", choices=ROTATIONS, default=ROTATIONS[0], help="hadamard: "
+                       "search for rows stored rotated (--ragged-rotation hadamard, which the "
+                       "profile records and --ragged-rotation auto serves); default none")
     tiers.add_argument("-o", "--output", type=Path, required=True, help="new profile path")
     tiers.add_argument("--model", help="HF checkpoint (default: SmolLM2-135M-Instruct, built if needed)")
     tiers.add_argument("--lora", metavar="DIR", help="search for a LoRA adapter's requests: "
@@ -140,7 +146,7 @@ def _tiers(args: argparse.Namespace) -> int:
                            shares=tuple(args.shares or DEFAULT_SHARES), samples=args.samples,
                            page_size=args.page_size, chunk_size=args.chunk_size,
                            min_tokens=args.min_tokens, max_tokens=args.max_tokens,
-                           lora=args.lora)
+                           lora=args.lora, rotation=args.rotation)
     profile = load_profile(args.profile, model)
     check_profile_lora(profile.source, args.lora)
     tiered, rows = search_tiers(profile, cfg)
@@ -149,7 +155,7 @@ def _tiers(args: argparse.Namespace) -> int:
     for r in rows:
         mark = "  <- chosen" if r["name"] == chosen else ""
         print(f"{r['name']:>12}: bytes {r['bytes']:.3f}, KL {r['kl']:.4f} ± {r['kl_se']:.4f}{mark}")
-    print(f"{args.output}: {cfg.precision} tiers ({chosen}) for {args.profile}")
+    print(f"{args.output}: {cfg.precision} tiers ({chosen}) for {args.profile}{_rotated(cfg.rotation)}")
     return 0
 
 
@@ -165,7 +171,7 @@ def _mixed_tiers(args: argparse.Namespace, model: str) -> int:
                                 samples=args.samples, sens_samples=args.sens_samples,
                                 page_size=args.page_size, chunk_size=args.chunk_size,
                                 min_tokens=args.min_tokens, max_tokens=args.max_tokens,
-                                lora=args.lora)
+                                lora=args.lora, rotation=args.rotation)
     profile = load_profile(args.profile, model)
     check_profile_lora(profile.source, args.lora)
     if profile.heads_per_group != args.heads_per_group:
@@ -179,8 +185,12 @@ def _mixed_tiers(args: argparse.Namespace, model: str) -> int:
               if "kl_vs_int4" in r else "")
         print(f"{r['name']:>12}: bytes {r['bytes']:.3f}, KL {r['kl']:.4f} ± {r['kl_se']:.4f}{vs}{mark}")
     print(f"{args.output}: per-head precisions ({chosen}) for {args.profile}; serve with "
-          f"--ragged-precision {MIXED_PRECISION}")
+          f"--ragged-precision {MIXED_PRECISION}{_rotated(cfg.rotation)}")
     return 0
+
+
+def _rotated(rotation: str) -> str:
+    return "" if rotation == ROTATIONS[0] else f" (rows rotated: --ragged-rotation {rotation}, auto)"
 
 
 def load_profile(spec: str, model: str | None) -> BudgetProfile:

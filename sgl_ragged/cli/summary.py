@@ -72,8 +72,9 @@ def _tiers_line(profile: BudgetProfile, page_size: int) -> str:
         used = [f for f_row, lo_row in zip(t.formats, t.lo, strict=True)
                 for f, share in zip(f_row, lo_row, strict=True) if share > 0]
         low = "low (heads: " + ", ".join(f"{used.count(n)} {n}" for n in sorted(set(used))) + ")"
-    return (f"tiers      --ragged-precision {t.precision}: mean {hi:.1f} full + {lo:.1f} "
-            f"{low} slots per page of {page_size}{chosen}")
+    rotation = f" --ragged-rotation {t.rotation}" if t.rotated else ""
+    return (f"tiers      --ragged-precision {t.precision}{rotation}: mean {hi:.1f} full + "
+            f"{lo:.1f} {low} slots per page of {page_size}{chosen}")
 
 
 def _source(record: SourceRecord) -> str:

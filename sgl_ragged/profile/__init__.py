@@ -20,6 +20,7 @@ from sgl_ragged.profile.spec import (
     parse_dynamic_spec,
     parse_uniform_spec,
     profile_precision,
+    profile_rotation,
     resolve_profile,
     uniform_profile,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "parse_dynamic_spec",
     "parse_uniform_spec",
     "profile_precision",
+    "profile_rotation",
     "resolve_profile",
     "uniform_profile",
 ]

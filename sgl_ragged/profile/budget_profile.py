@@ -20,6 +20,7 @@ from sgl_ragged.profile.samples import SampleRetention
 from sgl_ragged.profile.source import MODEL_FREE_KINDS, SourceRecord
 from sgl_ragged.profile.tiers import ProfileTiers
 from sgl_ragged.profile.validation import (
+    PER_HEAD_VERSION,
     PROFILE_FORMAT,
     PROFILE_VERSION,
     TIERS_VERSION,
@@ -204,8 +205,7 @@ class BudgetProfile:
         """JSON-able dict with the format marker and version."""
         return {
             "format": PROFILE_FORMAT,
-            "version": PROFILE_VERSION if self.tiers is not None and self.tiers.per_head
-            else TIERS_VERSION,
+            "version": self._version(),
             "model": None if self.model is None else self.model.to_dict(),
             "source": self.source.to_json(),
             "budgets": as_lists(self.budgets),
@@ -216,6 +216,12 @@ class BudgetProfile:
             "stats": self.stats,
             **({} if self.tiers is None else {"tiers": self.tiers.to_dict()}),
         }
+
+    def _version(self) -> int:
+        """The oldest format version that holds this profile (old files re-save byte-identically)."""
+        if self.tiers is None or not (self.tiers.per_head or self.tiers.rotated):
+            return TIERS_VERSION
+        return PROFILE_VERSION if self.tiers.rotated else PER_HEAD_VERSION
 
     @classmethod
     def from_dict(cls, data: Any) -> BudgetProfile:

@@ -12,6 +12,7 @@ import sgl_ragged.budgets as budget_math
 from sgl_ragged.profile.budget_profile import BudgetProfile
 from sgl_ragged.profile.model_shape import ModelShape
 from sgl_ragged.profile.source import ModelFreeKind, SourceRecord
+from sgl_ragged.profile.tiers import ProfileTiers
 from sgl_ragged.profile.validation import ProfileError, check_heads_per_group, is_number
 
 UNIFORM_SPEC_HELP = "expected uniform:<ratio in (0,1]>"
@@ -67,13 +68,26 @@ def profile_precision(spec: str) -> str | None:
     (`sgl-ragged profile tiers`: ``mixed`` for per-head formats, else one precision or pair),
     or None for the model-free specs, files without tiers, and files that do not load
     (resolve_profile reports those, with the model at hand)."""
+    tiers = _file_tiers(spec)
+    return None if tiers is None else tiers.precision
+
+
+def profile_rotation(spec: str) -> str | None:
+    """The --ragged-rotation a profile file's tiers were searched for (``none`` or
+    ``hadamard``: `sgl-ragged profile tiers --rotation`), or None where profile_precision is
+    None."""
+    tiers = _file_tiers(spec)
+    return None if tiers is None else tiers.rotation
+
+
+def _file_tiers(spec: str) -> ProfileTiers | None:
     if not spec.strip() or model_free_kind(spec) is not None:
         return None
     try:
         profile = BudgetProfile.load(spec)  # the file resolve_profile loads
     except ProfileError:
         return None
-    return None if profile.tiers is None else profile.tiers.precision
+    return profile.tiers
 
 
 def parse_dynamic_spec(spec: str) -> float:

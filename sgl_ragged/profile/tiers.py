@@ -1,5 +1,6 @@
 """Row compositions a profile may carry for one low precision (format version 2), or with a
-low precision per (layer, KV head) (`precision` "mixed", `formats`: format version 3)."""
+low precision per (layer, KV head) (`precision` "mixed", `formats`: format version 3), searched
+for rows stored rotated (`rotation` "hadamard": format version 4)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from typing import Any
 
 from sgl_ragged.precision import LOW_PRECISIONS, MIXED_PRECISION
 from sgl_ragged.profile.validation import ProfileError, as_lists, check_shape, float_matrix
+from sgl_ragged.rotation import ROTATIONS
+
+NO_ROTATION = ROTATIONS[0]  # "none": rows stored as computed
 
 
 @dataclass(frozen=True)
@@ -20,12 +24,22 @@ class ProfileTiers:
 
     With `precision` "mixed" every head's low tier has its own format, `formats[l][h]` (a name
     in LOW_PRECISIONS; heads of a group share it), served by `--ragged-precision mixed` only.
+
+    With `rotation` "hadamard" the compositions (and formats) were searched on rows stored
+    rotated (`sgl-ragged profile tiers --rotation hadamard`; rotation.py): the server stores
+    them so (`--ragged-rotation auto` reads it) and refuses to serve them unrotated at this
+    precision.
     """
 
     precision: str
     hi: tuple[tuple[float, ...], ...]  # [L][H] in [0, 1]
     lo: tuple[tuple[float, ...], ...]  # [L][H] in [0, 1], hi + lo <= 1
     formats: tuple[tuple[str, ...], ...] | None = None  # [L][H] low format names ("mixed" only)
+    rotation: str = NO_ROTATION  # rotation.ROTATIONS: how the rows were stored when searched
+
+    @property
+    def rotated(self) -> bool:
+        return self.rotation != NO_ROTATION
 
     @property
     def per_head(self) -> bool:
@@ -34,6 +48,8 @@ class ProfileTiers:
 
     def check(self, num_layers: int, groups: Sequence[Sequence[Sequence[int]]]) -> ProfileTiers:
         formats = self._check_precision(num_layers, groups)
+        if self.rotation not in ROTATIONS:
+            raise ProfileError(f"tiers.rotation {self.rotation!r} is not one of {list(ROTATIONS)}")
         hi, lo = float_matrix("tiers.hi", self.hi), float_matrix("tiers.lo", self.lo)
         num_heads = sum(len(g) for g in groups[0])
         for name, m in (("tiers.hi", hi), ("tiers.lo", lo)):
@@ -48,7 +64,7 @@ class ProfileTiers:
                 if len({(hi[li][h], lo[li][h]) for h in group}) > 1 or len(fmts) > 1:
                     raise ProfileError(f"tiers at layer {li}: the heads of group {list(group)} "
                                        "have different compositions; a group shares one row")
-        return ProfileTiers(self.precision, hi, lo, formats)
+        return ProfileTiers(self.precision, hi, lo, formats, self.rotation)
 
     def _check_precision(self, num_layers: int, groups: Sequence[Sequence[Sequence[int]]],
                          ) -> tuple[tuple[str, ...], ...] | None:
@@ -81,15 +97,20 @@ class ProfileTiers:
 
     def to_dict(self) -> dict[str, Any]:
         extra = {} if self.formats is None else {"formats": as_lists(self.formats)}
+        if self.rotated:
+            extra["rotation"] = self.rotation
         return {"precision": self.precision, "hi": as_lists(self.hi), "lo": as_lists(self.lo),
                 **extra}
 
     @classmethod
-    def from_dict(cls, data: Any, version: int = 3) -> ProfileTiers:
+    def from_dict(cls, data: Any, version: int = 4) -> ProfileTiers:
         keys = {"precision", "hi", "lo"}
         if version >= 3 and isinstance(data, dict) and "formats" in data:
             keys |= {"formats"}
+        if version >= 4 and isinstance(data, dict) and "rotation" in data:
+            keys |= {"rotation"}
         if not isinstance(data, dict) or set(data) != keys:
             raise ProfileError("tiers must be an object with keys precision, hi and lo (and, from "
-                               "format version 3, formats)")
-        return cls(data["precision"], data["hi"], data["lo"], data.get("formats"))
+                               "format version 3, formats; from version 4, rotation)")
+        return cls(data["precision"], data["hi"], data["lo"], data.get("formats"),
+                   data.get("rotation", NO_ROTATION))

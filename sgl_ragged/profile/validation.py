@@ -13,9 +13,12 @@ from typing import Any
 import sgl_ragged.budgets as budget_math
 
 PROFILE_FORMAT = "sgl-ragged-profile"
-PROFILE_VERSION = 3  # 2: optional "tiers" (row compositions for a low precision); 3: tiers.formats
-READABLE_VERSIONS = (1, 2, 3)
+PROFILE_VERSION = 4  # 2: optional "tiers" (row compositions for a low precision); 3: tiers.formats;
+# 4: tiers.rotation (tiers searched for rotated rows: an older sgl-ragged must refuse the file
+# rather than serve it unrotated)
+READABLE_VERSIONS = (1, 2, 3, 4)
 TIERS_VERSION = 2  # what a profile without per-head formats is written as (byte-identical re-saves)
+PER_HEAD_VERSION = 3  # what a profile with per-head formats and unrotated rows is written as
 
 Matrix = tuple[tuple[float, ...], ...]
 

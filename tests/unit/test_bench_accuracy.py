@@ -81,8 +81,9 @@ def test_plan_configs_lists_missing_profiles(tmp_path: Path):
     assert [c.name for c in configs] == ["full", "uniform@0.3", "dynamic-snapkv@0.3",
                                          "uniform@0.5", "static-snapkv@0.5", "dynamic-snapkv@0.5"]
     assert missing == [str(tmp_path / "snapkv-rho0.3.json")]
-    assert configs[4].server_args()[-5:] == [str(tmp_path / "snapkv-rho0.5.json"),
-                                             "--ragged-scorer", "snapkv", "--ragged-precision", "bf16"]
+    assert configs[4].server_args()[-7:] == [str(tmp_path / "snapkv-rho0.5.json"),
+                                             "--ragged-scorer", "snapkv", "--ragged-precision", "bf16",
+                                             "--ragged-rotation", "none"]
 
 
 def test_precision_configs_spend_rho_and_the_whole_page_budget(tmp_path: Path):
@@ -95,7 +96,7 @@ def test_precision_configs_spend_rho_and_the_whole_page_budget(tmp_path: Path):
     assert names[-6:] == ["int4-all@0.28125", "int4@0.3", "int4@0.5",
                           "int8-all@0.53125", "int8@0.3", "int8@0.5"]
     int4 = {c.name: c for c in configs}["int4@0.3"]
-    assert int4.server_args()[-2:] == ["--ragged-precision", "int4"]
+    assert int4.server_args()[-4:] == ["--ragged-precision", "int4", "--ragged-rotation", "none"]
     shape = ModelShape("LlamaForCausalLM", 30, 3, 64)
     for c in (c for c in configs if c.kind != "dynamic"):  # dynamic: rho of the entries
         layout = RaggedLayout.from_profile(uniform_profile(c.rho, 30, 3), 64, 64, 2, c.precision)
@@ -229,7 +230,8 @@ def test_a_profile_file_is_one_config(tmp_path: Path):
     config = profile_config(f"perhead@0.2={path}=int8+int2", "snapkv", shape)
     assert (config.name, config.kind, config.profile, config.precision) == (
         "perhead@0.2", PROFILE, str(path), "int8+int2")
-    assert config.server_args()[-4:] == ["--ragged-scorer", "snapkv", "--ragged-precision", "int8+int2"]
+    assert config.server_args()[-6:] == ["--ragged-scorer", "snapkv", "--ragged-precision", "int8+int2",
+                                         "--ragged-rotation", "none"]
     assert config.rho == 0.201  # 5 int8 + 59 int2 a page, as int8+int2@0.2
     assert profile_config(f"drop={path}", "snapkv", shape).precision == "bf16"
     with pytest.raises(ValueError, match="no profile file"):

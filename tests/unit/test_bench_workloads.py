@@ -139,7 +139,8 @@ def test_target_parse():
     tiered = Target.parse("ragged@int4:uniform:0.3")
     assert (tiered.profile, tiered.precision) == ("uniform:0.3", "int4")
     args = launch_args(tiered, "m", 4096, max_running=4, chunk=256, device="cpu", extra=[])
-    assert args[-4:] == ["--ragged-profile", "uniform:0.3", "--ragged-precision", "int4"]
+    assert args[-6:] == ["--ragged-profile", "uniform:0.3", "--ragged-precision", "int4",
+                         "--ragged-rotation", "none"]  # as labelled, never a profile's auto
     with pytest.raises(ValueError, match="baseline"):
         Target.parse("vllm")
     with pytest.raises(ValueError, match="unknown"):
@@ -246,8 +247,9 @@ def test_launch_args_on_cuda_and_cpu():
     assert args(fp8, "cuda")[-5:-1] == ["--attention-backend", "triton", "--kv-cache-dtype",
                                         "fp8_e4m3"]
     assert "--kv-cache-dtype" not in args(stock, "cuda") + args(ragged, "cuda")
-    assert args(ragged, "cuda")[-7:-1] == ["--attention-backend", "ragged", "--ragged-profile",
-                                           "uniform:0.3", "--ragged-precision", "int4"]
+    assert args(ragged, "cuda")[-9:-1] == ["--attention-backend", "ragged", "--ragged-profile",
+                                           "uniform:0.3", "--ragged-precision", "int4",
+                                           "--ragged-rotation", "none"]
     assert launch_env("cuda") == GPU_ENV and GPU_ENV["SGLANG_USE_CPU_ENGINE"] == "0"
     with pytest.raises(ValueError, match="cpu or cuda"):
         args(stock, "xpu")

@@ -32,7 +32,9 @@ def test_shipped_profiles_fit_the_default_model(path: Path) -> None:
     rho = profile.source["rho"]
     if profile.tiers is not None:  # `sgl-ragged profile tiers`: compositions searched for a precision
         search = profile.stats["tier_search"]
-        assert path.name == f"{profile.tiers.precision}-{profile.source['kind']}-rho{rho:g}.json"
+        rotated = "r" if profile.tiers.rotated else ""  # searched for rotated rows: mixedr-...
+        assert path.name == f"{profile.tiers.precision}{rotated}-{profile.source['kind']}-rho{rho:g}.json"
+        assert profile.tiers.rotation == search.get("rotation", "none")
         assert search["chosen"] == min(search["candidates"], key=lambda c: c["kl"])["name"]
         return
     if profile.source["kind"] == "baklava":  # reallocates uniform rho: no samples of retention

@@ -327,7 +327,7 @@ MALFORMED_FILES: list[tuple[str, Callable[[Path], None], str]] = [
     ("list", write_json([1, 2]), "must be a JSON object, got list"),
     ("no-format", edited(lambda d: d.pop("format")), "not an sgl-ragged profile: 'format' is None"),
     ("wrong-format", edited(lambda d: d.update(format="kvpress")), "'format' is 'kvpress'"),
-    ("wrong-version", edited(lambda d: d.update(version=4)), "unsupported profile version 4"),
+    ("wrong-version", edited(lambda d: d.update(version=5)), "unsupported profile version 5"),
     ("no-version", edited(lambda d: d.pop("version")), "unsupported profile version None"),
     ("no-budgets", edited(lambda d: d.pop("budgets")), r"missing key\(s\) \['budgets'\]"),
     ("no-groups", edited(lambda d: d.pop("groups")), r"missing key\(s\) \['groups'\]"),

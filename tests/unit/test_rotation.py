@@ -197,7 +197,7 @@ def test_rotated_configurations_are_served_rotated(tmp_path: Path) -> None:
     int4r = precision_configs([0.3], ["int4r"], "snapkv", 64)[-1]
     assert int4r.server_args()[-4:] == ["--ragged-precision", "int4", "--ragged-rotation", "hadamard"]
     int4 = precision_configs([0.3], ["int4"], "snapkv", 64)[-1]
-    assert "--ragged-rotation" not in int4.server_args()
+    assert int4.server_args()[-2:] == ["--ragged-rotation", "none"]  # never a profile's auto
     pair = precision_configs([0.3], ["int8+int4r"], "snapkv", 64)[-1]
     assert pair.server_args()[-4:] == ["--ragged-precision", "int8+int4", "--ragged-rotation", "hadamard"]
     assert split_rotated("mixedr") == ("mixed", True)
