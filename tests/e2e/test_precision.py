@@ -2,7 +2,8 @@
 the bytes the tiered layout predicts at each low precision, serves multi-turn traffic from
 quantized sealed pages with the pool's integrity check after every forward, and with every
 sealed token in int8 stays within a tight tolerance of stock torch_native in float32, its rows
-stored as computed or rotated (--ragged-rotation hadamard)."""
+stored as computed or rotated (--ragged-rotation hadamard); a per-head profile searched for
+rotated rows is served rotated without a flag (--ragged-rotation auto)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import re
 
 import pytest
 
+from pathlib import Path
+
 from sgl_ragged.mem_pool.layout import RaggedLayout
-from sgl_ragged.profile import uniform_profile
+from sgl_ragged.profile import BudgetProfile, uniform_profile
 from sgl_ragged.testing.server import ServerProcess
 from tests.e2e.conftest import COMMON, _start, get, post
 from tests.e2e.test_bad_inputs import _launch_error
@@ -26,28 +29,39 @@ RATIO = 0.3
 # the default composition keeps every token, all of them int8 (none upgraded, none dropped).
 ALL_INT8_F32 = 17 / 64
 MAX_TOKENS = 16384  # an explicit pool cap: the memory profiling of a busy machine varies
+# A per-head profile searched for rotated rows (tiers.rotation hadamard): served without
+# --ragged-precision or --ragged-rotation, both auto
+ROTATED_PROFILE = Path(__file__).parents[2] / "calib_profiles/smollm2-135m-instruct/mixedr-uniform-rho0.3.json"
 
 
-def _layout(precision: str, ratio: float, dtype_bytes: int) -> RaggedLayout:
-    return RaggedLayout.from_profile(uniform_profile(ratio, 30, 3), 64, 64, dtype_bytes, precision)
+def _layout(precision: str, ratio: float, dtype_bytes: int,
+            profile: BudgetProfile | None = None) -> RaggedLayout:
+    profile = profile or uniform_profile(ratio, 30, 3)
+    return RaggedLayout.from_profile(profile, 64, 64, dtype_bytes, precision)
 
 
 @pytest.fixture(scope="module", params=["int4", "int8", "int2", "fp8", "int8+int4", "fp8+int4",
-                                        "int4@hadamard"])
+                                        "mixedr-auto"])
 def tiered_server(request: pytest.FixtureRequest, model_path: str):
-    """<precision>[@<rotation>]: the rotation changes the rows' values, never their bytes."""
-    precision, _, rotation = request.param.partition("@")
+    """uniform:0.3 at a precision (rows as computed), or the rotated per-head profile with
+    precision and rotation auto (mixed, hadamard): the rotation changes the rows' values,
+    never their bytes."""
+    if request.param == "mixedr-auto":
+        flags = ["--ragged-profile", str(ROTATED_PROFILE)]
+        precision, rotation, profile = "mixed", "hadamard", BudgetProfile.load(ROTATED_PROFILE)
+    else:
+        precision, rotation, profile = request.param, "none", None
+        flags = ["--ragged-profile", f"uniform:{RATIO}", "--ragged-precision", precision]
     server = _start(request, ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
-                              "--ragged-profile", f"uniform:{RATIO}", "--ragged-precision", precision,
-                              "--ragged-rotation", rotation or "none",
-                              "--max-total-tokens", str(MAX_TOKENS), "--max-running-requests", "4",
-                              "--enable-metrics"], f"precision-{request.param.replace('@', '-')}")
-    server.precision, server.rotation = precision, rotation or "none"
+                              *flags, "--max-total-tokens", str(MAX_TOKENS),
+                              "--max-running-requests", "4", "--enable-metrics"],
+                    f"precision-{request.param}")
+    server.precision, server.rotation, server.profile = precision, rotation, profile
     return server
 
 
 def test_capacity_is_what_the_tiered_layout_predicts(tiered_server):
-    layout = _layout(tiered_server.precision, RATIO, 2)  # bf16
+    layout = _layout(tiered_server.precision, RATIO, 2, tiered_server.profile)  # bf16
     drop_only = _layout("bf16", RATIO, 2)
     assert layout.quantized and layout.row_bytes_per_page <= drop_only.row_bytes_per_page
     log = tiered_server.log_text()
