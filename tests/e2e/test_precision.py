@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
-
-from pathlib import Path
 
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.profile import BudgetProfile, uniform_profile
