@@ -212,3 +212,15 @@ def test_bench_names_a_rotated_profile_rotated(tmp_path: Path) -> None:
     unrotated = profile_config(f"b={shipped}", "snapkv", shape)
     assert unrotated.precision == "mixed" and unrotated.rho == own.rho  # the same bytes
     assert unrotated.server_args()[-2:] == ["--ragged-rotation", "none"]
+
+
+@pytest.mark.parametrize("path", sorted(SHIPPED.glob("mixed*.json")), ids=lambda p: p.name)
+def test_shipped_per_head_profiles_resave_byte_for_byte(path: Path, tmp_path: Path) -> None:
+    """Unrotated per-head profiles stay version 3 and rotated ones are version 4, each written
+    back byte for byte (an older sgl-ragged keeps reading what it read)."""
+    profile = BudgetProfile.load(path)
+    out = tmp_path / path.name
+    profile.save(out)
+    assert out.read_bytes() == path.read_bytes()
+    assert json.loads(path.read_text())["version"] == (4 if profile.tiers.rotated else 3)
+    assert profile.tiers.rotated == path.name.startswith("mixedr-")
