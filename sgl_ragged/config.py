@@ -18,7 +18,7 @@ from sgl_ragged.precision import (
     TIER_SEP,
     tier_precision,
 )
-from sgl_ragged.profile import profile_precision, profile_rotation
+from sgl_ragged.profile import ProfileTiers, profile_tiers
 from sgl_ragged.rotation import ROTATIONS
 from sgl_ragged.scoring import SCORERS
 
@@ -64,11 +64,11 @@ DEFAULT_PAGE_SIZE = 64
 DEFAULT_MAX_RUNNING_REQUESTS = 32
 ATTENTION_IMPLS = ("auto", "triton", "native", "batched", "reference")
 AUTO_PRECISION = "auto"
-"""--ragged-precision's default: what the profile file was written for (`profile_precision`:
+"""--ragged-precision's default: what the profile file was written for (`profile_tiers`:
 `mixed` for per-head formats, the precision `sgl-ragged profile tiers` searched), else bf16."""
 AUTO_ROTATION = "auto"
 """--ragged-rotation's default: what the profile file's tiers were searched for
-(`profile_rotation`) where they are served at their precision, else none."""
+(`profile_tiers`) where they are served at their precision, else none."""
 
 
 @dataclass(frozen=True)
@@ -151,8 +151,9 @@ class RaggedConfig:
             raise ValueError(
                 f"--ragged-attention {self.attention!r} is unknown; choose one of {ATTENTION_IMPLS}"
             )
+        tiers = profile_tiers(self.profile)  # the file read once, for both defaults
         if self.precision.strip().lower() == AUTO_PRECISION:
-            object.__setattr__(self, "precision", profile_precision(self.profile) or FULL_PRECISION)
+            object.__setattr__(self, "precision", FULL_PRECISION if tiers is None else tiers.precision)
         # raises for an unknown precision; bf16+L is named L
         object.__setattr__(self, "precision", tier_precision(self.precision).name)
         if self.precision != FULL_PRECISION and self.profile.strip().lower().startswith("dynamic:"):
@@ -163,19 +164,18 @@ class RaggedConfig:
             )
         if self.heads_per_group is not None and self.heads_per_group < 1:
             raise ValueError(f"--ragged-heads-per-group must be >= 1, got {self.heads_per_group}")
-        self._check_rotation()
+        self._check_rotation(tiers)
 
     @property
     def rotated(self) -> bool:
         return self.rotation != ROTATIONS[0]
 
-    def _check_rotation(self) -> None:
+    def _check_rotation(self, tiers: ProfileTiers | None) -> None:
         if self.rotation not in (AUTO_ROTATION, *ROTATIONS):
             raise ValueError(f"--ragged-rotation {self.rotation!r} is unknown; choose one of "
                              f"{[AUTO_ROTATION, *ROTATIONS]}")
         # a profile's tiers searched on rotated rows, served at their precision: rotated rows
-        searched = (profile_rotation(self.profile)
-                    if profile_precision(self.profile) == self.precision else None)
+        searched = tiers.rotation if tiers is not None and tiers.precision == self.precision else None
         if self.rotation == AUTO_ROTATION:
             object.__setattr__(self, "rotation", searched or ROTATIONS[0])
         elif searched not in (None, ROTATIONS[0]) and self.rotation != searched:

@@ -107,11 +107,16 @@ ROTATIONS = ("none", "hadamard")
 """--ragged-rotation's values: rows stored as computed, or every row rotated (`HeadRotations`)."""
 
 
+def check_rotation(name: str, flag: str = "--rotation") -> None:
+    """ValueError naming `flag` unless `name` is one of ROTATIONS."""
+    if name not in ROTATIONS:
+        raise ValueError(f"{flag} {name!r} is unknown; choose one of {list(ROTATIONS)}")
+
+
 def rotation_of(name: str, head_dim: int, fix: str) -> Rotation | None:
     """The rotation a ROTATIONS name stands for at this head_dim (None for "none"); ValueError
-    ending with `fix` for an unknown name or a head_dim it cannot rotate."""
-    if name not in ROTATIONS:
-        raise ValueError(f"rotation {name!r} is unknown; choose one of {list(ROTATIONS)}")
+    for an unknown name, or ending with `fix` for a head_dim it cannot rotate."""
+    check_rotation(name)
     if name == ROTATIONS[0]:
         return None
     check_head_dim(head_dim, fix)

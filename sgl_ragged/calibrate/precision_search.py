@@ -36,12 +36,12 @@ from typing import Any
 import torch
 
 from sgl_ragged.calibrate.knapsack import allocate
-from sgl_ragged.calibrate.tier_search import ROTATION_FIX, check_rotation_name, rotation_record
+from sgl_ragged.calibrate.tier_search import ROTATION_FIX, rotation_record
 from sgl_ragged.emulator.lora import lora_record
 from sgl_ragged.mem_pool.tiers import RowTiers, compose, tier_bytes
 from sgl_ragged.precision import LOW_PRECISIONS, MIXED_PRECISION, LowPrecision
 from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileTiers
-from sgl_ragged.rotation import ROTATIONS, Rotation, rotation_of
+from sgl_ragged.rotation import ROTATIONS, Rotation, check_rotation, rotation_of
 from sgl_ragged.scoring import SINK_TOKENS
 from sgl_ragged.stats import mean_se
 
@@ -111,7 +111,7 @@ class PrecisionSearchConfig:
     rotation: str = ROTATIONS[0]  # "hadamard": search for rows stored rotated (rotation.py)
 
     def __post_init__(self) -> None:
-        check_rotation_name(self.rotation)
+        check_rotation(self.rotation)
         bad = [f for f in self.formats if f not in LOW_PRECISIONS]
         if bad or not self.formats:
             raise ValueError(f"--formats {list(self.formats)}: each must be one of "

@@ -25,7 +25,7 @@ from sgl_ragged.emulator.lora import lora_record
 from sgl_ragged.mem_pool.tiers import RowTiers, compose
 from sgl_ragged.precision import LowPrecision, low_precision
 from sgl_ragged.profile import BudgetProfile, ModelShape, ProfileTiers
-from sgl_ragged.rotation import ROTATIONS, rotation_of
+from sgl_ragged.rotation import ROTATIONS, check_rotation, rotation_of
 from sgl_ragged.scoring import SINK_TOKENS
 from sgl_ragged.stats import mean_se
 
@@ -100,7 +100,7 @@ class TierSearchConfig:
     rotation: str = ROTATIONS[0]  # "hadamard": search for rows stored rotated (rotation.py)
 
     def __post_init__(self) -> None:
-        check_rotation_name(self.rotation)
+        check_rotation(self.rotation)
         if low_precision(self.precision) is None:
             raise ValueError("--precision must be a low precision (int8, int4, int2, fp8) to search tiers")
         if not self.shares or any(not 0.0 <= s <= 1.0 for s in self.shares):
@@ -167,11 +167,6 @@ def with_tiers(profile: BudgetProfile, tiers: Tiers, cfg: TierSearchConfig, chos
 
 
 ROTATION_FIX = "search with --rotation none for this model"
-
-
-def check_rotation_name(name: str) -> None:
-    if name not in ROTATIONS:
-        raise ValueError(f"--rotation {name!r} is unknown; choose one of {list(ROTATIONS)}")
 
 
 def rotation_record(name: str) -> dict[str, str]:

@@ -20,7 +20,7 @@ from sgl_ragged.profile.spec import (
     parse_dynamic_spec,
     parse_uniform_spec,
     profile_precision,
-    profile_rotation,
+    profile_tiers,
     resolve_profile,
     uniform_profile,
 )
@@ -53,7 +53,7 @@ __all__ = [
     "parse_dynamic_spec",
     "parse_uniform_spec",
     "profile_precision",
-    "profile_rotation",
+    "profile_tiers",
     "resolve_profile",
     "uniform_profile",
 ]

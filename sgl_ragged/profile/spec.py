@@ -66,21 +66,15 @@ def model_free_kind(spec: str) -> ModelFreeKind | None:
 def profile_precision(spec: str) -> str | None:
     """The --ragged-precision a profile file was written for: its tiers' precision
     (`sgl-ragged profile tiers`: ``mixed`` for per-head formats, else one precision or pair),
-    or None for the model-free specs, files without tiers, and files that do not load
-    (resolve_profile reports those, with the model at hand)."""
-    tiers = _file_tiers(spec)
+    or None where profile_tiers is None."""
+    tiers = profile_tiers(spec)
     return None if tiers is None else tiers.precision
 
 
-def profile_rotation(spec: str) -> str | None:
-    """The --ragged-rotation a profile file's tiers were searched for (``none`` or
-    ``hadamard``: `sgl-ragged profile tiers --rotation`), or None where profile_precision is
-    None."""
-    tiers = _file_tiers(spec)
-    return None if tiers is None else tiers.rotation
-
-
-def _file_tiers(spec: str) -> ProfileTiers | None:
+def profile_tiers(spec: str) -> ProfileTiers | None:
+    """A profile file's tiers (`sgl-ragged profile tiers`: the precision, and the rotation,
+    they were searched for), or None for the model-free specs, files without tiers, and files
+    that do not load (resolve_profile reports those, with the model at hand)."""
     if not spec.strip() or model_free_kind(spec) is not None:
         return None
     try:

@@ -20,7 +20,7 @@ from sgl_ragged.config import RaggedConfig
 from sgl_ragged.emulator.chunks import ChunkingConfig
 from sgl_ragged.mem_pool.tiers import RowTiers
 from sgl_ragged.precision import LOW_PRECISIONS
-from sgl_ragged.profile import BudgetProfile, ProfileError, ProfileTiers, profile_rotation
+from sgl_ragged.profile import BudgetProfile, ProfileError, ProfileTiers, profile_tiers
 from sgl_ragged.rotation import Rotation, rotation_of
 from sgl_ragged.scoring import SnapKVScorer
 
@@ -45,15 +45,15 @@ def test_a_rotated_profile_round_trips_as_version_4(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     assert data["version"] == 4 and data["tiers"]["rotation"] == "hadamard"
     assert BudgetProfile.load(path) == profile and BudgetProfile.load(path).tiers.rotated
-    assert profile_rotation(str(path)) == "hadamard"
+    assert profile_tiers(str(path)).rotation == "hadamard"
     # unrotated tiers are written as before: no rotation key, the oldest version that holds them
     plain = tmp_path / "plain.json"
     mixed_profile().save(plain)
     data_plain = json.loads(plain.read_text())
     assert data_plain["version"] == 3 and "rotation" not in data_plain["tiers"]
-    assert profile_rotation(str(plain)) == "none"
-    assert profile_rotation("uniform:0.3") is None
-    assert profile_rotation(str(SHIPPED / "snapkv-rho0.3.json")) is None  # no tiers
+    assert profile_tiers(str(plain)).rotation == "none"
+    assert profile_tiers("uniform:0.3") is None
+    assert profile_tiers(str(SHIPPED / "snapkv-rho0.3.json")) is None  # no tiers
     data["version"] = 3  # version 3 knows no rotation: an older reader refuses the file
     with pytest.raises(ProfileError, match="from version 4, rotation"):
         BudgetProfile.from_dict(data)
