@@ -167,7 +167,8 @@ def profile_config(spec: str, scorer: str, shape: Any, page_size: int = PAGE_SIZ
     """`NAME=PATH` or `NAME=PATH=PRECISION` (--profile-config) -> a configuration serving that
     profile file as is (its compositions where it has them: a `sgl-ragged profile tiers`
     output, e.g. per-head precision), at PRECISION (default: the profile's own compositions'
-    precision, with the rotated suffix where they were searched rotated, else bf16). Its rho is its KV bytes per token (fraction of bf16), to 3 places."""
+    precision, with the rotated suffix where they were searched rotated, else bf16). Its rho is
+    its KV bytes per token (fraction of bf16), to 3 places."""
     from sgl_ragged.profile import resolve_profile
 
     parts = spec.split("=")

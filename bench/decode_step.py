@@ -26,9 +26,9 @@ after the prefill, with random rows. Each round runs what the backend runs for o
 `--rotation hadamard` stores the rows rotated as the server does (`--ragged-rotation hadamard`:
 on the CPU one native Hadamard transform per tensor, `hadamard_heads`); `hadamard-dense` rotates
 by the dense matrices instead (one batched product per tensor, the GPU's form); several values
-run each case with each. Steps are timed in order within a round (each needs the previous one's output); medians over the
-repeats after warm-up, the model's dense layers excluded. The same token is staged every round,
-so the storage's state is the same at every round. With `--baseline SO` (another build of
+run each case with each. Steps are timed in order within a round (each needs the previous one's
+output); medians over the repeats after warm-up, the model's dense layers excluded. The same
+token is staged every round, so the storage's state is the same at every round. With `--baseline SO` (another build of
 cuda_ext/, `python -m bench.native_baseline --rev R`) the same case also runs on that build's
 kernels, its rounds alternating with this build's on the same storage (which runs first swaps
 every round), and the table adds baseline / current per step: the kernels' functions (staging
