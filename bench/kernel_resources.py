@@ -3,7 +3,8 @@ shared memory per program as compiled for an NVIDIA architecture, and the progra
 the AOT split map's N_CTA follows from (kernels/occupancy.py).
 
     python -m bench.kernel_resources [--arch 90] [--head-dim 64 128] \
-        [--precision bf16 int8 int4 int2 fp8] [--split-launch W:N:S] --out results/kernel_resources
+        [--precision bf16 int8 int4 int2 fp8] [--split-launch W:N:S] [--kernel "decode split"] \
+        --out results/kernel_resources
 
 Each kernel (decode split, tail and merge, extend, seal) is launched on a small case on the CPU with
 its launch intercepted: Triton's own argument binder specializes the arguments (types, 16-byte
@@ -28,7 +29,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +37,8 @@ from pathlib import Path
 import torch
 
 from sgl_ragged.precision import PAIR_CHOICES, PRECISION_CHOICES
+
+KERNEL_NAMES = ("decode split", "decode tail", "decode merge", "extend", "seal")
 
 HEADS, GQA, PAGE = 8, 4, 64
 
@@ -240,9 +243,9 @@ def case_launches(precision: str, head_dim: int) -> dict[str, Launch]:
     q = torch.zeros(1, HEADS * GQA, head_dim, dtype=torch.bfloat16)
     kv = torch.zeros(1, HEADS, head_dim, dtype=torch.bfloat16)
     splits = split_plan(bm.split_ratios(budgets, groups), 264, "cpu").layer(0)
-    names = {"decode split": decode._sealed_splits_kernel, "decode tail": decode._tail_kernel,
-             "decode merge": decode._merge_kernel, "extend": extend._extend_kernel,
-             "seal": seal._seal_kernel}
+    names = dict(zip(KERNEL_NAMES, (decode._sealed_splits_kernel, decode._tail_kernel,
+                                    decode._merge_kernel, extend._extend_kernel,
+                                    seal._seal_kernel), strict=True))
     with intercepted(names) as seen:
         stage_k, stage_v = storage.stage_k[0], storage.stage_v[0]
         decode.decode_attention(q, kv, kv, stage_k, stage_v, tables, splits, batch, 1.0)
@@ -281,13 +284,17 @@ def parse_launch(text: str) -> tuple[int, int, int]:
 
 
 def measure(precision: str, head_dim: int, arch: int,
-            split: tuple[int, int, int] | None = None) -> list[Build]:
+            split: tuple[int, int, int] | None = None,
+            kernels: Sequence[str] = KERNEL_NAMES) -> list[Build]:
+    """The builds of `kernels` (names of KERNEL_NAMES) for rows of `precision`."""
     from sgl_ragged.kernels.occupancy import KernelResources, SMLimits, programs_per_sm
 
     builds = []
     with split_launch(split):
         launches = case_launches(precision, head_dim)
     for name, launch in launches.items():
+        if name not in kernels:
+            continue
         usage, shared, sass = compile_launch(launch, arch)
         warps = launch.kwargs.get("num_warps", 4)
         per_sm = programs_per_sm(KernelResources(usage["registers"], shared, warps), SMLimits())
@@ -346,12 +353,14 @@ def main() -> None:
     parser.add_argument("--split-launch", type=parse_launch, metavar="W:N:S",
                         help="the decode split kernel's warps, BLOCK_N and pipelining stages "
                              "for every precision (default: decode.DECODE_LAUNCH)")
+    parser.add_argument("--kernel", nargs="+", choices=KERNEL_NAMES, default=list(KERNEL_NAMES),
+                        help="compile only these kernels (default: all of them)")
     parser.add_argument("--out", type=Path, default=Path("results/kernel_resources"))
     args = parser.parse_args()
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     builds = [b for d in args.head_dim for p in args.precision
-              for b in measure(p, d, args.arch, args.split_launch)]
+              for b in measure(p, d, args.arch, args.split_launch, args.kernel)]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernel_resources.json").write_text(
         json.dumps({"arch": args.arch, "split_launch": args.split_launch,

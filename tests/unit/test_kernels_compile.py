@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from bench.kernel_resources import KERNEL_NAMES
 from sgl_ragged.precision import PRECISION_CHOICES
 
 PRECISIONS = [*PRECISION_CHOICES, "int8+int4", "fp8+int2", "int8+fp8"]  # pairs: a quantized high tier
 
 ROOT = Path(__file__).parents[2]
-KERNELS = {"decode split", "decode tail", "decode merge", "extend", "seal"}
 
 
 def test_every_kernel_compiles_for_sm90(tmp_path):
@@ -37,7 +37,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert run.returncode == 0, run.stderr[-4000:]
     builds = json.loads((tmp_path / "kernel_resources.json").read_text())["builds"]
     built = {(b["kernel"], b["precision"]) for b in builds}
-    assert built == {(k, p) for k in KERNELS for p in PRECISIONS}
+    assert built == {(k, p) for k in KERNEL_NAMES for p in PRECISIONS}
     for b in builds:
         assert 0 < b["registers"] <= 255, b
         assert b["programs_per_sm"] >= 1, b
@@ -67,12 +67,14 @@ def test_split_launch_compiles_the_split_kernel_as_asked(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     run = subprocess.run(
         [sys.executable, "-m", "bench.kernel_resources", "--head-dim", "64", "--precision",
-         "bf16", "int4", "--split-launch", "2:64:1", "--out", str(tmp_path)],
+         "bf16", "int4", "--split-launch", "2:64:1", "--kernel", "decode split", "--out",
+         str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     report = json.loads((tmp_path / "kernel_resources.json").read_text())
     assert report["split_launch"] == [2, 64, 1]
-    split = [b for b in report["builds"] if b["kernel"] == "decode split"]
+    split = report["builds"]
+    assert {b["kernel"] for b in split} == {"decode split"}
     assert [(b["precision"], b["num_warps"], b["block_n"]) for b in split] == [
         ("bf16", 2, 64), ("int4", 2, 64)]
     for b in split:  # a warp's instructions per key token: the tile loop x warps / BLOCK_N
@@ -97,11 +99,12 @@ def test_packed_pages_compile_for_sm90(tmp_path):
     precisions = ["int4", "int2", "int8", "fp8", "int8+int4"]
     run = subprocess.run(
         [sys.executable, "-m", "bench.kernel_resources", "--head-dim", "64", "--precision",
-         *precisions, "--out", str(tmp_path)],
+         *precisions, "--kernel", "decode split", "--out", str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
     builds = json.loads((tmp_path / "kernel_resources.json").read_text())["builds"]
-    split = {b["precision"]: b for b in builds if b["kernel"] == "decode split"}
+    assert {b["kernel"] for b in builds} == {"decode split"}  # --kernel: the one packing changes
+    split = {b["precision"]: b for b in builds}
     assert set(split) == set(precisions)
     warps, block_n, _ = DECODE_LAUNCH["packed"]
     for precision, b in split.items():
