@@ -7,8 +7,6 @@ stops the launch with a message saying what to pass."""
 from __future__ import annotations
 
 import itertools
-import json
-import re
 from pathlib import Path
 
 import pytest
@@ -17,9 +15,9 @@ from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.tiers import compose
 from sgl_ragged.precision import LOW_PRECISIONS
 from sgl_ragged.profile import BudgetProfile, ProfileTiers, uniform_profile
-from tests.e2e.conftest import COMMON, _start, get
+from tests.e2e.conftest import COMMON, _start
 from tests.e2e.test_bad_inputs import _launch_error
-from tests.e2e.test_precision import assert_second_turn_reads_sealed_pages
+from tests.e2e.test_precision import assert_capacity, assert_second_turn_reads_sealed_pages
 
 pytestmark = pytest.mark.e2e
 
@@ -68,15 +66,9 @@ def test_capacity_is_what_the_mixed_layout_predicts(mixed_server, profile_path):
     layout = RaggedLayout.from_profile(BudgetProfile.load(profile_path), 64, 64, 2, "mixed")
     drop_only = RaggedLayout.from_profile(uniform_profile(RATIO, 30, 3, 1), 64, 64, 2)
     assert layout.mixed_formats and layout.row_bytes_per_page <= drop_only.row_bytes_per_page
-    log = mixed_server.log_text()
-    cells = re.findall(r"ragged capacity: (\d+) bytes per logical token", log)
-    assert cells == [str(-(-layout.row_bytes_per_page // 64))]
-    pages = int(re.search(r"ragged capacity: (\d+) logical pages", log).group(1))
-    info = json.loads(get(mixed_server.base_url, "/get_server_info"))
-    assert info["max_total_num_tokens"] == min(pages * 64, MAX_TOKENS)
-    assert f"retention {layout.retention:.3f}; {layout.describe_tiers()}" in log
+    assert_capacity(mixed_server, layout, MAX_TOKENS, "mixed", "none")
     # auto on a CPU: the native kernels read each group's format (Triton reads one per launch)
-    assert "ragged attention: NativeAttention (--ragged-attention auto)" in log
+    assert "ragged attention: NativeAttention (--ragged-attention auto)" in mixed_server.log_text()
 
 
 def test_multi_turn_reads_mixed_format_history(mixed_server):

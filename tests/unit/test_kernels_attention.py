@@ -332,7 +332,7 @@ PACKED_CASES = [(precision, (torch.float32, torch.bfloat16)[i % 2], (2, 3)[i // 
 
 
 @pytest.mark.parametrize("precision,dtype,gqa", PACKED_CASES,
-                         ids=[f"{p}-{str(d)[6:]}-gqa{g}" for p, d, g in PACKED_CASES])
+                         ids=[f"{p}-{str(d).removeprefix('torch.')}-gqa{g}" for p, d, g in PACKED_CASES])
 def test_packed_pages_match_reference(kernel_device, monkeypatch, precision, dtype, gqa):
     """RAGGED_TRITON_PACK=1 (launch.packed_pages): the decode split kernel attends
     BLOCK_G / GP low-tier pages at once, one per repeat of the query heads' rows
@@ -389,7 +389,7 @@ PLANES_CASES = [("int2", torch.float32), ("int2", torch.bfloat16), ("int4", torc
 
 
 @pytest.mark.parametrize("precision,dtype", PLANES_CASES,
-                         ids=[f"{p}-{str(d)[6:]}" for p, d in PLANES_CASES])
+                         ids=[f"{p}-{str(d).removeprefix('torch.')}" for p, d in PLANES_CASES])
 def test_split_planes_match_reference(kernel_device, monkeypatch, precision, dtype):
     """RAGGED_TRITON_PLANES=1 (launch.split_planes): 2- and 4-bit tiers attended one dot per
     bit plane (attend._attend_code_pages), decode and extend, against the reference. The same
