@@ -157,7 +157,9 @@ def test_rotary_three_dim_heads() -> None:
 def _width_cases() -> list[tuple[str, tuple[Any, ...]]]:
     """Inputs that reach every loop: tails of the 16 partial sums and of each vector width, rows
     split over threads (700 x 576 outputs), every dtype pair, both rotary styles, partial
-    rotary dims and strided query / key rows."""
+    rotary dims and strided query / key rows; the Hadamard rows on every loop (below 8 floats,
+    in registers at 64 and 128, through memory, and the scalar loop past 1024), 64-float rows
+    split over threads."""
     gen = torch.Generator().manual_seed(11)
     cases: list[tuple[str, tuple[Any, ...]]] = []
     for dtype in DTYPES:
@@ -173,7 +175,21 @@ def _width_cases() -> list[tuple[str, tuple[Any, ...]]]:
                 q, k = _qkv(tokens, 9, 3, head, dtype, seed=head + rot + tokens)
                 pos = torch.randint(0, 4096, (tokens,), generator=gen)
                 cases.append(("rope", (pos, q, k, cache, head, neox)))
+        for d, tokens, heads, kv in ((4, 3, 2, 1), (64, 300, 9, 3), (128, 17, 4, 4),
+                                     (256, 5, 6, 2), (2048, 2, 3, 3)):
+            x = torch.randn(tokens, heads + 3, d, generator=gen).to(dtype)[:, :heads]  # strided
+            signs = torch.where(torch.rand(kv, d, generator=gen) < 0.5, -1.0, 1.0)
+            cases += [("hadamard", (x, signs, False)), ("hadamard", (x, signs, True))]
     return cases
+
+
+def _run_case(m: Any, kind: str, args: tuple[Any, ...]) -> tuple[torch.Tensor, ...]:
+    """One case of _width_cases on the native module m (the child's own copy is inline)."""
+    if kind == "norm":
+        return m.rms_norm(*args)
+    if kind == "rope":
+        return m.rotary_embedding(*args)
+    return (m.hadamard_heads(*args),)
 
 
 @pytest.mark.parametrize("isa", ["avx2", "scalar"])
@@ -181,12 +197,13 @@ def test_every_width_gives_the_same_bits(isa: str, tmp_path: Path) -> None:
     """The loops are built for AVX-512, AVX2 and the baseline and run at the attention's ISA
     variant (RAGGED_NATIVE_ISA forces a lower one, once per process: so in a child). Every width
     sums the squares in the same 16 partial sums and contracts nothing, so a lower one gives
-    this process's outputs bit for bit (which the tests above hold to SGLang's)."""
+    this process's outputs bit for bit (which the tests above hold to SGLang's, and
+    tests/unit/test_rotated_rows.py the Hadamard rows to rotation.py's)."""
     if isa == "avx2" and not {"avx2", "f16c"} <= native.cpu_flags():
         pytest.skip("this CPU has no AVX2")
     m = native.load()
     cases = _width_cases()
-    outs = [m.rms_norm(*a) if kind == "norm" else m.rotary_embedding(*a) for kind, a in cases]
+    outs = [_run_case(m, kind, a) for kind, a in cases]
     torch.save({"cases": cases, "outs": outs}, tmp_path / "cases.pt")
     code = (
         "import sys, torch\n"
@@ -195,7 +212,8 @@ def test_every_width_gives_the_same_bits(isa: str, tmp_path: Path) -> None:
         f"assert m.isa() == {isa!r}, m.isa()\n"
         "d = torch.load(sys.argv[1], weights_only=False)\n"
         "for i, ((kind, a), want) in enumerate(zip(d['cases'], d['outs'])):\n"
-        "    got = m.rms_norm(*a) if kind == 'norm' else m.rotary_embedding(*a)\n"
+        "    got = (m.rms_norm(*a) if kind == 'norm' else m.rotary_embedding(*a) if kind == 'rope'"
+        " else (m.hadamard_heads(*a),))\n"
         "    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want)),"
         " (i, kind, [t.shape for t in a if isinstance(t, torch.Tensor)])\n"
         "print('ok', len(d['cases']))\n")

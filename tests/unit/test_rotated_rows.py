@@ -62,11 +62,12 @@ def test_head_rotations_are_the_emulators_per_global_layer_and_head(kernel: bool
 
 
 @pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.reason()}")
-@pytest.mark.parametrize("d", [8, 64, 128])
+@pytest.mark.parametrize("d", [4, 8, 32, 64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_native_rotation_is_the_transform_of_the_emulator(d: int, dtype: torch.dtype) -> None:
     """hadamard_heads (one native call per tensor): rotation.py's fwht bit for bit (the same
-    butterflies in float32, one rounding) at head sizes whose sqrt is exact, within one rounding
+    butterflies in float32, one rounding; rows below 8 floats on the scalar loop, 64 and 128 in
+    registers, the others through memory) at head sizes whose sqrt is exact, within one rounding
     otherwise; the dense float64 product within float32's error before that rounding; strided
     token rows (a view of a fused qkv) read in place; empty batches."""
     rot = Rotation(d)
