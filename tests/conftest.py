@@ -60,13 +60,12 @@ builds); the others are unit-a, the decode-graph replays under the interpreter a
 E2E_B_MODULES = ("test_equivalence.py", "test_precision.py",  # oracle_pair
                  "test_native_attention.py", "test_tensor_parallel.py",
                  "test_pipeline_parallel.py", "test_embeddings.py", "test_lora.py",
-                 "test_classifiers.py", "test_calibrated_profile.py",
+                 "test_classifiers.py",
                  "test_vision_compressed.py")
 """tests/e2e modules of shard e2e-b (about half of the end-to-end server time); the others,
 the shared ragged_server's modules among them, are e2e-a (test_architectures.py too since
-session 42: with it e2e-b ran 32 min against e2e-a's 24; test_calibrated_profile.py went to
-e2e-a in session 44 and back in session 52, when e2e-a took 81 min against e2e-b's 70 on a
-2-core Zen 1, its last 10 alone)."""
+session 42, test_calibrated_profile.py since session 44: with them e2e-b ran 32 min against
+e2e-a's 24)."""
 SESSION_SERVERS = ("ragged_server", "oracle_pair")  # tests/e2e/conftest.py's (test_shards.py)
 
 
