@@ -1,5 +1,5 @@
 """Compatibility layers between SGLang 0.5.23 and the machines it runs on here (sgl_kernel_cpu,
-cpu_tp, cpu_gemm, cpu_ops, cpu_triton, cpu_lora, dual_gemm)."""
+cpu_tp, cpu_gemm, cpu_ops, cpu_triton, cpu_lora, cpu_start, dual_gemm)."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ _SRT = "sglang.srt"
 _POOL_CONFIGURATOR = f"{_SRT}.model_executor.pool_configurator.DefaultPoolConfigurator"
 _PLATFORM = f"{_SRT}.platforms.interface.SRTPlatform"
 _OPENAI = f"{_SRT}.entrypoints.openai"
+_ENGINE = f"{_SRT}.entrypoints.engine.Engine"
 _TREES = (
     f"{_SRT}.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint",
     f"{_SRT}.mem_cache.radix_cache.RadixCache.checkpoint",
@@ -52,7 +53,7 @@ def register() -> None:
 
 def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
     """(dotted SGLang target, hook, kind) of every hook register() installs."""
-    from sgl_ragged.compat import cpu_gemm, cpu_lora, cpu_ops, cpu_tp, cpu_triton
+    from sgl_ragged.compat import cpu_gemm, cpu_lora, cpu_ops, cpu_start, cpu_tp, cpu_triton
     from sgl_ragged.serving import scheduler_hooks as hooks
     from sgl_ragged.serving import server_args
 
@@ -87,6 +88,8 @@ def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
         (cpu_triton.TARGET, cpu_triton.gate_sigmoid_mul, HookType.AROUND),
         (f"{_SRT}.model_executor.model_runner.ModelRunner.init_lora_manager",
          cpu_lora.init_lora_manager, HookType.AROUND),
+        *((f"{_ENGINE}.{launch}", cpu_start.launch_processes, HookType.AROUND)
+          for launch in ("_launch_scheduler_processes", "_launch_detokenizer_subprocesses")),
     ]
 
 

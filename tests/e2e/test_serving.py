@@ -32,6 +32,14 @@ def test_startup_log_reports_compression(ragged_server):
     assert "Ragged KV cache:" in log and "retention 0.3" in log and "capacity gain" in log
 
 
+def test_a_cpu_server_forks_its_children(ragged_server):
+    """compat/cpu_start.py: the launcher forks its scheduler and detokenizer (no second import
+    of SGLang in each); every other test of this server shows they serve."""
+    log = ragged_server.log_text()
+    for launch in ("_launch_scheduler_processes", "_launch_detokenizer_subprocesses"):
+        assert f"{launch}: child processes start by fork (a CPU server's launcher)" in log
+
+
 def test_chat_completion_answers(ragged_server):
     out = _chat(ragged_server.base_url, [{"role": "user", "content": README_QUESTION}])
     text = out["choices"][0]["message"]["content"]

@@ -1,0 +1,31 @@
+"""bench/server_start.py's summary: medians per start method and the fork/spawn ratios."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import server_start
+
+
+def test_summary_has_medians_and_ratios() -> None:
+    samples = {"fork": [{"ready_s": 40.0, "cpu_s": 43.0, "pss_gb": 2.3},
+                        {"ready_s": 38.0, "cpu_s": 41.0, "pss_gb": 2.3},
+                        {"ready_s": 50.0, "cpu_s": 45.0, "pss_gb": 2.4}],
+               "spawn": [{"ready_s": 67.0, "cpu_s": 94.0, "pss_gb": 3.2},
+                         {"ready_s": 66.0, "cpu_s": 92.0, "pss_gb": 3.1},
+                         {"ready_s": 80.0, "cpu_s": 90.0, "pss_gb": 3.2}]}
+    summary = server_start.summarize(samples)
+    assert summary["fork"] == {"ready_s": 40.0, "cpu_s": 43.0, "pss_gb": 2.3}
+    assert summary["spawn"] == {"ready_s": 67.0, "cpu_s": 92.0, "pss_gb": 3.2}
+    assert summary["fork/spawn"]["cpu_s"] == pytest.approx(43.0 / 92.0)
+    table = server_start.markdown(summary, 3, "ragged")
+    assert "| fork | 40.0 | 43.0 | 2.30 |" in table and "| fork/spawn | x0.60 | x0.47 | x0.72 |" in table
+
+
+def test_the_ragged_server_is_the_readmes() -> None:
+    args = server_start.server_args("/m", "ragged")
+    assert args[args.index("--attention-backend") + 1] == "ragged"
+    assert "--ragged-profile" in args and "--ragged-precision" in args
+    stock = server_start.server_args("/m", "torch_native")
+    assert stock[stock.index("--attention-backend") + 1] == "torch_native"
+    assert "--ragged-profile" not in stock
