@@ -1,15 +1,17 @@
 """Server starts on the CPU: children forked (compat/cpu_start.py) against spawned, side by side.
 
-Each round starts the same server once per start method (RAGGED_CPU_START_METHOD=auto, which
-forks a CPU server's children, and =spawn, SGLang's own way), the order alternating from round
+Each round starts the same server once per start method (RAGGED_CPU_START_METHOD=fork, which
+forks a CPU server's children, and =spawn, the default and SGLang's own way), the order alternating from round
 to round, and stops it before the next. For each start it records the seconds until
 /health_generate answers, the CPU-seconds the launcher and its children used until then, and the
 memory the tree holds (the sum of each process's proportional set size, shared pages split
-between the processes that map them). Prints and writes medians and the fork/spawn ratios:
+between the processes that map them), and with --decode-tokens N the median seconds of one
+request decoding N greedy tokens. Prints and writes medians and the fork/spawn ratios:
 <out>/server_start.json and server_start.md.
 
     python -m bench.server_start --rounds 3                    # the README's ragged server
     python -m bench.server_start --rounds 3 --backend torch_native   # stock SGLang
+    python -m bench.server_start --rounds 4 --decode-tokens 128      # and decode speed
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -27,8 +30,9 @@ import psutil
 from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
 from sgl_ragged.testing.server import ServerProcess
 
-METHODS = {"fork": "auto", "spawn": "spawn"}  # label -> RAGGED_CPU_START_METHOD
+METHODS = {"fork": "fork", "spawn": "spawn"}  # label -> RAGGED_CPU_START_METHOD
 METRICS = ("ready_s", "cpu_s", "pss_gb")
+PROMPT = "Write a long story about a lighthouse keeper."
 
 
 def server_args(model: str, backend: str) -> list[str]:
@@ -54,8 +58,31 @@ def _tree_usage(root: psutil.Process) -> tuple[float, float]:
     return cpu, pss / 2**30
 
 
-def start_once(args: list[str], method: str, log_dir: Path) -> dict[str, float]:
-    """One server start under `method`: its ready time, CPU-seconds and memory, then stop it."""
+def decode_seconds(base_url: str, tokens: int, repeats: int = 3) -> float:
+    """Median seconds of one request decoding `tokens` greedy tokens, after a warm-up."""
+    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": tokens, "temperature": 0,
+                                                "ignore_eos": True}}
+    post(base_url, "/generate", {**body, "sampling_params": {**body["sampling_params"],
+                                                            "max_new_tokens": 8}})
+    times = []
+    for _ in range(repeats):
+        t0 = time.monotonic()
+        post(base_url, "/generate", body)
+        times.append(time.monotonic() - t0)
+    return statistics.median(times)
+
+
+def post(base_url: str, path: str, payload: dict) -> dict:
+    req = urllib.request.Request(base_url + path, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=900) as resp:
+        return json.loads(resp.read())
+
+
+def start_once(args: list[str], method: str, log_dir: Path, decode_tokens: int = 0
+               ) -> dict[str, float]:
+    """One server start under `method`: its ready time, CPU-seconds and memory (and with
+    `decode_tokens`, one request's decode seconds), then stop it."""
     log = log_dir / f"{method}-{time.monotonic_ns()}.log"
     server = ServerProcess(args, env={"RAGGED_CPU_START_METHOD": METHODS[method]},
                            log_path=log, startup_timeout=900)
@@ -65,18 +92,22 @@ def start_once(args: list[str], method: str, log_dir: Path) -> dict[str, float]:
         if f"start by {method}" not in server.log_text():
             raise RuntimeError(f"the server did not start its children by {method}: see {log}")
         cpu, pss = _tree_usage(psutil.Process(server.proc.pid))
-        return {"ready_s": float(server.startup_seconds or 0.0), "cpu_s": cpu, "pss_gb": pss}
+        sample = {"ready_s": float(server.startup_seconds or 0.0), "cpu_s": cpu, "pss_gb": pss}
+        if decode_tokens:
+            sample["decode_s"] = decode_seconds(server.base_url, decode_tokens)
+        return sample
     finally:
         server.stop()
 
 
-def measure(args: list[str], rounds: int, log_dir: Path) -> dict[str, list[dict[str, float]]]:
+def measure(args: list[str], rounds: int, log_dir: Path, decode_tokens: int = 0
+            ) -> dict[str, list[dict[str, float]]]:
     """`rounds` starts per method, alternating which goes first."""
     samples: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
     for r in range(rounds):
         order = list(METHODS) if r % 2 == 0 else list(reversed(METHODS))
         for method in order:
-            sample = start_once(args, method, log_dir)
+            sample = start_once(args, method, log_dir, decode_tokens)
             samples[method].append(sample)
             print(f"round {r + 1}/{rounds} {method}: ready {sample['ready_s']:.1f} s, "
                   f"{sample['cpu_s']:.1f} CPU-s, {sample['pss_gb']:.2f} GB", flush=True)
@@ -85,21 +116,25 @@ def measure(args: list[str], rounds: int, log_dir: Path) -> dict[str, list[dict[
 
 def summarize(samples: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
     """Medians per method, and fork/spawn ratios."""
-    medians = {m: {k: statistics.median(s[k] for s in samples[m]) for k in METRICS}
+    keys = [k for k in (*METRICS, "decode_s") if all(k in s for v in samples.values() for s in v)]
+    medians = {m: {k: statistics.median(s[k] for s in samples[m]) for k in keys}
                for m in samples}
-    medians["fork/spawn"] = {k: medians["fork"][k] / medians["spawn"][k] for k in METRICS}
+    medians["fork/spawn"] = {k: medians["fork"][k] / medians["spawn"][k] for k in keys}
     return medians
 
 
 def markdown(summary: dict[str, dict[str, float]], rounds: int, backend: str) -> str:
     lines = [f"Server starts ({backend}, SmolLM2-135M-Instruct, --device cpu), medians of "
              f"{rounds} alternating rounds.", "",
-             "| children | ready (s) | CPU-s until ready | memory (GB, PSS) |", "|---|---|---|---|"]
+             "| children | ready (s) | CPU-s until ready | memory (GB, PSS) | decode (s) |",
+             "|---|---|---|---|---|"]
     for name, row in summary.items():
         fmt = "x{:.2f}" if "/" in name else "{:.1f}"
         mem = "x{:.2f}" if "/" in name else "{:.2f}"
+        dec = ("x{:.3f}" if "/" in name else "{:.2f}").format(row["decode_s"]) \
+            if "decode_s" in row else "-"
         lines.append(f"| {name} | {fmt.format(row['ready_s'])} | {fmt.format(row['cpu_s'])} | "
-                     f"{mem.format(row['pss_gb'])} |")
+                     f"{mem.format(row['pss_gb'])} | {dec} |")
     return "\n".join(lines) + "\n"
 
 
@@ -110,6 +145,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backend", default="ragged",
                         help="ragged (the README's server) or a stock --attention-backend")
+    parser.add_argument("--decode-tokens", type=int, default=0,
+                        help="also time one request decoding this many tokens on each server")
     parser.add_argument("--model", default=None, help="checkpoint (default: SmolLM2, converted)")
     parser.add_argument("--out", type=Path, default=Path("results/server-start"))
     args = parser.parse_args()
@@ -119,7 +156,7 @@ def main() -> None:
     launch = server_args(model, args.backend)
     log_dir = Path(tempfile.mkdtemp(prefix="server-start-"))
     print(f"{args.rounds} rounds x {len(METHODS)} server starts; logs in {log_dir}", flush=True)
-    samples = measure(launch, args.rounds, log_dir)
+    samples = measure(launch, args.rounds, log_dir, args.decode_tokens)
     summary = summarize(samples)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "server_start.json").write_text(json.dumps(

@@ -17,6 +17,10 @@ if [[ $# -gt 0 || "${RAGGED_TEST_SERIAL:-0}" == 1 ]]; then
 fi
 
 out="$(mktemp -d /tmp/sgl-ragged-shards.XXXXXX)"
+# A test server starts only with a quarter of the machine's memory available (or after 10
+# minutes' wait): sgl_ragged/testing/server.py, MIN_AVAILABLE_ENV.
+RAGGED_SERVER_MIN_AVAILABLE_GB="${RAGGED_SERVER_MIN_AVAILABLE_GB:-$(awk '/^MemTotal/ {printf "%.1f", $2 / 2^20 / 4}' /proc/meminfo)}"
+export RAGGED_SERVER_MIN_AVAILABLE_GB
 shards=(unit-b e2e-a e2e-b)  # in the background; unit-a in the foreground
 pids=()
 done_=()

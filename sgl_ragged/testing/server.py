@@ -35,6 +35,12 @@ HOST = "127.0.0.1"
 BIND_ERRORS = ("error while attempting to bind on address", "Address already in use (os error 98)",
                "name: EADDRINUSE, message: address already in use")
 BIND_RETRIES = 3
+# A start waits while the machine has less memory available than this (GB; unset or 0: never),
+# at most MEMORY_WAIT_S seconds, then starts anyway. scripts/test.sh sets it for its parallel
+# shards: session 53's CI, whose servers start twice as fast, had one shard's data-parallel and
+# router servers up beside the other's four precision servers, 22.5 of 24 GB used.
+MIN_AVAILABLE_ENV = "RAGGED_SERVER_MIN_AVAILABLE_GB"
+MEMORY_WAIT_S = 600.0
 
 
 class ServerError(RuntimeError):
@@ -61,6 +67,26 @@ def _http_status(url: str, timeout: float) -> int | None:
         return int(e.code)
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return None
+
+
+def wait_for_memory(min_gb: float, name: str, max_wait_s: float = MEMORY_WAIT_S,
+                    poll_s: float = 5.0) -> float:
+    """Block while less than `min_gb` GB is available (MIN_AVAILABLE_ENV), at most `max_wait_s`
+    seconds; return the seconds waited. Says on stderr when it waits and when it gives up."""
+    t0 = time.monotonic()
+    announced = False
+    while min_gb > 0 and (available := psutil.virtual_memory().available / 2**30) < min_gb:
+        waited = time.monotonic() - t0
+        if waited >= max_wait_s:
+            print(f"[server] {name}: starting after {waited:.0f} s with {available:.1f} GB "
+                  f"available (wanted {min_gb:g})", file=sys.stderr, flush=True)
+            break
+        if not announced:
+            print(f"[server] {name}: waiting for {min_gb:g} GB of memory ({available:.1f} GB "
+                  f"available)", file=sys.stderr, flush=True)
+            announced = True
+        time.sleep(poll_s)
+    return time.monotonic() - t0
 
 
 def _on_cpu(args: Sequence[str]) -> bool:
@@ -150,6 +176,7 @@ class ServerProcess:
     def _start_once(self) -> ServerProcess:
         if self.proc is not None:
             raise RuntimeError("ServerProcess.start() called twice")
+        wait_for_memory(float(os.environ.get(MIN_AVAILABLE_ENV) or 0), self.log_path.name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         with open(self.log_path, "wb") as log:

@@ -19,7 +19,13 @@ def test_summary_has_medians_and_ratios() -> None:
     assert summary["spawn"] == {"ready_s": 67.0, "cpu_s": 92.0, "pss_gb": 3.2}
     assert summary["fork/spawn"]["cpu_s"] == pytest.approx(43.0 / 92.0)
     table = server_start.markdown(summary, 3, "ragged")
-    assert "| fork | 40.0 | 43.0 | 2.30 |" in table and "| fork/spawn | x0.60 | x0.47 | x0.72 |" in table
+    assert "| fork | 40.0 | 43.0 | 2.30 | - |" in table
+    assert "| fork/spawn | x0.60 | x0.47 | x0.72 | - |" in table
+    for method, seconds in (("fork", 9.0), ("spawn", 8.7)):
+        for sample in samples[method]:
+            sample["decode_s"] = seconds
+    table = server_start.markdown(server_start.summarize(samples), 3, "ragged")
+    assert "| fork/spawn | x0.60 | x0.47 | x0.72 | x1.034 |" in table
 
 
 def test_the_ragged_server_is_the_readmes() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from sgl_ragged.testing import server as server_mod
 from sgl_ragged.testing.server import BIND_ERRORS, ServerProcess
 
 
@@ -55,3 +56,41 @@ def test_a_port_taken_before_the_bind_is_retried_on_another(tmp_path, message):
     with server:
         assert int(marker.read_text()) == first
         assert server.port != first and server.proc.poll() is None
+
+
+class _Memory:
+    """psutil.virtual_memory() stand-in: the available bytes in turn, the last one after."""
+
+    def __init__(self, *available_gb: float) -> None:
+        self.left = [gb * 2**30 for gb in available_gb]
+
+    def __call__(self):
+        value = self.left.pop(0) if len(self.left) > 1 else self.left[0]
+        return type("Mem", (), {"available": value})()
+
+
+def _fake_clock(monkeypatch) -> list[float]:
+    now = [0.0]
+    monkeypatch.setattr(server_mod.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(server_mod.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+    return now
+
+
+def test_a_start_waits_until_memory_is_available(monkeypatch, capsys):
+    _fake_clock(monkeypatch)
+    monkeypatch.setattr(server_mod.psutil, "virtual_memory", _Memory(2.0, 3.0, 7.0))
+    assert server_mod.wait_for_memory(6.0, "s.log", poll_s=5.0) == 10.0
+    assert "s.log: waiting for 6 GB of memory (2.0 GB available)" in capsys.readouterr().err
+
+
+def test_a_start_goes_ahead_after_the_longest_wait(monkeypatch, capsys):
+    _fake_clock(monkeypatch)
+    monkeypatch.setattr(server_mod.psutil, "virtual_memory", _Memory(1.0))
+    assert server_mod.wait_for_memory(6.0, "s.log", max_wait_s=60.0, poll_s=5.0) == 60.0
+    assert "s.log: starting after 60 s with 1.0 GB available (wanted 6)" in capsys.readouterr().err
+
+
+def test_no_threshold_never_waits(monkeypatch):
+    _fake_clock(monkeypatch)
+    monkeypatch.setattr(server_mod.psutil, "virtual_memory", _Memory(0.1))
+    assert server_mod.wait_for_memory(0.0, "s.log") == 0.0
