@@ -23,7 +23,8 @@ controller where there is one, and detokenizers), sets the start method for thei
 - nothing must run in front of the child's interpreter (SGLANG_NUMA_BIND_V2's numactl,
   `--enable-memory-saver`'s preload);
 - RAGGED_CPU_START_METHOD is `fork`. It is not the default: the README's server, forked,
-  decoded 3.5% slower than spawned in the same rounds (session 53, not yet explained), so users
+  decoded 3.5% slower than spawned in the same rounds (session 53, not yet explained; measured
+  without scripts/env.sh's fixed malloc thresholds, the first suspect), so users
   get SGLang's spawn unless they ask; the test suite forks (tests/conftest.py), where a start's
   CPU time is what counts.
 Every forked child takes spawn as its own method again (`os.register_at_fork`), so what it
