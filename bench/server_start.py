@@ -1,8 +1,8 @@
 """Server starts on the CPU: children forked (compat/cpu_start.py) against spawned, side by side.
 
 Each round starts the same server once per start method (RAGGED_CPU_START_METHOD=fork, which
-forks a CPU server's children, and =spawn, the default and SGLang's own way), the order alternating from round
-to round, and stops it before the next. For each start it records the seconds until
+forks a CPU server's children, and =spawn, the default and SGLang's own way), the order
+alternating from round to round, and stops it before the next. For each start it records the seconds until
 /health_generate answers, the CPU-seconds the launcher and its children used until then, and the
 memory the tree holds (the sum of each process's proportional set size, shared pages split
 between the processes that map them), and with --decode-tokens N the median seconds of one
@@ -22,15 +22,15 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
 
+from bench.accuracy_client import post
 from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
 from sgl_ragged.testing.server import ServerProcess
 
-METHODS = {"fork": "fork", "spawn": "spawn"}  # label -> RAGGED_CPU_START_METHOD
+METHODS = ("fork", "spawn")  # values of RAGGED_CPU_START_METHOD
 METRICS = ("ready_s", "cpu_s", "pss_gb")
 PROMPT = "Write a long story about a lighthouse keeper."
 
@@ -62,21 +62,13 @@ def decode_seconds(base_url: str, tokens: int, repeats: int = 3) -> float:
     """Median seconds of one request decoding `tokens` greedy tokens, after a warm-up."""
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": tokens, "temperature": 0,
                                                 "ignore_eos": True}}
-    post(base_url, "/generate", {**body, "sampling_params": {**body["sampling_params"],
-                                                            "max_new_tokens": 8}})
+    post(base_url, {**body, "sampling_params": {**body["sampling_params"], "max_new_tokens": 8}})
     times = []
     for _ in range(repeats):
         t0 = time.monotonic()
-        post(base_url, "/generate", body)
+        post(base_url, body)
         times.append(time.monotonic() - t0)
     return statistics.median(times)
-
-
-def post(base_url: str, path: str, payload: dict) -> dict:
-    req = urllib.request.Request(base_url + path, data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=900) as resp:
-        return json.loads(resp.read())
 
 
 def start_once(args: list[str], method: str, log_dir: Path, decode_tokens: int = 0
@@ -84,7 +76,7 @@ def start_once(args: list[str], method: str, log_dir: Path, decode_tokens: int =
     """One server start under `method`: its ready time, CPU-seconds and memory (and with
     `decode_tokens`, one request's decode seconds), then stop it."""
     log = log_dir / f"{method}-{time.monotonic_ns()}.log"
-    server = ServerProcess(args, env={"RAGGED_CPU_START_METHOD": METHODS[method]},
+    server = ServerProcess(args, env={"RAGGED_CPU_START_METHOD": method},
                            log_path=log, startup_timeout=900)
     server.start()
     try:

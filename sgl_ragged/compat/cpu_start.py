@@ -5,9 +5,9 @@ a process that has initialised CUDA cannot fork. A spawned child starts a fresh 
 imports SGLang again, torch, transformers, flashinfer and the model registry: about 20-35
 CPU-seconds a child on a 2 GHz Zen 1, two thirds of a server start. On the CPU nothing needs
 that: when it starts its children, the launcher has imported all of it, so a forked child starts
-from its modules (measured on that machine, SmolLM2 with the default profile: 42 CPU-seconds a
-start instead of 85, ready after 37 s instead of 61; docs/results.md, "Server starts by fork on
-the CPU").
+from its modules (measured on that machine, the README's server, `bench.server_start`: 43
+CPU-seconds a start instead of 94, ready after 40 s instead of 67; docs/results.md, "Server
+starts by fork on the CPU").
 
 `launch_processes`, around Engine's two launch methods (schedulers, with the data-parallel
 controller where there is one, and detokenizers), sets the start method for their duration

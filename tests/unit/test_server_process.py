@@ -45,11 +45,11 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 
 @pytest.mark.parametrize("message", BIND_ERRORS)  # SGLang's uvicorn, the router
 def test_a_port_taken_before_the_bind_is_retried_on_another(tmp_path, monkeypatch, message):
+    """The first launch reports a taken port and hangs: start() stops it and relaunches on a
+    new free port, which answers."""
     # A fake server needs no memory: not scripts/test.sh's wait for it (247 s in session
     # 53's CI, while the end-to-end shards' servers held the memory).
     monkeypatch.delenv(server_mod.MIN_AVAILABLE_ENV, raising=False)
-    """The first launch reports a taken port and hangs: start() stops it and relaunches on a
-    new free port, which answers."""
     (tmp_path / "fake_server.py").write_text(FAKE_SERVER)
     marker = tmp_path / "first-port"
     server = ServerProcess(["--marker", str(marker), "--message", message], module="fake_server",
