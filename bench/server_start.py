@@ -1,13 +1,14 @@
 """Server starts on the CPU: children forked (compat/cpu_start.py) against spawned, side by side.
 
 Each round starts the same server once per start method (RAGGED_CPU_START_METHOD=fork, which
-forks a CPU server's children, and =spawn, the default and SGLang's own way), the order
+forks a CPU server's children, the default, and =spawn, SGLang's own way), the order
 alternating from round to round, and stops it before the next. For each start it records the seconds until
 /health_generate answers, the CPU-seconds the launcher and its children used until then, and the
 memory the tree holds (the sum of each process's proportional set size, shared pages split
 between the processes that map them), and with --decode-tokens N the median seconds of one
-request decoding N greedy tokens. Prints and writes medians and the fork/spawn ratios:
-<out>/server_start.json and server_start.md.
+request decoding N greedy tokens. Prints and writes medians and the fork/spawn ratios (for the
+decode also the median of the rounds' own ratios: this machine's speed drifts between rounds
+more than between two servers of one round): <out>/server_start.json and server_start.md.
 
     python -m bench.server_start --rounds 3                    # the README's ragged server
     python -m bench.server_start --rounds 3 --backend torch_native   # stock SGLang
@@ -112,6 +113,10 @@ def summarize(samples: dict[str, list[dict[str, float]]]) -> dict[str, dict[str,
     medians = {m: {k: statistics.median(s[k] for s in samples[m]) for k in keys}
                for m in samples}
     medians["fork/spawn"] = {k: medians["fork"][k] / medians["spawn"][k] for k in keys}
+    if "decode_s" in keys:
+        rounds = zip(samples["fork"], samples["spawn"], strict=True)
+        medians["fork/spawn"]["decode_paired"] = statistics.median(
+            f["decode_s"] / s["decode_s"] for f, s in rounds)
     return medians
 
 
@@ -127,6 +132,9 @@ def markdown(summary: dict[str, dict[str, float]], rounds: int, backend: str) ->
             if "decode_s" in row else "-"
         lines.append(f"| {name} | {fmt.format(row['ready_s'])} | {fmt.format(row['cpu_s'])} | "
                      f"{mem.format(row['pss_gb'])} | {dec} |")
+    paired = summary.get("fork/spawn", {}).get("decode_paired")
+    if paired is not None:
+        lines += ["", f"Decode, the median of each round's fork/spawn ratio: x{paired:.3f}."]
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,4 @@
-"""A CPU server's scheduler and detokenizer processes started by fork instead of spawn (opt-in).
+"""A CPU server's scheduler and detokenizer processes started by fork instead of spawn.
 
 SGLang 0.5.23 starts its children with multiprocessing's spawn method (`_set_envs_and_config`):
 a process that has initialised CUDA cannot fork. A spawned child starts a fresh interpreter and
@@ -22,11 +22,13 @@ controller where there is one, and detokenizers), sets the start method for thei
   that builds an in-process `sglang.Engine` may have run anything, so it spawns;
 - nothing must run in front of the child's interpreter (SGLANG_NUMA_BIND_V2's numactl,
   `--enable-memory-saver`'s preload);
-- RAGGED_CPU_START_METHOD is `fork`. It is not the default: the README's server, forked,
-  decoded 3.5% slower than spawned in the same rounds (session 53, not yet explained; measured
-  without scripts/env.sh's fixed malloc thresholds, the first suspect), so users
-  get SGLang's spawn unless they ask; the test suite forks (tests/conftest.py), where a start's
-  CPU time is what counts.
+- RAGGED_CPU_START_METHOD is `fork`, the default (`spawn` asks for SGLang's way). It was
+  opt-in in session 53, when the README's server, forked, had decoded 3.5% slower than spawned
+  in the same rounds, measured without scripts/env.sh's environment. Under it (session 54,
+  `bench.server_start --decode-tokens 128`, 4 and 6 alternating rounds), the medians parted by
+  x1.023 and x1.014, the per-round ratios spread over 0.92-1.09, and the scheduler's CPU-seconds
+  over 4 requests matched (52.4 forked against 51.6 spawned, 49.6 against 49.7): no difference
+  beyond this machine's noise, against a start in 0.63x the time and 0.73x the memory.
 Every forked child takes spawn as its own method again (`os.register_at_fork`), so what it
 starts (the data-parallel controller launches its schedulers from threads) spawns as in SGLang.
 The plugin installs the hook in every SGLang process of the environment, stock servers too.
@@ -47,8 +49,8 @@ from sgl_ragged.compat import env_choice
 logger = logging.getLogger(__name__)
 
 ENV = "RAGGED_CPU_START_METHOD"
-CHOICES = {"spawn": "spawn a server's children as SGLang does (each imports SGLang again)",
-           "fork": "fork a CPU server's children where it is safe, else spawn"}
+CHOICES = {"fork": "fork a CPU server's children where it is safe, else spawn",
+           "spawn": "spawn a server's children as SGLang does (each imports SGLang again)"}
 NUMA_ENV = "SGLANG_NUMA_BIND_V2"
 LAUNCHER_MODULES = ("sglang.launch_server",)
 _state = {"at_fork_registered": False}
@@ -65,8 +67,8 @@ def is_server_launcher() -> bool:
 
 def start_method(device: str | None, memory_saver: bool = False) -> tuple[str, str]:
     """(start method, why) for the children a server on `device` starts now."""
-    if env_choice(ENV, CHOICES, default="spawn") == "spawn":
-        return "spawn", f"{ENV}=spawn, the default"
+    if env_choice(ENV, CHOICES, default="fork") == "spawn":
+        return "spawn", f"{ENV}=spawn"
     if not str(device or "").startswith("cpu"):
         return "spawn", f"device {device}"
     if "fork" not in multiprocessing.get_all_start_methods():

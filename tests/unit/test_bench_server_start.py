@@ -26,6 +26,14 @@ def test_summary_has_medians_and_ratios() -> None:
             sample["decode_s"] = seconds
     table = server_start.markdown(server_start.summarize(samples), 3, "ragged")
     assert "| fork/spawn | x0.60 | x0.47 | x0.72 | x1.034 |" in table
+    # The rounds' own ratios: 0.9, 1.091, 1.111 (the medians' ratio is 1.0).
+    for method, seconds in (("fork", (9.0, 12.0, 10.0)), ("spawn", (10.0, 11.0, 9.0))):
+        for sample, s in zip(samples[method], seconds, strict=True):
+            sample["decode_s"] = s
+    summary = server_start.summarize(samples)
+    assert summary["fork/spawn"]["decode_s"] == pytest.approx(1.0)
+    assert summary["fork/spawn"]["decode_paired"] == pytest.approx(12.0 / 11.0)
+    assert "each round's fork/spawn ratio: x1.091." in server_start.markdown(summary, 3, "ragged")
 
 
 def test_the_ragged_server_is_the_readmes() -> None:
