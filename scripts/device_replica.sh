@@ -45,7 +45,7 @@ if [[ ! -f "$venv/.complete" ]]; then
 fi
 # This checkout, editable, and the stand-in's hook (both cheap: every call).
 "$venv/bin/pip" install -q --no-deps --no-build-isolation -e . >/dev/null
-"$venv/bin/python" -c 'from sgl_ragged.compat.sgl_kernel_cpu import write_import_hook as w; w()'
+"$venv/bin/python" -c 'from sgl_ragged.compat.import_hook import write_import_hook as w; w()'
 if [[ $# -eq 0 ]]; then
   echo "$venv/bin/python"
   exit 0

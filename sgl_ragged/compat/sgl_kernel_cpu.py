@@ -47,7 +47,7 @@ for ``convert_weight_packed``) off.
 
 Importing this module changes nothing; only :func:`install_if_needed` does, or, in
 every process of the project venv, the import hook that ``scripts/env.sh`` installs as a
-``.pth`` file (:data:`PTH_LINE`): it resolves the first ``import sgl_kernel`` to the real
+``.pth`` file (compat/import_hook.py): it resolves the first ``import sgl_kernel`` to the real
 package or, if that raises, to the stand-in.
 """
 
@@ -57,14 +57,14 @@ import ctypes
 import importlib.abc
 import logging
 import sys
-import sysconfig
 import types
 from collections.abc import Callable
 from importlib.machinery import ModuleSpec, PathFinder
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from sgl_ragged.compat.import_hook import DUAL_GEMM, gpu_only_spec
 
 logger = logging.getLogger(__name__)
 
@@ -426,28 +426,11 @@ def install_if_needed() -> bool:
 
 
 # --- startup import hook -----------------------------------------------------------------
-# SGLang's scheduler and detokenizer are spawned processes that import
+# SGLang's scheduler and detokenizer, where spawned, import
 # sglang.srt.mem_cache.memory_pool (which imports sgl_kernel) while unpickling their
 # target, before they load plugins; install_if_needed() from the plugin is too late there.
-# So scripts/env.sh writes PTH_LINE into a .pth file of the venv: at every interpreter
-# start it adds a torch-free meta-path finder that calls find_spec() below on the first
-# `import sgl_kernel` (and of DUAL_GEMM), and does nothing for any other name.
-
-PTH_NAME = "sgl_ragged_sgl_kernel_hook.pth"
-DUAL_GEMM = "sglang.kernels.ops.gemm.cutedsl_dual_gemm"
-"""Also hooked: SGLang's CuTe DSL dual GEMM module, which needs CUTLASS's DSL (compat.dual_gemm)."""
-HOOKED = ("sgl_kernel", DUAL_GEMM)
-_HOOK = "SglRaggedKernelHook"
-# One line, as .pth files require. site.py exec()s it inside a function, so the lambda may
-# use builtins only; the any(...) guard keeps it idempotent (venvs with a lib64 -> lib
-# symlink process their .pth files twice).
-PTH_LINE = (
-    "import sys; "
-    f"any(type(f).__name__ == '{_HOOK}' for f in sys.meta_path) or sys.meta_path.insert(0, "
-    f"type('{_HOOK}', (), {{'find_spec': staticmethod(lambda name, path=None, target=None: "
-    "__import__('sgl_ragged.compat.sgl_kernel_cpu', fromlist=['find_spec']).find_spec(name, path) "
-    f"if name in {HOOKED!r} else None)}})())"
-)
+# So the venv's startup hook (compat/import_hook.py, a .pth file scripts/env.sh writes) calls
+# find_spec() below on the first `import sgl_kernel` (and of DUAL_GEMM).
 
 
 class _RealOrStandInLoader(importlib.abc.Loader):
@@ -498,8 +481,9 @@ class _RealOrDualGemmStandInLoader(importlib.abc.Loader):
 
 
 def find_spec(name: str, path: list[str] | None = None) -> ModuleSpec | None:
-    """Spec for ``sgl_kernel`` or ``DUAL_GEMM`` (None for other names): the real module,
-    a stand-in where it fails to import.
+    """Spec for ``sgl_kernel`` or ``DUAL_GEMM``: the real module, a stand-in where it fails
+    to import; for a package of import_hook.GPU_ONLY, a failing import where it is skipped now;
+    None for other names.
 
     ``path`` is where to look for the real module (default: ``sys.path``; for DUAL_GEMM its
     parent package's ``__path__``, as the import system passes it).
@@ -511,7 +495,7 @@ def find_spec(name: str, path: list[str] | None = None) -> ModuleSpec | None:
             spec.origin, spec.has_location = real.origin, real.has_location
         return spec
     if name != "sgl_kernel":
-        return None
+        return gpu_only_spec(name)
     real = PathFinder.find_spec(name, path)
     spec = ModuleSpec(name, _RealOrStandInLoader(real), is_package=True)
     if real is not None:
@@ -520,9 +504,3 @@ def find_spec(name: str, path: list[str] | None = None) -> ModuleSpec | None:
         spec.submodule_search_locations = real.submodule_search_locations
     return spec
 
-
-def write_import_hook(site_packages: Path | None = None) -> Path:
-    """Write :data:`PTH_LINE` as ``PTH_NAME`` into ``site_packages`` (default: this venv's)."""
-    target = Path(site_packages or sysconfig.get_paths()["purelib"]) / PTH_NAME
-    target.write_text(PTH_LINE + "\n")
-    return target

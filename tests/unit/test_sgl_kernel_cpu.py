@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from sgl_ragged.compat import import_hook
 from sgl_ragged.compat import sgl_kernel_cpu as sk
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -355,11 +356,11 @@ def _run_with_hook(root: Path, check: str) -> None:
     """Run ``check`` in a fresh interpreter after site.py processed the hook's .pth twice."""
     site_dir = root / "site"
     site_dir.mkdir()
-    sk.write_import_hook(site_dir)
+    import_hook.write_import_hook(site_dir)
     code = (
         "import site, sys\n"
         f"site.addsitedir({str(site_dir)!r}); site.addsitedir({str(site_dir)!r})\n"
-        f"assert [type(f).__name__ for f in sys.meta_path].count({sk._HOOK!r}) == 1\n"
+        f"assert [type(f).__name__ for f in sys.meta_path].count({import_hook._HOOK!r}) == 1\n"
         "from sgl_ragged.compat import sgl_kernel_cpu as sk\n"
     )
     env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
@@ -404,9 +405,10 @@ def test_find_spec_ignores_other_names() -> None:
 
 
 def test_pth_line_is_one_import_line(tmp_path: Path) -> None:
-    path = sk.write_import_hook(tmp_path)
-    assert path.name == sk.PTH_NAME and path.read_text() == sk.PTH_LINE + "\n"
-    assert sk.PTH_LINE.startswith("import ") and "\n" not in sk.PTH_LINE
+    path = import_hook.write_import_hook(tmp_path)
+    assert path.name == import_hook.PTH_NAME and path.read_text() == import_hook.PTH_LINE + "\n"
+    assert import_hook.PTH_LINE.startswith("import ") and "\n" not in import_hook.PTH_LINE
+    compile(import_hook.PTH_LINE, import_hook.PTH_NAME, "exec")  # site.py only warns on errors
 
 
 def _dual_gemm_module(tmp_path, body: str):
