@@ -12,8 +12,8 @@ few module names (through ``sgl_kernel_cpu.find_spec``) and leaves every other i
   a try block from its quantization modules (2.4 s on a 2 GHz Zen 1, CUTLASS's DSL with it), and
   tvm_ffi imports ml_dtypes for its numpy dtype names (1.3 s, its extension's initialisation);
   SGLang itself calls FlashInfer available only on CUDA (``is_flashinfer_available``), and
-  tvm_ffi runs without ml_dtypes. A server's launcher imports 17 s of modules instead of 21.5
-  (docs/results.md, "Server starts by fork on the CPU").
+  tvm_ffi runs without ml_dtypes. A server's launcher imports in 19.0 s instead of 23.2 there
+  (docs/results.md, "FlashInfer and ml_dtypes not imported on a CPU").
 
 The module imports nothing heavy: the finder runs at every interpreter start and sees every
 import, and a process that never imports torch must not pay for it here.
