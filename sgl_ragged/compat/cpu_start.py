@@ -27,9 +27,9 @@ controller where there is one, and detokenizers), sets the start method for thei
   in the same rounds, measured without scripts/env.sh's environment. Under it (session 54,
   `bench.server_start --decode-tokens 128`, three runs of 3-6 alternating rounds, and the
   scheduler's CPU-seconds over 4 requests: 52.4 forked against 51.6 spawned, 49.6 against
-  49.7), the rounds' own ratios split 8 above 1.00, 7 below and 2 at it, over 0.92-1.09: a
-  percent or two either way is below what that machine resolves, against a start in 0.63x the
-  time and 0.73x the memory.
+  49.7), the rounds' own ratios split 9 above 1.00, 8 below and 2 at it, over 0.92-1.09, but
+  every run's medians came out 1.4-4.0% slower forked: a cost of a percent or two is possible
+  and unresolved there, against a start in 0.63x the time and 0.73x the memory.
 Every forked child takes spawn as its own method again (`os.register_at_fork`), so what it
 starts (the data-parallel controller launches its schedulers from threads) spawns as in SGLang.
 The plugin installs the hook in every SGLang process of the environment, stock servers too.
