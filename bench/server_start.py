@@ -1,7 +1,7 @@
 """Server starts on the CPU: children forked (compat/cpu_start.py) against spawned, side by side.
 
 Each round starts the same server once per start method (RAGGED_CPU_START_METHOD=fork, which
-forks a CPU server's children, the default, and =spawn, SGLang's own way), the order
+forks a CPU server's children, and =spawn, the default and SGLang's own way), the order
 alternating from round to round, and stops it before the next. For each start it records the seconds until
 /health_generate answers, the CPU-seconds the launcher and its children used until then, and the
 memory the tree holds (the sum of each process's proportional set size, shared pages split
@@ -13,6 +13,7 @@ more than between two servers of one round): <out>/server_start.json and server_
     python -m bench.server_start --rounds 3                    # the README's ragged server
     python -m bench.server_start --rounds 3 --backend torch_native   # stock SGLang
     python -m bench.server_start --rounds 4 --decode-tokens 128      # and decode speed
+    python -m bench.server_start --rounds 1 --decode-tokens 96 --paired-requests 24  # finer
 """
 
 from __future__ import annotations
@@ -59,17 +60,62 @@ def _tree_usage(root: psutil.Process) -> tuple[float, float]:
     return cpu, pss / 2**30
 
 
+def request_seconds(base_url: str, tokens: int) -> float:
+    """Seconds of one request decoding `tokens` greedy tokens."""
+    t0 = time.monotonic()
+    post(base_url, {"text": PROMPT, "sampling_params": {"max_new_tokens": tokens,
+                                                        "temperature": 0, "ignore_eos": True}})
+    return time.monotonic() - t0
+
+
 def decode_seconds(base_url: str, tokens: int, repeats: int = 3) -> float:
     """Median seconds of one request decoding `tokens` greedy tokens, after a warm-up."""
-    body = {"text": PROMPT, "sampling_params": {"max_new_tokens": tokens, "temperature": 0,
-                                                "ignore_eos": True}}
-    post(base_url, {**body, "sampling_params": {**body["sampling_params"], "max_new_tokens": 8}})
-    times = []
-    for _ in range(repeats):
-        t0 = time.monotonic()
-        post(base_url, body)
-        times.append(time.monotonic() - t0)
-    return statistics.median(times)
+    request_seconds(base_url, 8)
+    return statistics.median(request_seconds(base_url, tokens) for _ in range(repeats))
+
+
+def paired_decode(args: list[str], log_dir: Path, tokens: int, pairs: int
+                  ) -> dict[str, list[float]]:
+    """Both servers up at once (the idle one sleeps: --sleep-on-idle) and `pairs` requests of
+    `tokens` greedy tokens on each, alternating between them, the order swapped every pair. The
+    machine's drift then moves both halves of a pair alike, where restarted servers' rounds are
+    minutes apart (session 54: the rounds could not resolve a 3% difference, the pairs did)."""
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for method in METHODS:
+            servers[method] = ServerProcess(args, env={"RAGGED_CPU_START_METHOD": method},
+                                            log_path=log_dir / f"paired-{method}.log",
+                                            startup_timeout=900)
+            servers[method].start()
+        for server in servers.values():
+            request_seconds(server.base_url, 8)  # warm-up
+        times: dict[str, list[float]] = {m: [] for m in METHODS}
+        for i in range(pairs):
+            for method in METHODS if i % 2 == 0 else METHODS[::-1]:
+                times[method].append(request_seconds(servers[method].base_url, tokens))
+        return times
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def paired_summary(times: dict[str, list[float]]) -> dict[str, float]:
+    """Medians per method and the pairs' fork/spawn ratios: median, mean, standard deviation
+    and how many pairs were slower forked."""
+    ratios = [f / s for f, s in zip(times["fork"], times["spawn"], strict=True)]
+    return {"pairs": len(ratios), "fork_s": statistics.median(times["fork"]),
+            "spawn_s": statistics.median(times["spawn"]),
+            "ratio_median": statistics.median(ratios), "ratio_mean": statistics.mean(ratios),
+            "ratio_sd": statistics.stdev(ratios) if len(ratios) > 1 else 0.0,
+            "slower_forked": sum(r > 1 for r in ratios)}
+
+
+def paired_markdown(summary: dict[str, float], tokens: int) -> str:
+    return (f"Decode, both servers up, {summary['pairs']:.0f} alternating pairs of {tokens} "
+            f"tokens: forked {summary['fork_s']:.2f} s, spawned {summary['spawn_s']:.2f} s "
+            f"(medians); fork/spawn per pair median x{summary['ratio_median']:.3f}, mean "
+            f"x{summary['ratio_mean']:.3f} (sd {summary['ratio_sd']:.3f}), "
+            f"{summary['slower_forked']:.0f} pairs slower forked.\n")
 
 
 def start_once(args: list[str], method: str, log_dir: Path, decode_tokens: int = 0
@@ -147,22 +193,31 @@ def main() -> None:
                         help="ragged (the README's server) or a stock --attention-backend")
     parser.add_argument("--decode-tokens", type=int, default=0,
                         help="also time one request decoding this many tokens on each server")
+    parser.add_argument("--paired-requests", type=int, default=0,
+                        help="then both servers up at once, this many alternating pairs of "
+                             "--decode-tokens requests (the finer decode comparison)")
     parser.add_argument("--model", default=None, help="checkpoint (default: SmolLM2, converted)")
     parser.add_argument("--out", type=Path, default=Path("results/server-start"))
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.paired_requests and not args.decode_tokens:
+        parser.error("--paired-requests needs --decode-tokens")
     model = args.model or str(ensure_smollm2())
     launch = server_args(model, args.backend)
     log_dir = Path(tempfile.mkdtemp(prefix="server-start-"))
     print(f"{args.rounds} rounds x {len(METHODS)} server starts; logs in {log_dir}", flush=True)
     samples = measure(launch, args.rounds, log_dir, args.decode_tokens)
     summary = summarize(samples)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "server_start.json").write_text(json.dumps(
-        {"argv": sys.argv, "launch_args": launch, "samples": samples, "summary": summary},
-        indent=2))
     table = markdown(summary, args.rounds, args.backend)
+    result = {"argv": sys.argv, "launch_args": launch, "samples": samples, "summary": summary}
+    if args.paired_requests:
+        print(f"{args.paired_requests} alternating pairs on both servers", flush=True)
+        times = paired_decode(launch, log_dir, args.decode_tokens, args.paired_requests)
+        result["paired"] = {"times": times, "summary": paired_summary(times)}
+        table += "\n" + paired_markdown(result["paired"]["summary"], args.decode_tokens)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "server_start.json").write_text(json.dumps(result, indent=2))
     (args.out / "server_start.md").write_text(table)
     print(table)
 

@@ -18,6 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# The test suite's CPU servers fork their scheduler and detokenizer (compat/cpu_start.py): half
+# a server start's CPU time, and the suite starts some 65 servers. Users' servers spawn them
+# unless they ask (the default is SGLang's); tests/e2e/test_engine.py's in-process Engine spawns.
+os.environ.setdefault("RAGGED_CPU_START_METHOD", "fork")
 USER_INTERPRET = os.environ.get("TRITON_INTERPRET")  # as the user started pytest
 INTERPRET = not torch.cuda.is_available() or USER_INTERPRET == "1"
 

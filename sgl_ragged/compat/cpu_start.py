@@ -1,4 +1,4 @@
-"""A CPU server's scheduler and detokenizer processes started by fork instead of spawn.
+"""A CPU server's scheduler and detokenizer processes started by fork instead of spawn (opt-in).
 
 SGLang 0.5.23 starts its children with multiprocessing's spawn method (`_set_envs_and_config`):
 a process that has initialised CUDA cannot fork. A spawned child starts a fresh interpreter and
@@ -22,14 +22,12 @@ controller where there is one, and detokenizers), sets the start method for thei
   that builds an in-process `sglang.Engine` may have run anything, so it spawns;
 - nothing must run in front of the child's interpreter (SGLANG_NUMA_BIND_V2's numactl,
   `--enable-memory-saver`'s preload);
-- RAGGED_CPU_START_METHOD is `fork`, the default (`spawn` asks for SGLang's way). It was
-  opt-in in session 53, when the README's server, forked, had decoded 3.5% slower than spawned
-  in the same rounds, measured without scripts/env.sh's environment. Under it (session 54,
-  `bench.server_start --decode-tokens 128`, three runs of 3-6 alternating rounds, and the
-  scheduler's CPU-seconds over 4 requests: 52.4 forked against 51.6 spawned, 49.6 against
-  49.7), the rounds' own ratios split 9 above 1.00, 8 below and 2 at it, over 0.92-1.09, but
-  every run's medians came out 1.4-4.0% slower forked: a cost of a percent or two is possible
-  and unresolved there, against a start in 0.63x the time and 0.73x the memory.
+- RAGGED_CPU_START_METHOD is `fork`. It is not the default: the README's server, forked,
+  decodes about 3% slower than spawned (session 54, under scripts/env.sh: two servers up at
+  once, 24 requests of 96 tokens alternating between them, forked/spawned 1.031 on average,
+  18 of 24 pairs slower forked; not explained yet, and the scheduler's CPU-seconds matched),
+  so users get SGLang's spawn unless they ask; the test suite forks (tests/conftest.py),
+  where a start's CPU time is what counts.
 Every forked child takes spawn as its own method again (`os.register_at_fork`), so what it
 starts (the data-parallel controller launches its schedulers from threads) spawns as in SGLang.
 The plugin installs the hook in every SGLang process of the environment, stock servers too.
@@ -50,8 +48,8 @@ from sgl_ragged.compat import env_choice
 logger = logging.getLogger(__name__)
 
 ENV = "RAGGED_CPU_START_METHOD"
-CHOICES = {"fork": "fork a CPU server's children where it is safe, else spawn",
-           "spawn": "spawn a server's children as SGLang does (each imports SGLang again)"}
+CHOICES = {"spawn": "spawn a server's children as SGLang does (each imports SGLang again)",
+           "fork": "fork a CPU server's children where it is safe, else spawn"}
 NUMA_ENV = "SGLANG_NUMA_BIND_V2"
 LAUNCHER_MODULES = ("sglang.launch_server",)
 _state = {"at_fork_registered": False}
@@ -68,8 +66,8 @@ def is_server_launcher() -> bool:
 
 def start_method(device: str | None, memory_saver: bool = False) -> tuple[str, str]:
     """(start method, why) for the children a server on `device` starts now."""
-    if env_choice(ENV, CHOICES, default="fork") == "spawn":
-        return "spawn", f"{ENV}=spawn"
+    if env_choice(ENV, CHOICES, default="spawn") == "spawn":
+        return "spawn", f"{ENV}=spawn, the default"
     if not str(device or "").startswith("cpu"):
         return "spawn", f"device {device}"
     if "fork" not in multiprocessing.get_all_start_methods():

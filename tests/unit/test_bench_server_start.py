@@ -43,3 +43,15 @@ def test_the_ragged_server_is_the_readmes() -> None:
     stock = server_start.server_args("/m", "torch_native")
     assert stock[stock.index("--attention-backend") + 1] == "torch_native"
     assert "--ragged-profile" not in stock
+
+
+def test_paired_summary_ratios_per_pair() -> None:
+    times = {"fork": [10.0, 9.0, 12.0, 8.0], "spawn": [9.0, 10.0, 10.0, 8.0]}
+    summary = server_start.paired_summary(times)
+    ratios = [10 / 9, 0.9, 1.2, 1.0]
+    assert summary["pairs"] == 4 and summary["slower_forked"] == 2
+    assert summary["fork_s"] == pytest.approx(9.5) and summary["spawn_s"] == pytest.approx(9.5)
+    assert summary["ratio_median"] == pytest.approx((10 / 9 + 1.0) / 2)
+    assert summary["ratio_mean"] == pytest.approx(sum(ratios) / 4)
+    line = server_start.paired_markdown(summary, 96)
+    assert "4 alternating pairs of 96 tokens" in line and "2 pairs slower forked" in line

@@ -1,10 +1,10 @@
-"""compat/cpu_start.py: a CPU server's launcher forks its children (RAGGED_CPU_START_METHOD=fork,
-the default); everything else, and RAGGED_CPU_START_METHOD=spawn, spawns.
+"""compat/cpu_start.py: with RAGGED_CPU_START_METHOD=fork a CPU server's launcher forks its
+children; everything else, and the default, spawns.
 
 `start_method` is checked for each condition on its own; `launch_processes` in a fresh
 interpreter (one thread, as a launcher) really forks a child that sees the parent's state and
 spawns again itself, and puts the parent's previous method back. The servers of the test suite
-start by fork (tests/e2e/test_serving.py checks the launcher's log)."""
+start by fork (tests/conftest.py; tests/e2e/test_serving.py checks the launcher's log)."""
 
 from __future__ import annotations
 
@@ -22,29 +22,29 @@ from sgl_ragged.compat import cpu_start
 
 @pytest.fixture
 def launcher(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process as `python -m sglang.launch_server` with no other Python thread, the start
-    method left to its default."""
+    """This process as `python -m sglang.launch_server` with no other Python thread, forking
+    asked for."""
     main = types.ModuleType("__main__")
     main.__spec__ = types.SimpleNamespace(name="sglang.launch_server")
     monkeypatch.setitem(sys.modules, "__main__", main)
     monkeypatch.setattr(threading, "active_count", lambda: 1)
-    monkeypatch.delenv(cpu_start.ENV, raising=False)
+    monkeypatch.setenv(cpu_start.ENV, "fork")
     monkeypatch.delenv(cpu_start.NUMA_ENV, raising=False)
 
 
-def test_a_cpu_launcher_forks(launcher: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert cpu_start.start_method("cpu")[0] == "fork"  # the default
-    monkeypatch.setenv(cpu_start.ENV, "fork")
+def test_a_cpu_launcher_forks(launcher: None) -> None:
     assert cpu_start.start_method("cpu")[0] == "fork"
 
 
-@pytest.mark.parametrize("case", ["cuda", "env", "numa", "memory-saver", "engine", "threads",
+@pytest.mark.parametrize("case", ["cuda", "default", "env", "numa", "memory-saver", "engine", "threads",
                                   "sglang-run"])
 def test_everything_else_spawns(launcher: None, monkeypatch: pytest.MonkeyPatch, case: str
                                 ) -> None:
     device, saver = "cpu", False
     if case == "cuda":
         device = "cuda"
+    elif case == "default":
+        monkeypatch.delenv(cpu_start.ENV)
     elif case == "env":
         monkeypatch.setenv(cpu_start.ENV, "spawn")
     elif case == "numa":
@@ -105,7 +105,7 @@ CHILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_launch_processes_forks_and_puts_spawn_back(tmp_path, monkeypatch, device) -> None:
-    monkeypatch.delenv(cpu_start.ENV, raising=False)  # the default: fork
+    monkeypatch.setenv(cpu_start.ENV, "fork")
     script = tmp_path / "launcher.py"
     script.write_text(CHILD)
     done = subprocess.run([sys.executable, str(script), device], capture_output=True, text=True,
