@@ -60,6 +60,18 @@ def _tree_usage(root: psutil.Process) -> tuple[float, float]:
     return cpu, pss / 2**30
 
 
+def start_server(args: list[str], method: str, log: Path) -> ServerProcess:
+    """The server started with RAGGED_CPU_START_METHOD=`method`, checked (its log) to have
+    started its children so; stopped again if not."""
+    server = ServerProcess(args, env={"RAGGED_CPU_START_METHOD": method}, log_path=log,
+                           startup_timeout=900)
+    server.start()
+    if f"start by {method}" not in server.log_text():
+        server.stop()
+        raise RuntimeError(f"the server did not start its children by {method}: see {log}")
+    return server
+
+
 def request_seconds(base_url: str, tokens: int) -> float:
     """Seconds of one request decoding `tokens` greedy tokens."""
     t0 = time.monotonic()
@@ -83,10 +95,7 @@ def paired_decode(args: list[str], log_dir: Path, tokens: int, pairs: int
     servers: dict[str, ServerProcess] = {}
     try:
         for method in METHODS:
-            servers[method] = ServerProcess(args, env={"RAGGED_CPU_START_METHOD": method},
-                                            log_path=log_dir / f"paired-{method}.log",
-                                            startup_timeout=900)
-            servers[method].start()
+            servers[method] = start_server(args, method, log_dir / f"paired-{method}.log")
         for server in servers.values():
             request_seconds(server.base_url, 8)  # warm-up
         times: dict[str, list[float]] = {m: [] for m in METHODS}
@@ -122,14 +131,9 @@ def start_once(args: list[str], method: str, log_dir: Path, decode_tokens: int =
                ) -> dict[str, float]:
     """One server start under `method`: its ready time, CPU-seconds and memory (and with
     `decode_tokens`, one request's decode seconds), then stop it."""
-    log = log_dir / f"{method}-{time.monotonic_ns()}.log"
-    server = ServerProcess(args, env={"RAGGED_CPU_START_METHOD": method},
-                           log_path=log, startup_timeout=900)
-    server.start()
+    server = start_server(args, method, log_dir / f"{method}-{time.monotonic_ns()}.log")
     try:
         assert server.proc is not None
-        if f"start by {method}" not in server.log_text():
-            raise RuntimeError(f"the server did not start its children by {method}: see {log}")
         cpu, pss = _tree_usage(psutil.Process(server.proc.pid))
         sample = {"ready_s": float(server.startup_seconds or 0.0), "cpu_s": cpu, "pss_gb": pss}
         if decode_tokens:
