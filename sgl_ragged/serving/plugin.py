@@ -53,7 +53,15 @@ def register() -> None:
 
 def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
     """(dotted SGLang target, hook, kind) of every hook register() installs."""
-    from sgl_ragged.compat import cpu_gemm, cpu_lora, cpu_ops, cpu_start, cpu_tp, cpu_triton
+    from sgl_ragged.compat import (
+        cpu_gemm,
+        cpu_lora,
+        cpu_ops,
+        cpu_start,
+        cpu_tp,
+        cpu_triton,
+        shared_tokenizer,
+    )
     from sgl_ragged.serving import scheduler_hooks as hooks
     from sgl_ragged.serving import server_args
 
@@ -90,6 +98,8 @@ def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
          cpu_lora.init_lora_manager, HookType.AROUND),
         *((f"{_ENGINE}.{launch}", cpu_start.launch_processes, HookType.AROUND)
           for launch in ("_launch_scheduler_processes", "_launch_detokenizer_subprocesses")),
+        (f"{_SRT}.managers.scheduler.Scheduler.__init__", shared_tokenizer.share_tokenizers,
+         HookType.AROUND),
     ]
 
 

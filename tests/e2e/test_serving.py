@@ -40,6 +40,11 @@ def test_a_cpu_server_forks_its_children(ragged_server):
         assert f"{launch}: child processes start by fork (a CPU server's launcher)" in log
 
 
+def test_the_scheduler_loads_its_tokenizer_once(ragged_server):
+    """compat/shared_tokenizer.py: the model worker's identical load is shared, not repeated."""
+    assert "Scheduler: 1 of 2 get_tokenizer calls shared an earlier load" in ragged_server.log_text()
+
+
 def test_chat_completion_answers(ragged_server):
     out = _chat(ragged_server.base_url, [{"role": "user", "content": README_QUESTION}])
     text = out["choices"][0]["message"]["content"]
