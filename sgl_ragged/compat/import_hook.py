@@ -13,7 +13,11 @@ few module names (through ``sgl_kernel_cpu.find_spec``) and leaves every other i
   tvm_ffi imports ml_dtypes for its numpy dtype names (1.3 s, its extension's initialisation);
   SGLang itself calls FlashInfer available only on CUDA (``is_flashinfer_available``), and
   tvm_ffi runs without ml_dtypes. A server's launcher imports in 19.0 s instead of 23.2 there
-  (docs/results.md, "FlashInfer and ml_dtypes not imported on a CPU").
+  (docs/results.md, "FlashInfer and ml_dtypes not imported on a CPU"). CUTLASS's Python DSL
+  (``cutlass``, nvidia-cutlass-dsl) builds GPU kernels only; a CPU scheduler's model registry
+  imported it for Inkling's CuTe flash attention, whose two architectures now leave the CPU
+  registry (SGLang logs the import error it ignores), and SGLang's CuTe DSL dual GEMM module
+  gets its stand-in, as where CUTLASS is not installed.
 
 The module imports nothing heavy: the finder runs at every interpreter start and sees every
 import, and a process that never imports torch must not pay for it here.
@@ -34,7 +38,7 @@ PTH_NAME = "sgl_ragged_sgl_kernel_hook.pth"
 DUAL_GEMM = "sglang.kernels.ops.gemm.cutedsl_dual_gemm"
 """SGLang's CuTe DSL dual GEMM module, which needs CUTLASS's DSL (compat.dual_gemm)."""
 STANDINS = ("sgl_kernel", DUAL_GEMM)
-GPU_ONLY = ("flashinfer", "ml_dtypes")
+GPU_ONLY = ("flashinfer", "ml_dtypes", "cutlass")
 """Top-level packages a CPU process of the venv does not import (see the module docstring)."""
 ENV = "RAGGED_GPU_ONLY_IMPORTS"
 CHOICES = {"skip": "import GPU_ONLY packages as if not installed where torch sees no GPU",
@@ -42,16 +46,20 @@ CHOICES = {"skip": "import GPU_ONLY packages as if not installed where torch see
 _HOOK = "SglRaggedKernelHook"
 # One line, as .pth files require. site.py exec()s it inside a function, so the lambda may
 # use builtins only; the any(...) guard keeps it idempotent (venvs with a lib64 -> lib
-# symlink process their .pth files twice). GPU_ONLY names reach the hook only once torch is
-# imported (before, they could not be skipped anyway). It calls sgl_kernel_cpu.find_spec, which
-# every version of this package has: a venv whose line is newer than the checkout installed in it
-# (an older commit checked out in place) still imports.
+# symlink process their .pth files twice). STANDINS go to sgl_kernel_cpu.find_spec (every
+# version of this package has it). GPU_ONLY names reach the hook only once torch is imported
+# (before, they could not be skipped anyway), and go to this module's gpu_only_spec, which
+# imports nothing: torch's own import looks `cutlass` up (importlib.util.find_spec) while
+# sgl_kernel_cpu, which imports torch, may be half-initialized. A checkout older than this
+# module then fails GPU_ONLY imports as missing, which their importers' try blocks take as absent.
 PTH_LINE = (
     "import sys; "
     f"any(type(f).__name__ == '{_HOOK}' for f in sys.meta_path) or sys.meta_path.insert(0, "
     f"type('{_HOOK}', (), {{'find_spec': staticmethod(lambda name, path=None, target=None: "
     "__import__('sgl_ragged.compat.sgl_kernel_cpu', fromlist=['find_spec']).find_spec(name, path) "
-    f"if name in {STANDINS!r} or name in {GPU_ONLY!r} and 'torch' in __import__('sys').modules "
+    f"if name in {STANDINS!r} else "
+    "__import__('sgl_ragged.compat.import_hook', fromlist=['gpu_only_spec']).gpu_only_spec(name) "
+    f"if name in {GPU_ONLY!r} and 'torch' in __import__('sys').modules "
     "else None)})())"
 )
 

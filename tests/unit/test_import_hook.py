@@ -1,9 +1,9 @@
 """compat/import_hook.py: the venv's startup hook skips GPU_ONLY packages where torch is imported
 and sees no GPU, imports them everywhere else, and says how to have them imported.
 
-Fake packages stand in for FlashInfer and ml_dtypes in fresh interpreters that read the hook's
+Fake packages stand in for FlashInfer, ml_dtypes and CUTLASS's DSL in fresh interpreters that read the hook's
 ``.pth`` as site.py does (torch told there is no GPU); the last test imports SGLang's
-quantization modules in this venv (its hook written by scripts/env.sh)."""
+quantization modules and model registry in this venv (its hook written by scripts/env.sh)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,18 @@ def test_imported_before_torch_without_importing_it(tmp_path: Path) -> None:
     _run(tmp_path, imports + "assert 'torch' not in sys.modules\n")
 
 
+@pytest.mark.parametrize("first", ["torch", "sgl_kernel"])
+def test_torch_imports_under_the_hook(tmp_path: Path, first: str) -> None:
+    """torch's own import looks `cutlass` up (torch._native's CuTe DSL check) while it is
+    half-initialized, and `import sgl_kernel` imports torch from inside sgl_kernel_cpu: the hook
+    answers GPU_ONLY names from import_hook, which imports no torch, not from sgl_kernel_cpu
+    (half-initialized there: AttributeError)."""
+    _run(tmp_path, f"import {first}\nimport torch\n" + NO_GPU +
+         "import importlib.util\n"
+         "assert importlib.util.find_spec('cutlass') is not None\n"
+         f"assert ('sgl_ragged.compat.sgl_kernel_cpu' in sys.modules) == {first == 'sgl_kernel'}\n")
+
+
 def test_imported_where_there_is_a_gpu_or_where_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(import_hook.ENV, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -80,16 +92,20 @@ def test_other_names_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     assert import_hook.gpu_only_spec("numpy") is None
 
 
-def test_sglang_quantization_imports_without_them() -> None:
-    """SGLang's quantization modules import FlashInfer in a try block and tvm_ffi ml_dtypes:
-    on this machine neither is imported, and SGLang's own check finds FlashInfer unavailable
-    (the venv's .pth is scripts/env.sh's; skipped where torch sees a GPU)."""
+def test_sglang_imports_without_them() -> None:
+    """SGLang's quantization modules import FlashInfer in a try block and tvm_ffi ml_dtypes, its
+    model registry CUTLASS's DSL (Inkling): on this machine none is imported, SGLang's own check
+    finds FlashInfer unavailable, and the registry keeps the rest (the venv's .pth is
+    scripts/env.sh's; skipped where torch sees a GPU)."""
     code = ("import sys, torch\n"
             "if torch.cuda.is_available():\n    sys.exit(0)\n"
             "import sglang.srt.layers.quantization\n"
             "from sglang.srt.utils import is_flashinfer_available\n"
             "assert not is_flashinfer_available()\n"
-            "left = [m for m in sys.modules if m.split('.')[0] in ('flashinfer', 'ml_dtypes')]\n"
+            "from sglang.srt.models.registry import ModelRegistry\n"
+            "archs = ModelRegistry.get_supported_archs()\n"
+            "assert 'LlamaForCausalLM' in archs and 'Qwen2VLForConditionalGeneration' in archs\n"
+            f"left = [m for m in sys.modules if m.split('.')[0] in {import_hook.GPU_ONLY!r}]\n"
             "assert not left, left\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
