@@ -60,6 +60,26 @@ def _tree_usage(root: psutil.Process) -> tuple[float, float]:
     return cpu, pss / 2**30
 
 
+def scheduler_seconds(root: psutil.Process) -> tuple[float, float]:
+    """(seconds on a CPU, seconds waiting in the run queue) so far, summed over every thread of
+    the scheduler processes under `root` (Linux's /proc/<pid>/task/<tid>/schedstat)."""
+    on_cpu = queued = 0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            if "scheduler" not in proc.name():
+                continue
+            tasks = list(Path(f"/proc/{proc.pid}/task").iterdir())
+        except (psutil.NoSuchProcess, FileNotFoundError):
+            continue
+        for task in tasks:
+            try:
+                ran, waited, _ = (int(x) for x in (task / "schedstat").read_text().split())
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # a thread that ended meanwhile
+            on_cpu, queued = on_cpu + ran, queued + waited
+    return on_cpu / 1e9, queued / 1e9
+
+
 def start_server(args: list[str], method: str, log: Path) -> ServerProcess:
     """The server started with RAGGED_CPU_START_METHOD=`method`, checked (its log) to have
     started its children so; stopped again if not."""
@@ -87,44 +107,72 @@ def decode_seconds(base_url: str, tokens: int, repeats: int = 3) -> float:
 
 
 def paired_decode(args: list[str], log_dir: Path, tokens: int, pairs: int
-                  ) -> dict[str, list[float]]:
+                  ) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]]]:
     """Both servers up at once (the idle one sleeps: --sleep-on-idle) and `pairs` requests of
     `tokens` greedy tokens on each, alternating between them, the order swapped every pair. The
     machine's drift then moves both halves of a pair alike, where restarted servers' rounds are
-    minutes apart (session 54: the rounds could not resolve a 3% difference, the pairs did)."""
+    minutes apart (session 54: the rounds could not resolve a 3% difference, the pairs did).
+    Returns each request's seconds per method, and its scheduler's CPU-seconds and run-queue
+    seconds during it (`scheduler_seconds`: a slower request shows whether it computed longer
+    or waited)."""
     servers: dict[str, ServerProcess] = {}
     try:
         for method in METHODS:
             servers[method] = start_server(args, method, log_dir / f"paired-{method}.log")
+        roots = {m: psutil.Process(s.proc.pid) for m, s in servers.items()
+                 if s.proc is not None}
         for server in servers.values():
             request_seconds(server.base_url, 8)  # warm-up
         times: dict[str, list[float]] = {m: [] for m in METHODS}
+        counters: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
         for i in range(pairs):
             for method in METHODS if i % 2 == 0 else METHODS[::-1]:
+                cpu0, wait0 = scheduler_seconds(roots[method])
                 times[method].append(request_seconds(servers[method].base_url, tokens))
-        return times
+                cpu1, wait1 = scheduler_seconds(roots[method])
+                counters[method].append({"cpu_s": cpu1 - cpu0, "wait_s": wait1 - wait0})
+        return times, counters
     finally:
         for server in servers.values():
             server.stop()
 
 
-def paired_summary(times: dict[str, list[float]]) -> dict[str, float]:
+def paired_summary(times: dict[str, list[float]],
+                   counters: dict[str, list[dict[str, float]]] | None = None
+                   ) -> dict[str, float]:
     """Medians per method and the pairs' fork/spawn ratios: median, mean, standard deviation
-    and how many pairs were slower forked."""
+    and how many pairs were slower forked; with `counters`, the schedulers' median CPU-seconds
+    and run-queue seconds a request and the mean of the pairs' CPU-seconds ratios."""
     ratios = [f / s for f, s in zip(times["fork"], times["spawn"], strict=True)]
-    return {"pairs": len(ratios), "fork_s": statistics.median(times["fork"]),
-            "spawn_s": statistics.median(times["spawn"]),
-            "ratio_median": statistics.median(ratios), "ratio_mean": statistics.mean(ratios),
-            "ratio_sd": statistics.stdev(ratios) if len(ratios) > 1 else 0.0,
-            "slower_forked": sum(r > 1 for r in ratios)}
+    summary = {"pairs": len(ratios), "fork_s": statistics.median(times["fork"]),
+               "spawn_s": statistics.median(times["spawn"]),
+               "ratio_median": statistics.median(ratios), "ratio_mean": statistics.mean(ratios),
+               "ratio_sd": statistics.stdev(ratios) if len(ratios) > 1 else 0.0,
+               "slower_forked": sum(r > 1 for r in ratios)}
+    if counters:
+        for method in METHODS:
+            for key in ("cpu_s", "wait_s"):
+                summary[f"{method}_sched_{key}"] = statistics.median(
+                    c[key] for c in counters[method])
+        summary["sched_cpu_ratio_mean"] = statistics.mean(
+            f["cpu_s"] / s["cpu_s"] for f, s in zip(counters["fork"], counters["spawn"],
+                                                    strict=True))
+    return summary
 
 
 def paired_markdown(summary: dict[str, float], tokens: int) -> str:
-    return (f"Decode, both servers up, {summary['pairs']:.0f} alternating pairs of {tokens} "
+    text = (f"Decode, both servers up, {summary['pairs']:.0f} alternating pairs of {tokens} "
             f"tokens: forked {summary['fork_s']:.2f} s, spawned {summary['spawn_s']:.2f} s "
             f"(medians); fork/spawn per pair median x{summary['ratio_median']:.3f}, mean "
             f"x{summary['ratio_mean']:.3f} (sd {summary['ratio_sd']:.3f}), "
             f"{summary['slower_forked']:.0f} pairs slower forked.\n")
+    if "sched_cpu_ratio_mean" in summary:
+        text += (f"Schedulers a request (medians): forked {summary['fork_sched_cpu_s']:.2f} "
+                 f"CPU-s, {summary['fork_sched_wait_s']:.2f} s waiting for a CPU; spawned "
+                 f"{summary['spawn_sched_cpu_s']:.2f} CPU-s, {summary['spawn_sched_wait_s']:.2f} "
+                 f"s waiting; CPU-seconds fork/spawn per pair mean "
+                 f"x{summary['sched_cpu_ratio_mean']:.3f}.\n")
+    return text
 
 
 def start_once(args: list[str], method: str, log_dir: Path, decode_tokens: int = 0
@@ -217,8 +265,10 @@ def main() -> None:
     result = {"argv": sys.argv, "launch_args": launch, "samples": samples, "summary": summary}
     if args.paired_requests:
         print(f"{args.paired_requests} alternating pairs on both servers", flush=True)
-        times = paired_decode(launch, log_dir, args.decode_tokens, args.paired_requests)
-        result["paired"] = {"times": times, "summary": paired_summary(times)}
+        times, counters = paired_decode(launch, log_dir, args.decode_tokens,
+                                        args.paired_requests)
+        result["paired"] = {"times": times, "scheduler": counters,
+                            "summary": paired_summary(times, counters)}
         table += "\n" + paired_markdown(result["paired"]["summary"], args.decode_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "server_start.json").write_text(json.dumps(result, indent=2))

@@ -55,3 +55,43 @@ def test_paired_summary_ratios_per_pair() -> None:
     assert summary["ratio_mean"] == pytest.approx(sum(ratios) / 4)
     line = server_start.paired_markdown(summary, 96)
     assert "4 alternating pairs of 96 tokens" in line and "2 pairs slower forked" in line
+
+
+def test_paired_summary_with_the_schedulers_counters() -> None:
+    times = {"fork": [10.0, 9.0], "spawn": [9.0, 10.0]}
+    counters = {"fork": [{"cpu_s": 11.0, "wait_s": 0.5}, {"cpu_s": 10.0, "wait_s": 0.7}],
+                "spawn": [{"cpu_s": 10.0, "wait_s": 0.4}, {"cpu_s": 12.5, "wait_s": 0.6}]}
+    summary = server_start.paired_summary(times, counters)
+    assert summary["fork_sched_cpu_s"] == pytest.approx(10.5)
+    assert summary["spawn_sched_wait_s"] == pytest.approx(0.5)
+    assert summary["sched_cpu_ratio_mean"] == pytest.approx((1.1 + 0.8) / 2)
+    text = server_start.paired_markdown(summary, 96)
+    assert "forked 10.50 CPU-s, 0.60 s waiting for a CPU" in text
+    assert "CPU-seconds fork/spawn per pair mean x0.950" in text
+
+
+def test_scheduler_seconds_reads_a_scheduler_tree() -> None:
+    """Only processes named as SGLang's schedulers count (this test's own process does not),
+    and their counters only grow."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    code = ("import setproctitle, time\nsetproctitle.setproctitle('sglang::scheduler')\n"
+            "sum(i * i for i in range(3_000_000))\ntime.sleep(30)\n")
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        me = psutil.Process(os.getpid())
+        for _ in range(100):
+            cpu, wait = server_start.scheduler_seconds(me)
+            if cpu > 0.05:
+                break
+            time.sleep(0.1)
+        assert cpu > 0.05 and wait >= 0.0
+        assert server_start.scheduler_seconds(psutil.Process(child.pid))[0] >= cpu
+    finally:
+        child.kill()
+        child.wait()
