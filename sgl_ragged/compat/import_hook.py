@@ -1,6 +1,7 @@
 """The project venv's startup import hook: one meta-path finder, installed by a ``.pth`` file
 (:data:`PTH_LINE`, written by scripts/env.sh) in every interpreter of the venv, that handles a
-few module names (through ``sgl_kernel_cpu.find_spec``) and leaves every other import alone.
+few module names (:data:`STANDINS` through ``sgl_kernel_cpu.find_spec``, :data:`GPU_ONLY`
+through :func:`gpu_only_spec`) and leaves every other import alone.
 
 - ``sgl_kernel`` and SGLang's CuTe DSL dual GEMM module (:data:`DUAL_GEMM`): the real
   module, or a stand-in where it cannot load (compat/sgl_kernel_cpu.py). SGLang's spawned

@@ -482,8 +482,9 @@ class _RealOrDualGemmStandInLoader(importlib.abc.Loader):
 
 def find_spec(name: str, path: list[str] | None = None) -> ModuleSpec | None:
     """Spec for ``sgl_kernel`` or ``DUAL_GEMM``: the real module, a stand-in where it fails
-    to import; for a package of import_hook.GPU_ONLY, a failing import where it is skipped now;
-    None for other names.
+    to import; for a package of import_hook.GPU_ONLY, a failing import where it is skipped now
+    (the .pth line of session 54 sent those names here; today's sends them to
+    import_hook.gpu_only_spec directly); None for other names.
 
     ``path`` is where to look for the real module (default: ``sys.path``; for DUAL_GEMM its
     parent package's ``__path__``, as the import system passes it).

@@ -1,9 +1,10 @@
 """compat/import_hook.py: the venv's startup hook skips GPU_ONLY packages where torch is imported
 and sees no GPU, imports them everywhere else, and says how to have them imported.
 
-Fake packages stand in for FlashInfer, ml_dtypes and CUTLASS's DSL in fresh interpreters that read the hook's
-``.pth`` as site.py does (torch told there is no GPU); the last test imports SGLang's
-quantization modules and model registry in this venv (its hook written by scripts/env.sh)."""
+Fake packages stand in for FlashInfer, ml_dtypes and CUTLASS's DSL in fresh interpreters that
+read the hook's ``.pth`` as site.py does (torch told there is no GPU); the last test imports
+SGLang's quantization modules and model registry in this venv (its hook written by
+scripts/env.sh)."""
 
 from __future__ import annotations
 
