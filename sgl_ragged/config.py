@@ -116,6 +116,11 @@ FLAGS = (
          "(not expected_attention)."),
     Flag("check-integrity", "RAGGED_CHECK_INTEGRITY", "0",
          "1 = run the pool's integrity check after every forward pass (debugging, tests)."),
+    Flag("hold-history", "RAGGED_HOLD_HISTORY", "0",
+         "Seconds to keep a finished request's conversation in the radix cache for its next "
+         "turn (0 = off): admission neither evicts it nor counts it as room meanwhile. For "
+         "multi-turn chat whose active histories outgrow the pool; any backend "
+         "(serving/history_holds.py)."),
 )
 
 

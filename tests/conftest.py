@@ -65,7 +65,7 @@ E2E_B_MODULES = ("test_equivalence.py", "test_precision.py",  # oracle_pair
                  "test_native_attention.py", "test_tensor_parallel.py",
                  "test_pipeline_parallel.py", "test_embeddings.py", "test_lora.py",
                  "test_classifiers.py",
-                 "test_vision_compressed.py")
+                 "test_vision_compressed.py", "test_history_holds.py")
 """tests/e2e modules of shard e2e-b (about half of the end-to-end server time); the others,
 the shared ragged_server's modules among them, are e2e-a (test_architectures.py too since
 session 42, test_calibrated_profile.py since session 44: with them e2e-b ran 32 min against

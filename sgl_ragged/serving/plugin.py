@@ -19,10 +19,7 @@ _POOL_CONFIGURATOR = f"{_SRT}.model_executor.pool_configurator.DefaultPoolConfig
 _PLATFORM = f"{_SRT}.platforms.interface.SRTPlatform"
 _OPENAI = f"{_SRT}.entrypoints.openai"
 _ENGINE = f"{_SRT}.entrypoints.engine.Engine"
-_TREES = (
-    f"{_SRT}.mem_cache.unified_radix_cache.UnifiedRadixCache.checkpoint",
-    f"{_SRT}.mem_cache.radix_cache.RadixCache.checkpoint",
-)
+_TREES = (f"{_SRT}.mem_cache.unified_radix_cache.UnifiedRadixCache", f"{_SRT}.mem_cache.radix_cache.RadixCache")
 
 
 def register() -> None:
@@ -62,8 +59,8 @@ def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
         cpu_triton,
         shared_tokenizer,
     )
+    from sgl_ragged.serving import history_holds, server_args
     from sgl_ragged.serving import scheduler_hooks as hooks
-    from sgl_ragged.serving import server_args
 
     return [
         (f"{_SRT}.server_args.ServerArgs.add_cli_args", server_args.after_add_cli_args, HookType.AFTER),
@@ -82,7 +79,13 @@ def hook_table() -> list[tuple[str, Callable[..., Any], HookType]]:
          hooks.extend_forward_kwargs, HookType.AROUND),
         (f"{_SRT}.models.utils.enable_fused_set_kv_buffer", hooks.fused_set_kv_buffer,
          HookType.AROUND),
-        *((tree, hooks.checkpoint, HookType.AROUND) for tree in _TREES),
+        *((f"{tree}.checkpoint", hooks.checkpoint, HookType.AROUND) for tree in _TREES),
+        *((f"{tree}.checkpoint", history_holds.after_checkpoint, HookType.AFTER) for tree in _TREES),
+        *((f"{tree}.reset", history_holds.after_reset, HookType.AFTER) for tree in _TREES),
+        (f"{_SRT}.managers.scheduler.Scheduler.get_new_batch_prefill",
+         history_holds.around_get_new_batch_prefill, HookType.AROUND),
+        (f"{_SRT}.managers.schedule_batch.ScheduleBatch.check_decode_mem",
+         history_holds.around_check_decode_mem, HookType.AROUND),
         (f"{_SRT}.distributed.parallel_state.init_model_parallel_group",
          cpu_tp.init_model_parallel_group, HookType.AROUND),
         (f"{_SRT}.layers.quantization.unquant.UnquantizedLinearMethod.apply", cpu_gemm.apply,

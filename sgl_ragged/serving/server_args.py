@@ -23,6 +23,7 @@ from sgl_ragged.config import (
 )
 from sgl_ragged.precision import tier_precision
 from sgl_ragged.profile import ModelFreeKind, ModelShape, model_free_kind, model_shape
+from sgl_ragged.serving.history_holds import hold_seconds
 from sgl_ragged.tp import resolve_rank_profiles
 
 logger = logging.getLogger(__name__)
@@ -130,11 +131,12 @@ def validate_ragged_args(server_args: Any, previous: Any) -> None:
     previous(server_args)
     cpu_gemm.validate()  # RAGGED_CPU_GEMM and RAGGED_CPU_OPS are read by every server of
     cpu_ops.validate()  # the environment
-    if not is_active():
-        return
     from sglang.srt.arg_groups.model_override_base import resolving_view
 
     cfg = resolving_view(server_args)
+    _check_history_holds(cfg)  # any backend
+    if not is_active():
+        return
     chunk = cfg.chunked_prefill_size
     if chunk is not None and chunk > 0 and chunk % cfg.page_size != 0:
         raise ValueError(
@@ -142,6 +144,19 @@ def validate_ragged_args(server_args: Any, previous: Any) -> None:
             "the ragged backend compresses whole pages, so every prefill chunk must end on a page "
             f"boundary; use e.g. --chunked-prefill-size {max(1, chunk // cfg.page_size) * cfg.page_size}"
         )
+
+
+def _check_history_holds(cfg: Any) -> None:
+    """--ragged-hold-history: seconds, and only where one scheduler decides alone."""
+    if hold_seconds() <= 0:
+        return
+    for flag, size in (("--tp-size", cfg.tp_size), ("--pp-size", cfg.pp_size)):
+        if (size or 1) > 1:
+            raise ValueError(
+                f"--ragged-hold-history is not supported with {flag} {size}: each rank would "
+                "end its holds by its own clock and the ranks' schedules would part; serve "
+                "replicas (--dp-size, or sglang_router) with it, or drop the flag"
+            )
 
 
 # --kv-cache-dtype values that keep the model's 16-bit rows (the ragged storage's input).

@@ -1,0 +1,82 @@
+"""--ragged-hold-history on a served ragged pool: a conversation's history outlives a new
+session's prompt that would evict it, the new session is still served, and nothing leaks.
+
+The server's pool (2304 logical tokens) holds a decoding request, one 900-token conversation
+and a bit more; a new 1500-token prompt fits only if that conversation's pages are evicted. While the conversation is held, the new prompt waits, the conversation's next turn is
+admitted first and finds its whole history cached; once the hold's time is up, the same sequence
+evicts the history (the next turn prefills it again), as SGLang's own admission does. Every
+forward runs the pool's integrity check.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.e2e.conftest import COMMON, PAGE, _start, post
+
+pytestmark = pytest.mark.e2e
+
+HOLD_SECONDS = 8
+
+
+@pytest.fixture(scope="module")
+def held_server(request, model_path):
+    from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
+    from tests.e2e.conftest import REPO
+
+    return _start(request, ["--model-path", model_path, *COMMON, "--attention-backend", "ragged",
+                            "--ragged-profile", str(REPO / DEFAULT_PROFILE),
+                            "--ragged-precision", DEFAULT_PRECISION, "--max-total-tokens", "2304",
+                            "--max-running-requests", "4",
+                            "--ragged-hold-history", str(HOLD_SECONDS)], "held")
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+def _generate(base_url: str, ids: list[int], tokens: int) -> dict:
+    out = post(base_url, "/generate", {"input_ids": ids, "sampling_params": {
+        "max_new_tokens": tokens, "min_new_tokens": tokens, "temperature": 0}}, timeout=600)
+    return {"ids": out["output_ids"], **out["meta_info"]}
+
+
+def _turns(base_url: str, seed: int, wait: float) -> tuple[dict, dict, dict, dict]:
+    """A conversation's turn 1 (900 tokens); `wait` seconds later a request that decodes 320
+    tokens (the server stays busy); then a new session's 1500-token prompt; a second later the
+    conversation's turn 2 (its history and 40 new tokens)."""
+    history = _ids(seed, 900)
+    first = _generate(base_url, history, 4)
+    time.sleep(wait)
+    with ThreadPoolExecutor(2) as pool:
+        busy = pool.submit(_generate, base_url, _ids(seed + 1, 64), 320)
+        time.sleep(1.5)
+        new = pool.submit(_generate, base_url, _ids(seed + 2, 1500), 4)
+        time.sleep(1)
+        second = _generate(base_url, history + first["ids"] + _ids(seed + 3, 40), 4)
+        return first, second, new.result(), busy.result()
+
+
+def test_a_held_history_outlives_a_new_session_that_would_evict_it(held_server):
+    base = held_server.base_url
+    history = 900 // PAGE * PAGE  # the tree keeps whole pages
+
+    # Once the hold's time is up (first, on the fresh tree: nothing older to evict), the new
+    # session's prompt evicts the history and the next turn prefills it again.
+    first, second, new, busy = _turns(base, 10, HOLD_SECONDS + 2.0)
+    assert second["cached_tokens"] < history, (first, second)  # its last pages went
+    assert new["completion_tokens"] == 4 and busy["completion_tokens"] == 320
+
+    # Within the hold's time the new session waits and the turn finds its history cached.
+    first, second, new, busy = _turns(base, 20, 0.0)
+    assert second["cached_tokens"] >= history, (first, second)
+    assert new["completion_tokens"] == 4 and busy["completion_tokens"] == 320
+    assert new["e2e_latency"] > second["e2e_latency"] + 1  # sent a second before, done after
+
+    health = post(base, "/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 2}})
+    assert health["meta_info"]["completion_tokens"] == 2
