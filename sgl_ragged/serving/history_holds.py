@@ -137,22 +137,6 @@ class HistoryHolds:
                 best, best_len = node, len(hold.tokens)
         return best
 
-    def release_oldest(self, waiting: Iterable[Any] = ()) -> bool:
-        """End the oldest hold that no waiting request continues and that is past the first
-        half of its time, else the oldest of the others; False if there is none. A hold
-        taken a moment ago is never first: the scheduler passes between a turn's end and its
-        next turn's arrival."""
-        now = self.clock()
-        matched = self.waiting_nodes(waiting)
-
-        def kept(node: Any) -> bool:
-            return node in matched or now - self.holds[node].taken < self.seconds / 2
-
-        if not self.holds:
-            return False
-        self.release(min(self.holds, key=lambda n: (kept(n), self.holds[n].taken)))
-        return True
-
     def held_turns_first(self, waiting: list[Any]) -> None:
         """Order the waiting queue (in place, stably) so that requests that continue a held
         conversation come first: under first-come-first-served a new session at the head, whose
@@ -162,10 +146,21 @@ class HistoryHolds:
             waiting.sort(key=lambda req: self._held_node(req) is None)
 
     def relieve(self, waiting: Iterable[Any] = ()) -> bool:
-        """release_oldest under memory pressure (counted)."""
-        released = self.release_oldest(waiting)
-        self.released_under_pressure += released
-        return released
+        """Under memory pressure, end the oldest hold that no waiting request continues and that
+        is past the first half of its time, else the oldest of the others (counted); False if
+        there is none. A hold taken a moment ago is never first: the scheduler passes between a
+        turn's end and its next turn's arrival."""
+        if not self.holds:
+            return False
+        now = self.clock()
+        matched = self.waiting_nodes(waiting)
+
+        def kept(node: Any) -> bool:
+            return node in matched or now - self.holds[node].taken < self.seconds / 2
+
+        self.release(min(self.holds, key=lambda n: (kept(n), self.holds[n].taken)))
+        self.released_under_pressure += 1
+        return True
 
     def log_now_and_then(self, every: float = 60.0) -> None:
         """One info line a minute while holds are in use: what they did since the start."""
@@ -242,7 +237,7 @@ def around_check_decode_mem(original: Any, batch: Any, *args: Any, **kwargs: Any
     """AROUND ScheduleBatch.check_decode_mem: end holds (oldest first) before SGLang retracts a
     running request for room."""
     fits = original(batch, *args, **kwargs)
-    holds = _existing(batch.tree_cache)
+    holds = None if fits else _existing(batch.tree_cache)
     while not fits and holds is not None and holds.relieve():
         fits = original(batch, *args, **kwargs)
     return fits
