@@ -10,6 +10,10 @@ OpenAI-compatible chat endpoint (streamed, for TTFT and TPOT).
     # N workers (each at that budget) behind SGLang's router, by routing policy:
     python -m bench.multiturn --launch router:2:cache_aware:ragged:uniform:0.3 \
         --launch router:2:round_robin:ragged:uniform:0.3 --kv-budget-tokens 8192 ...
+    # a flag on and off (words after a target are its own launch_server arguments), all servers
+    # up at once and measured in alternation, three rounds (medians in multiturn.md):
+    python -m bench.multiturn --launch ragged:uniform:0.3 \
+        --launch 'ragged:uniform:0.3 --ragged-hold-history 2' --rounds 3 ...
     # on a GPU (stock `triton`, here also with fp8 KV entries; scripts/gpu_multiturn.sh):
     python -m bench.multiturn --device cuda --model M --launch baseline \
         --launch baseline@fp8_e4m3 --launch ragged@int4:uniform:0.3 ...
@@ -32,6 +36,7 @@ import contextlib
 import json
 import math
 import random
+import re
 import sys
 import time
 import urllib.request
@@ -226,6 +231,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                             "its runs): one start's time instead of one per server, where the "
                             "machine holds them all (a lent GPU). A server that fails to start "
                             "beside the others is started again alone after them")
+    where.add_argument("--rounds", type=int, default=1,
+                       help="measure every launched server this many times, all of them up at "
+                            "once, alternating their order round by round (an A/B on a machine "
+                            "that drifts: multiturn.md adds the medians over the rounds)")
     where.add_argument("--dry-run", action="store_true",
                        help="print each --launch target's budget, arguments and environment "
                             "(and write plan.json); start nothing")
@@ -253,17 +262,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if bool(args.base_url) == bool(args.launch):
         p.error("give either --base-url or at least one --launch")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.rounds > 1 and not args.launch:
+        p.error("--rounds measures launched servers in alternation; give --launch targets "
+                "(against --base-url, run the command again)")
     if args.dry_run and not args.launch:
         p.error("--dry-run shows what --launch would start; give at least one --launch")
     return args
 
 
 def _window_pages(extra: list[str]) -> int:
-    """--ragged-window-pages among the extra server args (it sizes the staging pool)."""
+    """--ragged-window-pages among the extra server args (it sizes the staging pool); the last
+    one, as launch_server reads them."""
+    pages = 1
     for i, arg in enumerate(extra):
-        if arg.startswith("--ragged-window-pages"):
-            return int(arg.split("=", 1)[1] if "=" in arg else extra[i + 1])
-    return 1
+        if arg == "--ragged-window-pages" or arg.startswith("--ragged-window-pages="):
+            pages = int(arg.split("=", 1)[1] if "=" in arg else extra[i + 1])
+    return pages
 
 
 class Launch(NamedTuple):
@@ -286,7 +302,7 @@ def plan_launches(args: argparse.Namespace, model: str) -> list[Launch]:
     launches = []
     for target in (Target.parse(spec) for spec in args.launch):
         budget = equal_budget(target, model, args.kv_budget_tokens, args.max_running_requests,
-                              _window_pages(args.server_arg))
+                              _window_pages([*args.server_arg, *target.extra]))
         server_args = launch_args(target, model, budget.kv_tokens,
                                   max_running=args.max_running_requests,
                                   chunk=args.chunked_prefill_size, device=args.device,
@@ -311,12 +327,14 @@ def run_launched(args: argparse.Namespace, model: str, sessions: list[Session],
     """Each --launch target in turn at the common budget, every rate on each; `save` after each
     target. A target whose server fails (to start, or while it serves) is recorded and skipped.
     With --start-together every server starts at once first (`_start_together`); those that
-    came up are measured in launch order, then the others, each started alone."""
+    came up are measured in launch order, then the others, each started alone. --rounds above 1
+    goes to `_run_rounds`."""
     from sgl_ragged.testing.server import ServerError
 
     launches, env = plan_launches(args, model), launch_env(args.device)
-    logs = [args.out / "logs" / f"{t.label.replace(':', '_').replace('/', '_')}.log"
-            for t, _, _ in launches]
+    logs = [args.out / "logs" / f"{_file_name(t.label)}.log" for t, _, _ in launches]
+    if args.rounds > 1:
+        return _run_rounds(args, launches, env, logs, sessions, loads, save)
     started: dict[int, tuple[Any, Any]] = {}
     if args.start_together and len(launches) > 1:
         started = _start_together(launches, env, logs)
@@ -324,28 +342,82 @@ def run_launched(args: argparse.Namespace, model: str, sessions: list[Session],
     done = Launched([], [])
     try:
         for i in order:
-            target, budget, server_args = launches[i]
             if i not in started:
                 _announce(launches, i, "starting ...")
-            about = {"budget": budget._asdict(), "launch_args": server_args,
-                     "workers": target.workers, "router_policy": target.policy}
             try:
                 with (_up(*started.pop(i)) if i in started
-                      else _deployment(target, server_args, env, logs[i])) as server:
+                      else _deployment(launches[i].target, launches[i].server_args, env,
+                                       logs[i])) as server:
                     for load in loads:
-                        run = run_one(server.base_url, target.label, sessions, load,
-                                      not args.no_flush)
-                        done.runs.append({**run, **about})
+                        done.runs.append(_measure(server, launches[i], sessions, load, args))
             except (ServerError, OSError) as exc:
-                print(f"{target.label}: FAILED {type(exc).__name__}: {str(exc)[-1500:]}",
-                      file=sys.stderr, flush=True)
-                done.failed.append({"label": target.label, "launch_args": server_args,
-                                    "error": f"{type(exc).__name__}: {str(exc)[-4000:]}"})
+                done.failed.append(_failure(launches[i], exc))
             save(done)
     finally:
         for deployment, _ in started.values():  # cut short: stop the ones not measured yet
             deployment.__exit__(None, None, None)
     return done
+
+
+def _run_rounds(args: argparse.Namespace, launches: list[Launch], env: dict[str, str],
+                logs: list[Path], sessions: list[Session], loads: list[LoadConfig],
+                save: Callable[[Launched], None]) -> Launched:
+    """--rounds N: every server up at once (`_start_together`; one that did not come up beside
+    the others starts alone after them, and stays up too), then N rounds, each measuring every
+    server in turn: in launch order in even rounds, reversed in odd ones (cpu_sweep.round_order),
+    so the machine's drift over the rounds falls on every server alike and none always follows
+    another. Runs carry their round; `save` after each round. A server that fails while it
+    serves is recorded and left out of the later rounds."""
+    from bench.cpu_sweep import round_order
+    from sgl_ragged.testing.server import ServerError
+
+    done = Launched([], [])
+    with contextlib.ExitStack() as stack:
+        started = _start_together(launches, env, logs)
+        servers = {i: stack.enter_context(_up(*started[i])) for i in sorted(started)}
+        for i in range(len(launches)):
+            if i not in servers:
+                _announce(launches, i, "starting alone ...")
+                try:
+                    servers[i] = stack.enter_context(_deployment(
+                        launches[i].target, launches[i].server_args, env, logs[i]))
+                except (ServerError, OSError) as exc:
+                    done.failed.append(_failure(launches[i], exc))
+        for round_ in range(args.rounds):
+            for i in round_order(sorted(servers), round_):
+                print(f"round {round_ + 1}/{args.rounds}: {launches[i].target.label}",
+                      file=sys.stderr, flush=True)
+                try:
+                    for load in loads:
+                        done.runs.append({**_measure(servers[i], launches[i], sessions, load,
+                                                     args), "round": round_})
+                except (ServerError, OSError) as exc:
+                    done.failed.append(_failure(launches[i], exc))
+                    del servers[i]
+            save(done)
+    return done
+
+
+def _measure(server: Any, launch: Launch, sessions: list[Session], load: LoadConfig,
+             args: argparse.Namespace) -> dict[str, Any]:
+    """One run against a launched server, with what it was launched with."""
+    run = run_one(server.base_url, launch.target.label, sessions, load, not args.no_flush)
+    return {**run, "budget": launch.budget._asdict(), "launch_args": launch.server_args,
+            "workers": launch.target.workers, "router_policy": launch.target.policy}
+
+
+def _failure(launch: Launch, exc: BaseException) -> dict[str, Any]:
+    """A launched target that failed (printed now, written in multiturn.json)."""
+    label = launch.target.label
+    print(f"{label}: FAILED {type(exc).__name__}: {str(exc)[-1500:]}", file=sys.stderr, flush=True)
+    return {"label": label, "launch_args": launch.server_args,
+            "error": f"{type(exc).__name__}: {str(exc)[-4000:]}"}
+
+
+def _file_name(label: str) -> str:
+    """A launch label as a file name: `ragged:uniform:0.3 --ragged-hold-history 2` ->
+    `ragged_uniform_0.3_--ragged-hold-history_2`."""
+    return re.sub(r"[^A-Za-z0-9.=@+-]+", "_", label).strip("_")
 
 
 def _start_together(launches: list[Launch], env: dict[str, str],

@@ -1,13 +1,15 @@
 """Outputs of the multi-turn benchmark: multiturn.json, a markdown table, PNG plots.
 
-Ratios compare each run with the reference at the same request rate: the `baseline` run if
-there is one, else the first run at that rate.
+Ratios compare each run with the reference at the same request rate (and round, with
+`--rounds`): the `baseline` run if there is one, else that of the target that ran first. With rounds, a
+third table gives each target's medians over them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +21,14 @@ def _rate(run: dict[str, Any]) -> float:
     return math.inf if run["request_rate"] is None else float(run["request_rate"])
 
 
-def _reference(runs: list[dict[str, Any]], rate: float) -> dict[str, Any]:
-    same = [r for r in runs if _rate(r) == rate]
-    return next((r for r in same if r["label"] == "baseline"), same[0])
+def _reference(runs: list[dict[str, Any]], run: dict[str, Any]) -> dict[str, Any] | None:
+    """`run`'s reference: at its rate and in its round, the baseline's run, else that of the
+    target that ran first at that rate (the first --launch: rounds reverse the order); None
+    where that target has no run in `run`'s round (its server failed before it)."""
+    same = [r for r in runs if _rate(r) == _rate(run)]
+    first = next((r["label"] for r in same if r["label"] == "baseline"), same[0]["label"])
+    return next((r for r in same if r["label"] == first and r.get("round") == run.get("round")),
+                None)
 
 
 def build(runs: list[dict[str, Any]], failed: list[dict[str, Any]] | None = None, *,
@@ -30,13 +37,40 @@ def build(runs: list[dict[str, Any]], failed: list[dict[str, Any]] | None = None
     the launched targets that failed ({"label", "launch_args", "error"})."""
     pairs = []
     for run in runs:
-        ref = _reference(runs, _rate(run))
-        if ref is not run:
+        ref = _reference(runs, run)
+        if ref is not None and ref is not run:
             pairs.append({"run": run["label"], "reference": ref["label"],
                           "request_rate": run["request_rate"],
+                          **({"round": run["round"]} if "round" in run else {}),
                           **ratios(run["summary"], ref["summary"])})
-    return {"workload": workload, "argv": argv, "runs": runs, "ratios": pairs,
-            "failed": list(failed or [])}
+    result = {"workload": workload, "argv": argv, "runs": runs, "ratios": pairs,
+              "failed": list(failed or [])}
+    return {**result, "medians": medians(result)}
+
+
+def _round_text(item: dict[str, Any]) -> str:
+    return f" (round {item['round'] + 1})" if "round" in item else ""
+
+
+def _median(values: list[Any]) -> float:
+    return statistics.median(values) if values and None not in values else math.nan
+
+
+def medians(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each (target, rate)'s medians over its rounds: req/s, TTFT p50, prefix hit rate, and the
+    median over rounds of its req/s ratio to that round's reference (empty without rounds)."""
+    runs = [r for r in result["runs"] if "round" in r]
+    out = []
+    for label, rate in dict.fromkeys((r["label"], _rate(r)) for r in runs):
+        mine = [r["summary"] for r in runs if r["label"] == label and _rate(r) == rate]
+        ratio = [p["requests_per_s"] for p in result["ratios"]
+                 if p["run"] == label and _rate(p) == rate and "requests_per_s" in p]
+        out.append({"label": label, "request_rate": None if math.isinf(rate) else rate,
+                    "rounds": len(mine),
+                    **{k: _median([s.get(k) for s in mine])
+                       for k in ("requests_per_s", "ttft_p50_ms", "prefix_hit_rate")},
+                    "requests_per_s_ratio": _median(ratio)})
+    return out
 
 
 def _num(x: Any, fmt: str = ".2f") -> str:
@@ -65,7 +99,7 @@ def markdown(result: dict[str, Any]) -> str:
     for run in result["runs"]:
         s = run["summary"]
         lines.append(
-            f"| {run['label']} | {_rate_text(_rate(run))} | {_num(s['requests_per_s'], '.3f')} | "
+            f"| {run['label']}{_round_text(run)} | {_rate_text(_rate(run))} | {_num(s['requests_per_s'], '.3f')} | "
             f"{_num(s['output_tokens_per_s'], '.1f')} | {_triple(s, 'ttft')} | "
             f"{_triple(s, 'tpot')} | {_num(s['prefix_hit_rate'], '.3f')} | "
             f"{_num(s['peak_running'], '.0f')} / {s.get('peak_inflight', 'n/a')} | "
@@ -78,8 +112,16 @@ def markdown(result: dict[str, Any]) -> str:
             cells = [_num(r.get(k)) for k in ("requests_per_s", "output_tokens_per_s",
                                               "ttft_p50_ms", "tpot_p50_ms", "prefix_hit_rate",
                                               "max_total_num_tokens")]
-            lines.append(f"| {r['run']} / {r['reference']} | {_rate_text(_rate(r))} | "
-                         + " | ".join(cells) + " |")
+            lines.append(f"| {r['run']} / {r['reference']}{_round_text(r)} | "
+                         f"{_rate_text(_rate(r))} | " + " | ".join(cells) + " |")
+    rows = medians(result)
+    if rows:
+        lines += ["", "| median over rounds | rate | rounds | req/s | req/s / reference | "
+                      "TTFT p50 (ms) | prefix hit rate |", "|" + "---|" * 7]
+        for m in rows:
+            lines.append(f"| {m['label']} | {_rate_text(_rate(m))} | {m['rounds']} | "
+                         f"{_num(m['requests_per_s'], '.3f')} | {_num(m['requests_per_s_ratio'])} | "
+                         f"{_num(m['ttft_p50_ms'], '.0f')} | {_num(m['prefix_hit_rate'], '.3f')} |")
     for f in result.get("failed", []):
         first = (f["error"].strip().splitlines() or [""])[0][:200]
         lines += ["", f"**{f['label']} failed**: {first} (multiturn.json: the whole error; "

@@ -16,7 +16,9 @@ tokens each server reports).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +71,10 @@ class Target:
     `baseline@<kv dtype>` (stock with --kv-cache-dtype, STOCK_KV_BYTES), `ragged:<profile>`,
     `ragged@<precision>:<profile>` (row tiers, --ragged-precision; a trailing r, as in
     `ragged@int4r:uniform:0.3`, also stores them rotated: --ragged-rotation hadamard), or
-    `router:<N>:<policy>:<either>` (N such workers behind SGLang's router with that policy)."""
+    `router:<N>:<policy>:<either>` (N such workers behind SGLang's router with that policy).
+    Words after the target are launch_server arguments of this target alone (after those every
+    launch gets), and stay in its label: `ragged:uniform:0.3 --ragged-hold-history 2` beside
+    `ragged:uniform:0.3` compares a flag on and off in one run."""
 
     label: str
     profile: str | None  # None: stock SGLang
@@ -78,9 +83,27 @@ class Target:
     policy: str | None = None  # router policy (sgl_ragged.testing.router.POLICIES)
     kv_dtype: str | None = None  # stock's --kv-cache-dtype; None: the model's dtype
     rotated: bool = False  # ragged workers' --ragged-rotation hadamard
+    extra: tuple[str, ...] = ()  # launch_server arguments of this target alone
 
     @classmethod
     def parse(cls, spec: str) -> Target:
+        try:
+            words = shlex.split(spec)
+        except ValueError as exc:
+            raise ValueError(f"--launch {spec!r}: {exc} (quote a target and its arguments as "
+                             "one shell word)") from None
+        if not words:
+            raise ValueError("--launch '': give a target, e.g. baseline or ragged:uniform:0.3")
+        target = cls._parse_target(words[0])
+        if len(words) == 1:
+            return target
+        if not words[1].startswith("--"):
+            raise ValueError(f"--launch {spec!r}: after the target come launch_server arguments "
+                             f"(--flag or --flag=value), not {words[1]!r}")
+        return dataclasses.replace(target, label=shlex.join(words), extra=tuple(words[1:]))
+
+    @classmethod
+    def _parse_target(cls, spec: str) -> Target:
         kind, _, rest = spec.partition(":")
         if kind == "router":
             return cls._parse_router(spec, rest)
@@ -123,7 +146,7 @@ class Target:
             raise ValueError(f"--launch {spec!r}: use router:<N>:<policy>:<target> with N >= 1, "
                              f"policy one of {', '.join(POLICIES)} and target 'baseline' or "
                              "'ragged:<profile>' (e.g. router:2:cache_aware:ragged:uniform:0.3)")
-        worker = cls.parse(inner)
+        worker = cls._parse_target(inner)
         return cls(f"router:{count}:{policy}:{worker.label}", worker.profile, worker.precision,
                    int(count), policy, worker.kv_dtype, worker.rotated)
 
@@ -184,7 +207,8 @@ def launch_args(target: Target, model: str, kv_tokens: int, *, max_running: int,
                 device: str, extra: list[str]) -> list[str]:
     """`launch_server` arguments for `target` on `device` (host and port are added by
     ServerProcess, and `--sleep-on-idle` on the CPU); on CUDA, GPU_ARGS and decode CUDA graphs
-    up to the running-request cap (fewer captures: a faster start)."""
+    up to the running-request cap (fewer captures: a faster start); `extra` (every launch's),
+    then the target's own."""
     _check_device(device)
     common = ["--model-path", model, "--device", device, "--page-size", str(PAGE),
               "--chunked-prefill-size", str(chunk), "--max-running-requests", str(max_running),
@@ -193,10 +217,12 @@ def launch_args(target: Target, model: str, kv_tokens: int, *, max_running: int,
         common += [*GPU_ARGS, "--cuda-graph-max-bs-decode", str(max_running)]
     if target.profile is None:
         kv = ["--kv-cache-dtype", target.kv_dtype] if target.kv_dtype else []
-        return [*common, "--attention-backend", stock_backend(device, target.kv_dtype), *kv, *extra]
+        return [*common, "--attention-backend", stock_backend(device, target.kv_dtype), *kv,
+                *extra, *target.extra]
     rotation = "hadamard" if target.rotated else "none"  # as labelled, never a profile's auto
     return [*common, "--attention-backend", "ragged", "--ragged-profile", target.profile,
-            "--ragged-precision", target.precision, "--ragged-rotation", rotation, *extra]
+            "--ragged-precision", target.precision, "--ragged-rotation", rotation, *extra,
+            *target.extra]
 
 
 def _check_device(device: str) -> None:
