@@ -21,6 +21,13 @@ ends
 `seconds` is the time a client takes to send its next turn: about a second for programs (agents,
 benchmarks); people think for longer than a pool can afford to hold their pages idle.
 
+Holds are taken only while conversations come back. Every finished conversation is remembered
+(its tokens, not its pages) for `seconds`: a waiting request that continues it within that time
+counts as a return, else it counts as gone. While at least RETURN_SHARE of the latest
+RETURN_WINDOW finished conversations came back (and at least MIN_OUTCOMES are known), finished
+conversations are held; otherwise they are only remembered. Single-turn traffic (no returns)
+thus never holds a page, and a fresh server holds nothing until it has seen conversations return.
+
 Off by default (`seconds` 0). Every server of the environment reads it (stock SGLang too, for
 like-for-like comparisons); a scheduler keeps its holds on its own tree, and the flag is refused
 with --tp-size or --pp-size above 1, whose ranks must make the same scheduling decisions and
@@ -33,14 +40,24 @@ import logging
 import os
 import time
 from array import array
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 ENV = "RAGGED_HOLD_HISTORY"
 _ATTR = "_ragged_history_holds"
+# Holds are taken while at least RETURN_SHARE of the latest RETURN_WINDOW finished conversations
+# whose fate is known came back within the hold time, once MIN_OUTCOMES are known. A hold that
+# returns saves its whole history's prefill; one that does not keeps its pages idle for at most
+# `seconds` and is the first to go under pressure; so a third is enough (sessions of two turns
+# come back half the time, of three two thirds; single requests never).
+RETURN_SHARE = Fraction(1, 3)
+RETURN_WINDOW = 32
+MIN_OUTCOMES = 4
 
 
 def hold_seconds(environ: dict[str, str] | None = None) -> float:
@@ -58,12 +75,20 @@ def hold_seconds(environ: dict[str, str] | None = None) -> float:
 
 
 @dataclass
+class Finished:
+    """A finished conversation remembered for `seconds`: will a waiting request continue it?"""
+
+    tokens: array  # its tokens (whole pages)
+    deadline: float
+
+
+@dataclass
 class Hold:
     lock: Any  # the tree's TreeLock on the node
     tokens: array  # the conversation's tokens the node ends (whole pages)
     taken: float  # when it was taken or last renewed (release order under pressure)
     deadline: float
-    serial: int  # this hold's number (a released node's id may come back for another one)
+    serial: int  # its conversation's number (a released node's id may come back for another one)
 
 
 class HistoryHolds:
@@ -72,51 +97,86 @@ class HistoryHolds:
     to a hold by its tokens, not by walking the tree. `clock` is injectable for tests."""
 
     def __init__(self, tree: Any, seconds: float, page_size: int = 1,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, min_outcomes: int = MIN_OUTCOMES):
         self.tree = tree
         self.seconds = seconds
         self.page_size = max(1, page_size)
         self.clock = clock
+        self.min_outcomes = min_outcomes
         self.holds: dict[Any, Hold] = {}  # node -> its hold
-        self._matches: dict[tuple[Any, int], bool] = {}  # (request id, hold serial) -> continues it
-        self.taken = 0  # counters (tests, logs)
+        self.finished: dict[int, Finished] = {}  # serial -> conversation not yet continued
+        self.outcomes: deque[bool] = deque(maxlen=RETURN_WINDOW)  # came back within `seconds`
+        self._matches: dict[tuple[Any, int], bool] = {}  # (request id, serial) -> continues it
+        self._seen: set[Any] = set()  # ids of the waiting requests already judged
+        self.serial = 0  # counters (tests, logs): conversations finished, holds taken, ...
+        self.taken = 0
         self.released_under_pressure = 0
         self.expired = 0
         self._logged = float("-inf")
 
     # ---- taking and ending holds ------------------------------------------------------------
 
+    def returning(self) -> bool:
+        """Whether finished conversations come back (RETURN_SHARE of the latest outcomes)."""
+        known = len(self.outcomes)
+        return known >= self.min_outcomes and sum(self.outcomes) >= RETURN_SHARE * known
+
     def take(self, node: Any, tokens: Any) -> None:
-        """Hold `node`, which ends the conversation `tokens` (a finished request's), for
-        `seconds` from now. Conversations shorter than two pages are not held."""
+        """Remember the finished conversation `tokens`, which `node` ends, for `seconds`; hold
+        `node` meanwhile while conversations come back. Conversations shorter than two pages
+        are neither remembered nor held."""
         length = len(tokens) // self.page_size * self.page_size
         if node is None or length < 2 * self.page_size:
             return
         now = self.clock()
+        self.serial += 1
+        conversation = array("q", tokens[:length])
+        self.finished[self.serial] = Finished(conversation, now + self.seconds)
         hold = self.holds.get(node)
         if hold is not None:
             hold.taken, hold.deadline = now, now + self.seconds
             return
-        self.taken += 1
-        self.holds[node] = Hold(self.tree.lock(node), array("q", tokens[:length]), now,
-                                now + self.seconds, self.taken)
+        if self.returning():
+            self.taken += 1
+            self.holds[node] = Hold(self.tree.lock(node), conversation, now, now + self.seconds,
+                                    self.serial)
 
     def release(self, node: Any) -> None:
         hold = self.holds.pop(node)
         self.tree.unlock(hold.lock)
 
     def sweep(self, waiting: Iterable[Any] = ()) -> None:
-        """Renew holds that waiting requests continue; end those whose time is up."""
+        """Count the conversations that came back and those whose time is up; renew holds that
+        waiting requests continue; end those whose time is up."""
         now = self.clock()
         waiting = list(waiting)
+        self._judge(waiting, now)
         for node in self.waiting_nodes(waiting):
             self.holds[node].taken, self.holds[node].deadline = now, now + self.seconds
         for node, hold in list(self.holds.items()):
             if hold.deadline <= now:
                 self.release(node)
                 self.expired += 1
-        rids, serials = {req.rid for req in waiting}, {hold.serial for hold in self.holds.values()}
+        rids = {req.rid for req in waiting}
+        serials = {hold.serial for hold in self.holds.values()} | self.finished.keys()
         self._matches = {k: v for k, v in self._matches.items() if k[0] in rids and k[1] in serials}
+
+    def _judge(self, waiting: list[Any], now: float) -> None:
+        """A request that arrived since the last sweep returns the conversations it continues;
+        those not continued within `seconds` are gone. (A request waiting before a conversation
+        finished is not its next turn: a client sends that after the answer.)"""
+        for serial, done in list(self.finished.items()):
+            if done.deadline <= now:
+                del self.finished[serial]
+                self.outcomes.append(False)
+        for req in waiting:
+            if req.rid in self._seen:
+                continue
+            for serial, done in list(self.finished.items()):
+                if self._continues(req, serial, done.tokens):
+                    del self.finished[serial]
+                    self.outcomes.append(True)
+        self._seen = {req.rid for req in waiting}
 
     def waiting_nodes(self, waiting: Iterable[Any]) -> set[Any]:
         """Held nodes whose conversation a waiting request continues."""
@@ -128,14 +188,18 @@ class HistoryHolds:
         end of the previous answer otherwise than the model wrote it."""
         best, best_len = None, 0
         for node, hold in self.holds.items():
-            key = (req.rid, hold.serial)
-            if key not in self._matches:
-                n = len(hold.tokens) - self.page_size
-                prompt = req.origin_input_ids
-                self._matches[key] = len(prompt) >= n and array("q", prompt[:n]) == hold.tokens[:n]
-            if self._matches[key] and len(hold.tokens) > best_len:
+            if self._continues(req, hold.serial, hold.tokens) and len(hold.tokens) > best_len:
                 best, best_len = node, len(hold.tokens)
         return best
+
+    def _continues(self, req: Any, serial: int, tokens: array) -> bool:
+        """Whether `req` continues the conversation `tokens` (number `serial`; memoized)."""
+        key = (req.rid, serial)
+        if key not in self._matches:
+            n = len(tokens) - self.page_size
+            prompt = req.origin_input_ids
+            self._matches[key] = len(prompt) >= n and array("q", prompt[:n]) == tokens[:n]
+        return self._matches[key]
 
     def held_turns_first(self, waiting: list[Any]) -> None:
         """Order the waiting queue (in place, stably) so that requests that continue a held
@@ -165,14 +229,16 @@ class HistoryHolds:
     def log_now_and_then(self, every: float = 60.0) -> None:
         """One info line a minute while holds are in use: what they did since the start."""
         now = self.clock()
-        if self.taken and now - self._logged >= every:
+        if self.serial and now - self._logged >= every:
             self._logged = now
-            logger.info("History holds: %d held, %d taken, %d expired, %d ended under memory "
-                        "pressure", len(self.holds), self.taken, self.expired,
-                        self.released_under_pressure)
+            logger.info("History holds: %d of the latest %d finished conversations came back; "
+                        "%d held, %d of %d taken, %d expired, %d ended under memory pressure",
+                        sum(self.outcomes), len(self.outcomes), len(self.holds), self.taken,
+                        self.serial, self.expired, self.released_under_pressure)
 
     def clear(self) -> None:
-        """Forget every hold without unlocking: the tree was reset under them."""
+        """Forget every hold without unlocking: the tree was reset under them (what came back
+        before stays known)."""
         self.holds.clear()
         self._matches.clear()
 

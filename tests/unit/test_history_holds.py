@@ -63,7 +63,7 @@ def _waiting(tokens: list[int], rid: str) -> SimpleNamespace:
 def three() -> tuple[RadixCache, Clock, HistoryHolds, list[object]]:
     """Three 8-token conversations with distinct first tokens, the first two held."""
     tree, clock = _tree(), Clock()
-    holds = HistoryHolds(tree, 10.0, clock=clock)
+    holds = HistoryHolds(tree, 10.0, clock=clock, min_outcomes=0)  # hold from the start
     nodes = [_insert(tree, _conversation(s), 8 * s) for s in range(3)]
     holds.take(nodes[0], _conversation(0))
     clock.now += 1
@@ -142,7 +142,7 @@ def test_taking_the_same_node_again_renews_it(three) -> None:
 def test_short_conversations_and_reset(three) -> None:
     tree, _, holds, _ = three
     holds.take(tree.root_node, [])
-    short = HistoryHolds(tree, 10.0, page_size=4)
+    short = HistoryHolds(tree, 10.0, page_size=4, min_outcomes=0)
     short.take(_insert(tree, [7, 7, 7, 7, 7, 7, 7], 40), [7, 7, 7, 7, 7, 7, 7])  # 1 whole page
     assert len(holds.holds) == 2 and not short.holds
     tree.__dict__["_ragged_history_holds"] = holds
@@ -170,7 +170,12 @@ def test_checkpoint_hook_holds_finished_requests_only(monkeypatch) -> None:
     assert tree.protected_size() == 0
     history_holds.after_checkpoint(None, tree, _finished_req(node), up_to=8)
     holds = history_holds.holds_of(tree)
-    assert holds is not None and holds.seconds == 5 and list(holds.holds) == [node]
+    # remembered, not held: a fresh server has not seen a conversation come back yet
+    assert holds is not None and holds.seconds == 5 and not holds.holds
+    assert [list(f.tokens) for f in holds.finished.values()] == [list(range(8))]
+    holds.min_outcomes = 0
+    history_holds.after_checkpoint(None, tree, _finished_req(node), up_to=8)
+    assert list(holds.holds) == [node] and tree.protected_size() == 8
     assert list(holds.holds[node].tokens) == list(range(8))  # what the tree keeps
 
 
@@ -240,10 +245,125 @@ def test_turns_of_held_conversations_are_admitted_first(three) -> None:
 def test_a_node_id_that_comes_back_holds_another_conversation() -> None:
     """The Rust tree core's nodes are ids, and a freed id may end another conversation later."""
     tree = SimpleNamespace(lock=lambda node: ("lock", node), unlock=lambda lock: None)
-    holds = HistoryHolds(tree, 10.0, clock=Clock())
+    holds = HistoryHolds(tree, 10.0, clock=Clock(), min_outcomes=0)
     turn = _waiting(_conversation(0) + [1], "t")
     holds.take(7, _conversation(0))
     assert holds.waiting_nodes([turn]) == {7}
     holds.release(7)
     holds.take(7, _conversation(1))
     assert holds.waiting_nodes([turn]) == set()
+
+
+# ---- holding only while conversations come back ------------------------------------------------
+
+
+def _ids_tree() -> SimpleNamespace:
+    """A tree whose nodes are ids (as the Rust core's), recording what is locked."""
+    locked: set = set()
+    return SimpleNamespace(locked=locked, lock=lambda node: locked.add(node) or node,
+                           unlock=lambda node: locked.discard(node))
+
+
+def test_a_fresh_server_holds_once_conversations_come_back() -> None:
+    clock = Clock()
+    holds = HistoryHolds(_ids_tree(), 10.0, clock=clock)
+    for s in range(4):
+        holds.take(s, _conversation(s))
+        assert not holds.holds and not holds.returning()
+        clock.now += 1
+        holds.sweep([_waiting(_conversation(s) + [1], f"turn-2-{s}")])  # its next turn came
+    assert list(holds.outcomes) == [True] * 4 and holds.returning()
+    holds.take(9, _conversation(9))
+    assert list(holds.holds) == [9]
+
+
+def test_single_requests_never_hold() -> None:
+    """Conversations nobody continues within the hold time count as gone: no holds."""
+    clock = Clock()
+    holds = HistoryHolds(_ids_tree(), 10.0, clock=clock, min_outcomes=0)
+    holds.outcomes.extend([False] * 3)
+    for s in range(40):
+        holds.take(s, _conversation(s))
+        clock.now += 3
+        holds.sweep([_waiting([7] * 9, f"other-{s}")])  # new requests, no next turns
+    assert not holds.holds and holds.taken == 0 and len(holds.outcomes) == 32
+    assert not any(holds.outcomes) and len(holds.finished) == 3  # the last 10 s: pending
+
+
+def test_late_or_early_requests_are_not_returns() -> None:
+    """A next turn after the hold time is a new arrival (its conversation was gone); a request
+    waiting before the conversation finished is not its next turn."""
+    clock = Clock()
+    holds = HistoryHolds(_ids_tree(), 10.0, clock=clock)
+    early = _waiting(_conversation(0) + [1], "early")
+    holds.sweep([early])
+    holds.take(0, _conversation(0))
+    holds.sweep([early])
+    clock.now += 10
+    holds.sweep([early, _waiting(_conversation(0) + [1], "late")])
+    assert list(holds.outcomes) == [False]
+
+
+@pytest.mark.parametrize("returned, gone, holding", [(2, 4, True), (1, 3, False), (2, 2, True),
+                                                     (0, 4, False), (3, 0, False)])
+def test_the_share_that_comes_back(returned: int, gone: int, holding: bool) -> None:
+    holds = HistoryHolds(_ids_tree(), 10.0)
+    holds.outcomes.extend([True] * returned + [False] * gone)
+    assert holds.returning() is holding  # a third, of at least MIN_OUTCOMES (4) known
+
+
+def test_hold_decisions_match_a_brute_force_replay() -> None:
+    """Random sessions (1-5 turns, next turns after random gaps, some past the hold time): every
+    take holds exactly when the outcomes a direct replay of the schedule gives, known at that
+    moment and in their order, say at least a third of the latest 32 came back (4 known)."""
+    import random
+
+    rng = random.Random(7)
+    seconds = 5.0
+    events = []  # (time, kind, session, turn): kind 0 an arrival, 1 a finish
+    turns = {}
+    for s in range(60):
+        t = rng.uniform(0, 200)
+        turns[s] = rng.choice([1, 1, 2, 3, 5])
+        for turn in range(turns[s]):
+            if turn:
+                t += rng.choice([rng.uniform(0.1, 4.0), rng.uniform(5.5, 9.0)])
+                events.append((t, 0, s, turn))
+            t += rng.uniform(0.5, 3.0)
+            events.append((t, 1, s, turn))
+    events.sort()
+
+    def tokens(s: int, turn: int) -> list[int]:
+        return [1000 + s] + [s * 10 + i for i in range(2 * turn + 2)]
+
+    # the replay: each finished conversation's outcome, resolved at the arrival of its next turn
+    # within `seconds`, else at the first event at or after its deadline (expiries first)
+    finished_at = {(s, turn): t for t, kind, s, turn in events if kind == 1}
+    arrived_at = {(s, turn): t for t, kind, s, turn in events if kind == 0}
+    times = [t for t, *_ in events]
+    resolved = []  # (time, expiry 0 / return 1, finish order, outcome)
+    order = {key: i for i, key in enumerate(sorted(finished_at, key=finished_at.get))}
+    for (s, turn), t in finished_at.items():
+        nxt = arrived_at.get((s, turn + 1))
+        if nxt is not None and nxt - t < seconds:
+            resolved.append((nxt, 1, order[s, turn], True))
+        else:
+            at = next((e for e in times if e >= t + seconds), None)
+            if at is not None:
+                resolved.append((at, 0, order[s, turn], False))
+    resolved.sort()
+
+    clock = Clock()
+    holds = HistoryHolds(_ids_tree(), seconds, clock=clock)
+    for t, kind, s, turn in events:
+        clock.now = t
+        if kind == 0:
+            holds.sweep([_waiting(tokens(s, turn - 1) + [5, 5], f"{s}-{turn}")])
+            continue
+        holds.sweep([])
+        known = [ok for at, *_, ok in resolved if at <= t][-32:]
+        expect = len(known) >= 4 and 3 * sum(known) >= len(known)
+        was = holds.taken
+        holds.take((s, turn), tokens(s, turn))
+        assert (holds.taken == was + 1) is expect, (t, s, turn, known)
+    assert 0 < holds.taken < len(finished_at)  # both decisions were exercised
