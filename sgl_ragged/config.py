@@ -116,11 +116,12 @@ FLAGS = (
          "(not expected_attention)."),
     Flag("check-integrity", "RAGGED_CHECK_INTEGRITY", "0",
          "1 = run the pool's integrity check after every forward pass (debugging, tests)."),
-    Flag("hold-history", "RAGGED_HOLD_HISTORY", "0",
+    Flag("hold-history", "RAGGED_HOLD_HISTORY", "auto",
          "Seconds to keep a finished request's conversation in the radix cache for its next "
-         "turn (0 = off): admission neither evicts it nor counts it as room meanwhile. For "
-         "multi-turn chat whose active histories outgrow the pool; any backend "
-         "(serving/history_holds.py)."),
+         "turn, while finished conversations come back (a third of the latest within that "
+         "time): admission neither evicts it nor counts it as room meanwhile. auto (default): "
+         "2 with the ragged backend (off with --tp-size or --pp-size above 1), off for other "
+         "backends; 0 = off; any backend takes seconds (serving/history_holds.py)."),
 )
 
 

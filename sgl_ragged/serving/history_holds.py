@@ -23,15 +23,17 @@ benchmarks); people think for longer than a pool can afford to hold their pages 
 
 Holds are taken only while conversations come back. Every finished conversation is remembered
 (its tokens, not its pages) for `seconds`: a waiting request that continues it within that time
-counts as a return, else it counts as gone. While at least RETURN_SHARE of the latest
-RETURN_WINDOW finished conversations came back (and at least MIN_OUTCOMES are known), finished
-conversations are held; otherwise they are only remembered. Single-turn traffic (no returns)
-thus never holds a page, and a fresh server holds nothing until it has seen conversations return.
+counts as a return, else it counts as gone. Finished conversations are held while at least
+RETURN_SHARE of the latest RETURN_WINDOW whose fate is known came back, and until MIN_OUTCOMES
+are known (a fresh server holds: a wrong hold keeps pages idle for at most `seconds`, a missed
+one costs its history's prefill); otherwise they are only remembered. Single-turn traffic (no
+returns) thus holds its first few conversations and then none.
 
-Off by default (`seconds` 0). Every server of the environment reads it (stock SGLang too, for
-like-for-like comparisons); a scheduler keeps its holds on its own tree, and the flag is refused
-with --tp-size or --pp-size above 1, whose ranks must make the same scheduling decisions and
-would each read their own clock.
+auto (the default) is DEFAULT_SECONDS with the ragged backend where one scheduler rank decides
+alone, else off (stock SGLang keeps its own admission unless asked). Given seconds, every
+server of the environment holds (stock SGLang too, for like-for-like comparisons); a scheduler
+keeps its holds on its own tree, and given seconds are refused with --tp-size or --pp-size above
+1, whose ranks must make the same scheduling decisions and would each read their own clock.
 """
 
 from __future__ import annotations
@@ -49,9 +51,13 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 ENV = "RAGGED_HOLD_HISTORY"
+AUTO = "auto"
+AUTO_ENV = "RAGGED_HOLD_HISTORY_AUTO"  # what auto resolved to for this server (resolve_auto)
+# auto's hold time with the ragged backend: the time a program takes to send its next turn
+DEFAULT_SECONDS = 2.0
 _ATTR = "_ragged_history_holds"
 # Holds are taken while at least RETURN_SHARE of the latest RETURN_WINDOW finished conversations
-# whose fate is known came back within the hold time, once MIN_OUTCOMES are known. A hold that
+# whose fate is known came back within the hold time, and until MIN_OUTCOMES are known. A hold that
 # returns saves its whole history's prefill; one that does not keeps its pages idle for at most
 # `seconds` and is the first to go under pressure; so a third is enough (sessions of two turns
 # come back half the time, of three two thirds; single requests never).
@@ -61,16 +67,36 @@ MIN_OUTCOMES = 4
 
 
 def hold_seconds(environ: dict[str, str] | None = None) -> float:
-    """--ragged-hold-history as seconds (0: off); a clear error for anything else."""
-    value = (os.environ if environ is None else environ).get(ENV, "").strip()
-    if not value:
-        return 0.0
+    """--ragged-hold-history as seconds (0: off); auto (or unset) is what the launcher resolved
+    it to for this server (AUTO_ENV; `resolve_auto`); a clear error for anything else."""
+    env = os.environ if environ is None else environ
+    value = env.get(ENV, "").strip().lower()
+    if value in ("", AUTO):
+        value = env.get(AUTO_ENV, "0")
     try:
         seconds = float(value)
     except ValueError:
-        raise ValueError(f"--ragged-hold-history expects seconds (e.g. 10, or 0 for off), got {value!r}") from None
+        raise ValueError(f"--ragged-hold-history expects seconds (e.g. 10, or 0 for off) or "
+                         f"auto, got {env.get(ENV)!r}") from None
     if not seconds >= 0 or seconds == float("inf"):
-        raise ValueError(f"--ragged-hold-history expects a finite number of seconds >= 0, got {value!r}")
+        raise ValueError(f"--ragged-hold-history expects a finite number of seconds >= 0, got "
+                         f"{env.get(ENV)!r}")
+    return seconds
+
+
+def explicit(environ: dict[str, str] | None = None) -> bool:
+    """Whether --ragged-hold-history was given as seconds (not auto, not unset)."""
+    env = os.environ if environ is None else environ
+    return env.get(ENV, "").strip().lower() not in ("", AUTO)
+
+
+def resolve_auto(ragged: bool, one_rank: bool) -> float:
+    """What auto means for the server being launched (main process, before its children
+    start, which inherit it): DEFAULT_SECONDS with the ragged backend where one scheduler rank
+    decides alone (holds read each rank's clock), else off; stock SGLang keeps its own
+    admission unless asked."""
+    seconds = DEFAULT_SECONDS if ragged and one_rank else 0.0
+    os.environ[AUTO_ENV] = f"{seconds:g}"
     return seconds
 
 
@@ -117,9 +143,10 @@ class HistoryHolds:
     # ---- taking and ending holds ------------------------------------------------------------
 
     def returning(self) -> bool:
-        """Whether finished conversations come back (RETURN_SHARE of the latest outcomes)."""
+        """Whether finished conversations come back (RETURN_SHARE of the latest outcomes), or
+        too few are known to say they do not."""
         known = len(self.outcomes)
-        return known >= self.min_outcomes and sum(self.outcomes) >= RETURN_SHARE * known
+        return known < self.min_outcomes or sum(self.outcomes) >= RETURN_SHARE * known
 
     def take(self, node: Any, tokens: Any) -> None:
         """Remember the finished conversation `tokens`, which `node` ends, for `seconds`; hold
@@ -244,16 +271,17 @@ class HistoryHolds:
 
 
 def holds_of(tree: Any) -> HistoryHolds | None:
-    """The tree's holds, created on first use where --ragged-hold-history is above 0."""
-    holds = tree.__dict__.get(_ATTR)
-    if holds is None:
+    """The tree's holds, created on first use where --ragged-hold-history is above 0 (a tree
+    without them remembers that: the environment is read once per tree)."""
+    if _ATTR not in tree.__dict__:
         seconds = hold_seconds()
-        if seconds <= 0 or getattr(tree, "disable", False):
-            return None
-        holds = HistoryHolds(tree, seconds, getattr(tree, "page_size", 1))
+        holds = None
+        if seconds > 0 and not getattr(tree, "disable", False):
+            holds = HistoryHolds(tree, seconds, getattr(tree, "page_size", 1))
+            logger.info("Holding finished requests' histories for %g s while conversations come "
+                        "back (--ragged-hold-history)", seconds)
         tree.__dict__[_ATTR] = holds
-        logger.info("Holding each finished request's history for %g s (--ragged-hold-history)", seconds)
-    return holds
+    return tree.__dict__[_ATTR]
 
 
 def _existing(tree: Any) -> HistoryHolds | None:

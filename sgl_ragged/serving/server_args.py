@@ -23,7 +23,7 @@ from sgl_ragged.config import (
 )
 from sgl_ragged.precision import tier_precision
 from sgl_ragged.profile import ModelFreeKind, ModelShape, model_free_kind, model_shape
-from sgl_ragged.serving.history_holds import hold_seconds
+from sgl_ragged.serving.history_holds import explicit, hold_seconds, resolve_auto
 from sgl_ragged.tp import resolve_rank_profiles
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,15 @@ def validate_ragged_args(server_args: Any, previous: Any) -> None:
 
 
 def _check_history_holds(cfg: Any) -> None:
-    """--ragged-hold-history: seconds, and only where one scheduler decides alone."""
+    """--ragged-hold-history: auto resolved for this server, given seconds only where one
+    scheduler decides alone."""
+    one_rank = (cfg.tp_size or 1) == 1 and (cfg.pp_size or 1) == 1
+    auto = resolve_auto(is_active(), one_rank)
+    if not explicit():
+        if auto:
+            logger.info("--ragged-hold-history auto: holding finished conversations for %g s "
+                        "while they come back", auto)
+        return
     if hold_seconds() <= 0:
         return
     for flag, size in (("--tp-size", cfg.tp_size), ("--pp-size", cfg.pp_size)):
@@ -155,7 +163,8 @@ def _check_history_holds(cfg: Any) -> None:
             raise ValueError(
                 f"--ragged-hold-history is not supported with {flag} {size}: each rank would "
                 "end its holds by its own clock and the ranks' schedules would part; serve "
-                "replicas (--dp-size, or sglang_router) with it, or drop the flag"
+                "replicas (--dp-size, or sglang_router) with it, or drop the flag (auto leaves "
+                "holds off there)"
             )
 
 

@@ -3,11 +3,11 @@ session's prompt that would evict it, the new session is still served, and nothi
 
 The server's pool (2304 logical tokens) holds a decoding request, one 900-token conversation
 and a bit more; a new 1500-token prompt fits only if that conversation's pages are evicted. A
-fresh server holds nothing (it has not seen a conversation come back), so the new prompt evicts
-the history. Once conversations come back, the conversation is held: the new prompt waits, the
-conversation's next turn is admitted first and finds its whole history cached; once the hold's
-time is up, the same sequence evicts the history again (the next turn prefills it), as SGLang's
-own admission does. Every forward runs the pool's integrity check.
+fresh server holds finished conversations: the new prompt waits, the conversation's next turn is
+admitted first and finds its whole history cached. Once single requests have shown that
+conversations do not come back, the server stops holding, and the same sequence evicts the
+history (the next turn prefills it again), as SGLang's own admission does. Every forward runs
+the pool's integrity check.
 """
 
 from __future__ import annotations
@@ -64,40 +64,30 @@ def _turns(base_url: str, seed: int, wait: float) -> tuple[dict, dict, dict, dic
         return first, second, new.result(), busy.result()
 
 
-def _come_back(base_url: str, seed: int, turns: int) -> None:
-    """One conversation of `turns` turns, each sent as soon as the last is answered (a page
-    more each): the server sees finished conversations come back."""
-    ids = _ids(seed, 2 * PAGE + 2)
-    for turn in range(turns):
-        ids = ids + _generate(base_url, ids, 4)["ids"] + _ids(seed + 1 + turn, PAGE - 4)
-
-
 def test_a_held_history_outlives_a_new_session_that_would_evict_it(held_server):
     base = held_server.base_url
     history = 900 // PAGE * PAGE  # the tree keeps whole pages
 
-    # A fresh server has not seen a conversation come back, so it holds nothing: the new
-    # session's prompt evicts the history and the next turn prefills it again.
-    first, second, new, busy = _turns(base, 10, 0.0)
-    assert second["cached_tokens"] < history, (first, second)  # its last pages went
-    assert new["completion_tokens"] == 4 and busy["completion_tokens"] == 320
-
-    # Conversations come back (nine of ten turns are continued), and the last one's hold ends.
-    _come_back(base, 100, 10)
-    time.sleep(HOLD_SECONDS + 1.0)
-
-    # Now the history is held: the new session waits and the turn finds its history cached.
+    # A fresh server holds (nothing says conversations do not come back): the new session
+    # waits and the turn finds its history cached.
     first, second, new, busy = _turns(base, 20, 0.0)
     assert second["cached_tokens"] >= history, (first, second)
     assert new["completion_tokens"] == 4 and busy["completion_tokens"] == 320
     assert new["e2e_latency"] > second["e2e_latency"] + 1  # sent a second before, done after
 
-    # Once the hold's time is up, the same sequence evicts the history as SGLang's own
-    # admission does (on an emptied tree, as the first time: nothing older to evict first;
-    # the flush keeps what the server learnt of returns).
+    # Single requests that nobody continues, past the hold time: conversations do not come
+    # back, so the server stops holding (the holds above have ended too).
+    for seed in range(8):
+        _generate(base, _ids(100 + seed, 2 * PAGE + 2), 2)
+    time.sleep(HOLD_SECONDS + 1.0)
+
+    # Now the new session's prompt evicts the history as SGLang's own admission does (on an
+    # emptied tree, as the first time: nothing older to evict first; the flush keeps what the
+    # server learnt of returns), and the next turn prefills it again.
     post_raw(base, "/flush_cache", {})
-    first, second, new, busy = _turns(base, 30, HOLD_SECONDS + 2.0)
-    assert second["cached_tokens"] < history, (first, second)
+    first, second, new, busy = _turns(base, 30, 0.0)
+    assert second["cached_tokens"] < history, (first, second)  # its last pages went
+    assert new["completion_tokens"] == 4 and busy["completion_tokens"] == 320
 
     health = post(base, "/generate", {"text": "Hello", "sampling_params": {"max_new_tokens": 2}})
     assert health["meta_info"]["completion_tokens"] == 2
