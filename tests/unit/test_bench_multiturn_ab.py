@@ -12,6 +12,7 @@ import pytest
 
 from bench import multiturn, report
 from bench.servers import Target
+from tests.unit.fake_deployments import fake_deployments
 
 HOLD = "ragged:uniform:0.3 --ragged-hold-history 2"
 
@@ -70,21 +71,12 @@ def test_rounds_keep_every_server_up_and_alternate_the_order(
     from sgl_ragged.testing.server import ServerError
 
     events: list[tuple] = []
-    attempts: dict[str, int] = {}
 
-    class Fake:
-        def __init__(self, target, server_args, env, log) -> None:
-            self.label, self.base_url = target.label, target.label
+    def refuse(label: str, attempt: int) -> None:
+        if label == "baseline" and attempt == 1:
+            raise ServerError("out of memory beside the others")
 
-        def __enter__(self):
-            attempts[self.label] = attempts.get(self.label, 0) + 1
-            if self.label == "baseline" and attempts[self.label] == 1:
-                raise ServerError("out of memory beside the others")
-            events.append(("up", self.label))
-            return self
-
-        def __exit__(self, *exc) -> None:
-            events.append(("down", self.label))
+    Fake, _ = fake_deployments(events, refuse)
 
     def run_one(base_url, label, sessions, load, flush=True):
         events.append(("run", label))

@@ -17,6 +17,7 @@ import torch
 from bench import multiturn, report
 from bench.servers import GPU_ARGS, GPU_ENV
 from sgl_ragged.testing.server import ServerError
+from tests.unit.fake_deployments import fake_deployments
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ("gpu_setup.sh", "gpu_serve.sh", "gpu_multiturn.sh", "gpu_check.sh", "gpu_wheels.sh",
@@ -120,23 +121,14 @@ def test_start_together_starts_all_then_measures_one_at_a_time(
 
     events: list[tuple[str, str]] = []
     barrier = threading.Barrier(3, timeout=20)
-    attempts: dict[str, int] = {}
 
-    class Fake:
-        def __init__(self, target, server_args, env, log) -> None:
-            self.label, self.base_url = target.label, f"http://{target.label}"
+    def refuse(label: str, attempt: int) -> None:
+        if attempt == 1:
+            barrier.wait()  # all three start at once, or this times out
+            if label == "ragged:uniform:0.3":
+                raise ServerError("out of memory beside the others")
 
-        def __enter__(self):
-            attempts[self.label] = attempts.get(self.label, 0) + 1
-            if attempts[self.label] == 1:
-                barrier.wait()  # all three start at once, or this times out
-                if self.label == "ragged:uniform:0.3":
-                    raise ServerError("out of memory beside the others")
-            events.append(("up", self.label))
-            return self
-
-        def __exit__(self, *exc) -> None:
-            events.append(("down", self.label))
+    Fake, attempts = fake_deployments(events, refuse)
 
     def run_one(base_url, label, sessions, load, flush=True):
         events.append(("run", label))
@@ -165,17 +157,7 @@ def test_start_together_stops_every_server_when_cut_short(
     """An interrupted run (a device call's timeout) leaves no server of those started together
     running: the one measured and the ones still waiting are all stopped."""
     events: list[tuple[str, str]] = []
-
-    class Fake:
-        def __init__(self, target, server_args, env, log) -> None:
-            self.label, self.base_url = target.label, f"http://{target.label}"
-
-        def __enter__(self):
-            events.append(("up", self.label))
-            return self
-
-        def __exit__(self, *exc) -> None:
-            events.append(("down", self.label))
+    Fake, _ = fake_deployments(events)
 
     def run_one(base_url, label, sessions, load, flush=True):
         raise KeyboardInterrupt
