@@ -114,7 +114,7 @@ def markdown(result: dict[str, Any]) -> str:
                                               "max_total_num_tokens")]
             lines.append(f"| {r['run']} / {r['reference']}{_round_text(r)} | "
                          f"{_rate_text(_rate(r))} | " + " | ".join(cells) + " |")
-    rows = medians(result)
+    rows = result["medians"]  # build's
     if rows:
         lines += ["", "| median over rounds | rate | rounds | req/s | req/s / reference | "
                       "TTFT p50 (ms) | prefix hit rate |", "|" + "---|" * 7]
