@@ -122,6 +122,11 @@ FLAGS = (
          "time): admission neither evicts it nor counts it as room meanwhile. auto (default): "
          "2 with the ragged backend (off with --tp-size or --pp-size above 1), off for other "
          "backends; 0 = off; any backend takes seconds (serving/history_holds.py)."),
+    Flag("hold-limit", "RAGGED_HOLD_LIMIT", "120",
+         "Seconds a conversation stays held turn after turn while a request that continues no "
+         "held conversation has waited longer than the hold time: past them its next finished "
+         "turn is not held again, so a new session waits at most about this long plus a turn "
+         "for the pages of sessions that keep coming back. 0 = no limit."),
 )
 
 

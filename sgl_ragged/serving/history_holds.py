@@ -21,6 +21,13 @@ ends
 `seconds` is the time a client takes to send its next turn: about a second for programs (agents,
 benchmarks); people think for longer than a pool can afford to hold their pages idle.
 
+Holds keep a new session waiting while the pool is full of held conversations, and a session
+that keeps coming back could keep it waiting for ever. So while a request that continues no held
+conversation has waited longer than `seconds`, a conversation that has been held turn after turn
+for longer than `limit` (--ragged-hold-limit) is not held again when its turn ends: its pages go
+to the waiting request, and the conversation, should its history be evicted, starts holding
+afresh after its next turn. Holds are never ended early for it (their turns are on their way).
+
 Holds are taken only while conversations come back. Every finished conversation is remembered
 (its tokens, not its pages) for `seconds`: a waiting request that continues it within that time
 counts as a return, else it counts as gone. Finished conversations are held while at least
@@ -64,6 +71,11 @@ _ATTR = "_ragged_history_holds"
 RETURN_SHARE = Fraction(1, 3)
 RETURN_WINDOW = 32
 MIN_OUTCOMES = 4
+LIMIT_ENV = "RAGGED_HOLD_LIMIT"
+# --ragged-hold-limit's default: seconds a conversation stays held, turn after turn, while a
+# request that continues no held conversation waits (0: no limit)
+DEFAULT_LIMIT = 120.0
+_CHAIN = "_ragged_hold_chain"  # on a waiting request: since when its conversation has been held
 
 
 def hold_seconds(environ: dict[str, str] | None = None) -> float:
@@ -73,14 +85,25 @@ def hold_seconds(environ: dict[str, str] | None = None) -> float:
     value = env.get(ENV, "").strip().lower()
     if value in ("", AUTO):
         value = env.get(AUTO_ENV, "0")
+    return _seconds("--ragged-hold-history", value, env.get(ENV),
+                    "seconds (e.g. 10, or 0 for off) or auto")
+
+
+def hold_limit(environ: dict[str, str] | None = None) -> float:
+    """--ragged-hold-limit as seconds (0: no limit); a clear error for anything else."""
+    env = os.environ if environ is None else environ
+    value = env.get(LIMIT_ENV, "").strip() or f"{DEFAULT_LIMIT:g}"
+    return _seconds("--ragged-hold-limit", value, env.get(LIMIT_ENV),
+                    "seconds (e.g. 120, or 0 for no limit)")
+
+
+def _seconds(flag: str, value: str, given: str | None, expects: str) -> float:
     try:
         seconds = float(value)
     except ValueError:
-        raise ValueError(f"--ragged-hold-history expects seconds (e.g. 10, or 0 for off) or "
-                         f"auto, got {env.get(ENV)!r}") from None
+        raise ValueError(f"{flag} expects {expects}, got {given!r}") from None
     if not seconds >= 0 or seconds == float("inf"):
-        raise ValueError(f"--ragged-hold-history expects a finite number of seconds >= 0, got "
-                         f"{env.get(ENV)!r}")
+        raise ValueError(f"{flag} expects a finite number of seconds >= 0, got {given!r}")
     return seconds
 
 
@@ -115,17 +138,21 @@ class Hold:
     taken: float  # when it was taken or last renewed (release order under pressure)
     deadline: float
     serial: int  # its conversation's number (a released node's id may come back for another one)
+    chain: float  # since when its conversation has been held, turn after turn (--ragged-hold-limit)
 
 
 class HistoryHolds:
     """The holds of one radix tree. Nodes are whatever the tree's `lock` takes (SGLang's Python
     RadixCache's nodes, or the Rust tree core's opaque node ids), so a waiting request is matched
-    to a hold by its tokens, not by walking the tree. `clock` is injectable for tests."""
+    to a hold by its tokens, not by walking the tree. `limit` is --ragged-hold-limit (0: none);
+    `clock` is injectable for tests."""
 
     def __init__(self, tree: Any, seconds: float, page_size: int = 1,
-                 clock: Callable[[], float] = time.monotonic, min_outcomes: int = MIN_OUTCOMES):
+                 clock: Callable[[], float] = time.monotonic, min_outcomes: int = MIN_OUTCOMES,
+                 limit: float = DEFAULT_LIMIT):
         self.tree = tree
         self.seconds = seconds
+        self.limit = limit
         self.page_size = max(1, page_size)
         self.clock = clock
         self.min_outcomes = min_outcomes
@@ -133,11 +160,13 @@ class HistoryHolds:
         self.finished: dict[int, Finished] = {}  # serial -> conversation not yet continued
         self.outcomes: deque[bool] = deque(maxlen=RETURN_WINDOW)  # came back within `seconds`
         self._matches: dict[tuple[Any, int], bool] = {}  # (request id, serial) -> continues it
-        self._seen: set[Any] = set()  # ids of the waiting requests already judged
+        self._since: dict[Any, float] = {}  # waiting request id -> when it was first seen
+        self.starving = False  # a request that continues no hold has waited over `seconds`
         self.serial = 0  # counters (tests, logs): conversations finished, holds taken, ...
         self.taken = 0
         self.released_under_pressure = 0
         self.expired = 0
+        self.limited = 0  # finished turns not held again for a waiting request (limit)
         self._logged = float("-inf")
 
     # ---- taking and ending holds ------------------------------------------------------------
@@ -148,14 +177,17 @@ class HistoryHolds:
         known = len(self.outcomes)
         return known < self.min_outcomes or sum(self.outcomes) >= RETURN_SHARE * known
 
-    def take(self, node: Any, tokens: Any) -> None:
+    def take(self, node: Any, tokens: Any, chain: float | None = None) -> None:
         """Remember the finished conversation `tokens`, which `node` ends, for `seconds`; hold
-        `node` meanwhile while conversations come back. Conversations shorter than two pages
-        are neither remembered nor held."""
+        `node` meanwhile while conversations come back, unless it has been held since `chain`
+        (its turn continued a held conversation) for longer than `limit` while a request that
+        continues no hold is starving. Conversations shorter than two pages are neither
+        remembered nor held."""
         length = len(tokens) // self.page_size * self.page_size
         if node is None or length < 2 * self.page_size:
             return
         now = self.clock()
+        chain = now if chain is None else chain
         self.serial += 1
         conversation = array("q", tokens[:length])
         self.finished[self.serial] = Finished(conversation, now + self.seconds)
@@ -163,10 +195,14 @@ class HistoryHolds:
         if hold is not None:
             hold.taken, hold.deadline = now, now + self.seconds
             return
-        if self.returning():
-            self.taken += 1
-            self.holds[node] = Hold(self.tree.lock(node), conversation, now, now + self.seconds,
-                                    self.serial)
+        if not self.returning():
+            return
+        if self.limit and self.starving and now - chain > self.limit:
+            self.limited += 1
+            return
+        self.taken += 1
+        self.holds[node] = Hold(self.tree.lock(node), conversation, now, now + self.seconds,
+                                self.serial, chain)
 
     def release(self, node: Any) -> None:
         hold = self.holds.pop(node)
@@ -174,12 +210,20 @@ class HistoryHolds:
 
     def sweep(self, waiting: Iterable[Any] = ()) -> None:
         """Count the conversations that came back and those whose time is up; renew holds that
-        waiting requests continue; end those whose time is up."""
+        waiting requests continue (and mark those requests with their holds' chains); end holds
+        whose time is up; say whether a request that continues no hold is starving."""
         now = self.clock()
         waiting = list(waiting)
         self._judge(waiting, now)
-        for node in self.waiting_nodes(waiting):
-            self.holds[node].taken, self.holds[node].deadline = now, now + self.seconds
+        self.starving = False
+        for req in waiting:
+            node = self._held_node(req)
+            if node is None:
+                self.starving |= now - self._since[req.rid] > self.seconds
+                continue
+            hold = self.holds[node]
+            hold.taken, hold.deadline = now, now + self.seconds
+            setattr(req, _CHAIN, hold.chain)
         for node, hold in list(self.holds.items()):
             if hold.deadline <= now:
                 self.release(node)
@@ -197,13 +241,13 @@ class HistoryHolds:
                 del self.finished[serial]
                 self.outcomes.append(False)
         for req in waiting:
-            if req.rid in self._seen:
+            if req.rid in self._since:
                 continue
             for serial, done in list(self.finished.items()):
                 if self._continues(req, serial, done.tokens):
                     del self.finished[serial]
                     self.outcomes.append(True)
-        self._seen = {req.rid for req in waiting}
+        self._since = {req.rid: self._since.get(req.rid, now) for req in waiting}
 
     def waiting_nodes(self, waiting: Iterable[Any]) -> set[Any]:
         """Held nodes whose conversation a waiting request continues."""
@@ -259,9 +303,10 @@ class HistoryHolds:
         if self.serial and now - self._logged >= every:
             self._logged = now
             logger.info("History holds: %d of the latest %d finished conversations came back; "
-                        "%d held, %d of %d taken, %d expired, %d ended under memory pressure",
+                        "%d held, %d of %d taken, %d expired, %d ended under memory pressure, "
+                        "%d not held again for waiting requests (--ragged-hold-limit)",
                         sum(self.outcomes), len(self.outcomes), len(self.holds), self.taken,
-                        self.serial, self.expired, self.released_under_pressure)
+                        self.serial, self.expired, self.released_under_pressure, self.limited)
 
     def clear(self) -> None:
         """Forget every hold without unlocking: the tree was reset under them (what came back
@@ -277,7 +322,7 @@ def holds_of(tree: Any) -> HistoryHolds | None:
         seconds = hold_seconds()
         holds = None
         if seconds > 0 and not getattr(tree, "disable", False):
-            holds = HistoryHolds(tree, seconds, getattr(tree, "page_size", 1))
+            holds = HistoryHolds(tree, seconds, getattr(tree, "page_size", 1), limit=hold_limit())
             logger.info("Holding finished requests' histories for %g s while conversations come "
                         "back (--ragged-hold-history)", seconds)
         tree.__dict__[_ATTR] = holds
@@ -298,7 +343,7 @@ def after_checkpoint(result: Any, tree: Any, req: Any, *args: Any, up_to: int, *
         return
     holds = holds_of(tree)
     if holds is not None:
-        holds.take(req.last_node, req.full_untruncated_fill_ids[:up_to])
+        holds.take(req.last_node, req.full_untruncated_fill_ids[:up_to], getattr(req, _CHAIN, None))
 
 
 def after_reset(result: Any, tree: Any, *args: Any, **kwargs: Any) -> None:

@@ -23,7 +23,7 @@ from sgl_ragged.config import (
 )
 from sgl_ragged.precision import tier_precision
 from sgl_ragged.profile import ModelFreeKind, ModelShape, model_free_kind, model_shape
-from sgl_ragged.serving.history_holds import explicit, hold_seconds, resolve_auto
+from sgl_ragged.serving.history_holds import explicit, hold_limit, hold_seconds, resolve_auto
 from sgl_ragged.tp import resolve_rank_profiles
 
 logger = logging.getLogger(__name__)
@@ -150,6 +150,7 @@ def _check_history_holds(cfg: Any) -> None:
     """--ragged-hold-history: auto resolved for this server, given seconds only where one
     scheduler decides alone."""
     one_rank = (cfg.tp_size or 1) == 1 and (cfg.pp_size or 1) == 1
+    hold_limit()  # a clear error at launch, not in the scheduler
     auto = resolve_auto(is_active(), one_rank)
     if not explicit():
         if auto:

@@ -19,7 +19,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 
 from sgl_ragged.serving import history_holds  # noqa: E402
-from sgl_ragged.serving.history_holds import HistoryHolds, hold_seconds  # noqa: E402
+from sgl_ragged.serving.history_holds import HistoryHolds, hold_limit, hold_seconds  # noqa: E402
 
 
 class FakeAllocator:
@@ -224,6 +224,23 @@ def test_hold_seconds_refuses_what_is_not_seconds(value: str) -> None:
     assert hold_seconds({}) == 0 and hold_seconds({history_holds.ENV: "2.5"}) == 2.5
 
 
+@pytest.mark.parametrize("value", ["x", "-1", "inf", "nan"])
+def test_hold_limit_refuses_what_is_not_seconds(value: str) -> None:
+    with pytest.raises(ValueError, match="--ragged-hold-limit expects"):
+        hold_limit({history_holds.LIMIT_ENV: value})
+    assert hold_limit({}) == history_holds.DEFAULT_LIMIT == 120
+    assert hold_limit({history_holds.LIMIT_ENV: "0"}) == 0
+
+
+def test_launch_refuses_a_bad_hold_limit(monkeypatch) -> None:
+    from sgl_ragged.serving.server_args import _check_history_holds
+
+    monkeypatch.setenv(history_holds.AUTO_ENV, "0")  # restored after the test
+    monkeypatch.setenv(history_holds.LIMIT_ENV, "soon")
+    with pytest.raises(ValueError, match="--ragged-hold-limit expects seconds"):
+        _check_history_holds(SimpleNamespace(tp_size=1, pp_size=1))
+
+
 def test_refused_with_tensor_or_pipeline_parallel_ranks(monkeypatch) -> None:
     from sgl_ragged.serving.server_args import _check_history_holds
 
@@ -413,3 +430,75 @@ def test_hold_decisions_match_a_brute_force_replay() -> None:
         holds.take((s, turn), tokens(s, turn))
         assert (holds.taken == was + 1) is expect, (t, s, turn, known)
     assert 0 < holds.taken < len(finished_at)  # both decisions were exercised
+
+
+# ---- the limit: sessions that keep coming back do not keep a new one waiting for ever ----------
+
+
+def _turn(s: int, turn: int) -> list[int]:
+    """Session `s`'s conversation after `turn` + 1 turns (each turn adds two tokens)."""
+    return [1000 + s] + [s * 10 + i for i in range(2 * turn + 2)]
+
+
+def test_a_starving_request_stops_holding_long_held_conversations() -> None:
+    """Session 0 comes back every 4 s; a new session waits from t=1. Past the hold time (2 s) it
+    is starving; session 0, held since t=0, is held again until its chain is older than the
+    limit (10 s), then not; the turn after that starts a new chain."""
+    clock = Clock()
+    clock.now = 0.0
+    holds = HistoryHolds(_ids_tree(), 2.0, clock=clock, min_outcomes=0, limit=10.0)
+    new = _waiting([7] * 9, "new")
+    holds.take(("s0", 0), _turn(0, 0))
+    held = []
+    for turn in range(1, 6):
+        clock.now = 4.0 * turn - 3  # the next turn arrives, waits, then runs for 3 s
+        nxt = _waiting(_turn(0, turn - 1) + [5], f"s0-{turn}")
+        holds.sweep([nxt, new])
+        assert getattr(nxt, history_holds._CHAIN, None) == {4: None, 5: 16.0}.get(turn, 0.0)
+        assert holds.starving is (turn > 1)  # `new` waits from t=1: over 2 s from t=5
+        clock.now += 3
+        holds.sweep([new])
+        holds.take(("s0", turn), _turn(0, turn), getattr(nxt, history_holds._CHAIN, None))
+        held.append(("s0", turn) in holds.holds)
+    # finished at 4, 8, 12 (chain 0: 12 s > 10, starving), 16 (not held before: a new chain), 20
+    assert held == [True, True, False, True, True] and holds.limited == 1
+
+
+@pytest.mark.parametrize("starving, limit, held", [(False, 10.0, True), (True, 10.0, False),
+                                                   (True, 0.0, True), (True, 30.0, True)])
+def test_the_limit_applies_only_while_a_request_starves(starving: bool, limit: float,
+                                                       held: bool) -> None:
+    clock = Clock()
+    holds = HistoryHolds(_ids_tree(), 2.0, clock=clock, min_outcomes=0, limit=limit)
+    new = _waiting([7] * 9, "new")
+    holds.sweep([new])
+    clock.now += 3 if starving else 1
+    holds.sweep([new])
+    assert holds.starving is starving
+    holds.take("n", _turn(0, 3), chain=clock.now - 20)  # held turn after turn for 20 s
+    assert ("n" in holds.holds) is held
+
+
+def test_held_turns_waiting_do_not_starve_and_chains_pass_through_the_hook(monkeypatch) -> None:
+    """A waiting request that continues a held conversation is not starving however long it
+    waits; the checkpoint hook takes its chain from the request."""
+    clock = Clock()
+    tree = _ids_tree()
+    holds = HistoryHolds(tree, 2.0, clock=clock, min_outcomes=0, limit=10.0)
+    holds.take("a", _turn(0, 0))
+    turn = _waiting(_turn(0, 0) + [5], "a-1")
+    for _ in range(5):
+        holds.sweep([turn])
+        clock.now += 1.5
+    assert not holds.starving and getattr(turn, history_holds._CHAIN) == 100.0
+    tree.__dict__["_ragged_history_holds"] = holds
+    holds.starving = True
+    clock.now = 111.0  # the chain is 11 s old
+    req = SimpleNamespace(last_node="b", finished=lambda: True, finished_reason=None,
+                          full_untruncated_fill_ids=array("q", _turn(0, 1)))
+    setattr(req, history_holds._CHAIN, getattr(turn, history_holds._CHAIN))
+    history_holds.after_checkpoint(None, tree, req, up_to=4)
+    assert "b" not in holds.holds and holds.limited == 1
+    del req._ragged_hold_chain  # a conversation that was not held: a new chain
+    history_holds.after_checkpoint(None, tree, req, up_to=4)
+    assert "b" in holds.holds and holds.holds["b"].chain == 111.0
