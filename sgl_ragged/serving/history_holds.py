@@ -159,8 +159,9 @@ class HistoryHolds:
         self.holds: dict[Any, Hold] = {}  # node -> its hold
         self.finished: dict[int, Finished] = {}  # serial -> conversation not yet continued
         self.outcomes: deque[bool] = deque(maxlen=RETURN_WINDOW)  # came back within `seconds`
-        self._matches: dict[tuple[Any, int], bool] = {}  # (request id, serial) -> continues it
         self._since: dict[Any, float] = {}  # waiting request id -> when it was first seen
+        # waiting request id -> (node, serial) of the hold it continues, judged when first seen
+        self._continuing: dict[Any, tuple[Any, int] | None] = {}
         self.starving = False  # a request that continues no hold has waited over `seconds`
         self.serial = 0  # counters (tests, logs): conversations finished, holds taken, ...
         self.taken = 0
@@ -228,9 +229,7 @@ class HistoryHolds:
             if hold.deadline <= now:
                 self.release(node)
                 self.expired += 1
-        rids = {req.rid for req in waiting}
-        serials = {hold.serial for hold in self.holds.values()} | self.finished.keys()
-        self._matches = {k: v for k, v in self._matches.items() if k[0] in rids and k[1] in serials}
+        self._continuing = {req.rid: self._continuing[req.rid] for req in waiting}
 
     def _judge(self, waiting: list[Any], now: float) -> None:
         """A request that arrived since the last sweep returns the conversations it continues;
@@ -244,7 +243,7 @@ class HistoryHolds:
             if req.rid in self._since:
                 continue
             for serial, done in list(self.finished.items()):
-                if self._continues(req, serial, done.tokens):
+                if self._continues(req.origin_input_ids, done.tokens):
                     del self.finished[serial]
                     self.outcomes.append(True)
         self._since = {req.rid: self._since.get(req.rid, now) for req in waiting}
@@ -254,23 +253,34 @@ class HistoryHolds:
         return {node for req in waiting if (node := self._held_node(req)) is not None}
 
     def _held_node(self, req: Any) -> Any:
-        """The held node whose conversation `req` continues (the longest), or None. Its prompt
-        must start with the conversation but for its last page: a chat template may render the
-        end of the previous answer otherwise than the model wrote it."""
+        """The held node whose conversation `req` continues (the longest), or None. The hold is
+        found when the request is first seen, among the holds then (a client sends a next turn
+        after the answer, so its hold is already taken), and stays its own while it lasts: each
+        scheduler step then costs one lookup a waiting request, not one a request and hold."""
+        if req.rid not in self._continuing:
+            self._continuing[req.rid] = self._find_hold(req)
+        found = self._continuing[req.rid]
+        if found is None:
+            return None
+        hold = self.holds.get(found[0])
+        return found[0] if hold is not None and hold.serial == found[1] else None
+
+    def _find_hold(self, req: Any) -> tuple[Any, int] | None:
+        """(node, serial) of the longest held conversation `req` continues, or None."""
         best, best_len = None, 0
         for node, hold in self.holds.items():
-            if self._continues(req, hold.serial, hold.tokens) and len(hold.tokens) > best_len:
-                best, best_len = node, len(hold.tokens)
+            if len(hold.tokens) > best_len and self._continues(req.origin_input_ids, hold.tokens):
+                best, best_len = (node, hold.serial), len(hold.tokens)
         return best
 
-    def _continues(self, req: Any, serial: int, tokens: array) -> bool:
-        """Whether `req` continues the conversation `tokens` (number `serial`; memoized)."""
-        key = (req.rid, serial)
-        if key not in self._matches:
-            n = len(tokens) - self.page_size
-            prompt = req.origin_input_ids
-            self._matches[key] = len(prompt) >= n and array("q", prompt[:n]) == tokens[:n]
-        return self._matches[key]
+    def _continues(self, prompt: Any, tokens: array) -> bool:
+        """Whether `prompt` continues the conversation `tokens`: it starts with the conversation
+        but for its last page (a chat template may render the end of the previous answer
+        otherwise than the model wrote it). Two tokens are compared before the whole prefix,
+        which rejects another conversation (whose prompt opens alike) at once."""
+        n = len(tokens) - self.page_size
+        return (len(prompt) >= n and prompt[n - 1] == tokens[n - 1]
+                and prompt[n // 2] == tokens[n // 2] and array("q", prompt[:n]) == tokens[:n])
 
     def held_turns_first(self, waiting: list[Any]) -> None:
         """Order the waiting queue (in place, stably) so that requests that continue a held
@@ -312,7 +322,7 @@ class HistoryHolds:
         """Forget every hold without unlocking: the tree was reset under them (what came back
         before stays known)."""
         self.holds.clear()
-        self._matches.clear()
+        self._continuing.clear()
 
 
 def holds_of(tree: Any) -> HistoryHolds | None:

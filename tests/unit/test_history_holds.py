@@ -502,3 +502,48 @@ def test_held_turns_waiting_do_not_starve_and_chains_pass_through_the_hook(monke
     del req._ragged_hold_chain  # a conversation that was not held: a new chain
     history_holds.after_checkpoint(None, tree, req, up_to=4)
     assert "b" in holds.holds and holds.holds["b"].chain == 111.0
+
+
+# ---- the scheduler's cost: one lookup a waiting request and step --------------------------------
+
+
+def test_continues_matches_a_brute_force_prefix_check() -> None:
+    """The two probed tokens reject early; what they let through is the whole prefix check."""
+    import random
+
+    rng = random.Random(3)
+    holds = HistoryHolds(_ids_tree(), 2.0, page_size=4)
+    for _ in range(3000):
+        tokens = array("q", [rng.randrange(3) for _ in range(rng.randrange(8, 24))])
+        prompt = list(tokens[:rng.randrange(len(tokens) + 1)]) + [rng.randrange(3) for _ in range(
+            rng.randrange(6))]
+        if prompt and rng.random() < 0.5:  # change one token somewhere
+            i = rng.randrange(len(prompt))
+            prompt[i] = rng.randrange(3)
+        n = len(tokens) - 4
+        assert holds._continues(prompt, tokens) is (len(prompt) >= n and prompt[:n] == list(tokens[:n]))
+
+
+def test_a_waiting_request_is_matched_to_the_holds_once() -> None:
+    clock = Clock()
+    holds = HistoryHolds(_ids_tree(), 10.0, clock=clock, min_outcomes=0)
+    before = _waiting(_turn(2, 0) + [5], "before")  # waits before its conversation finished
+    holds.sweep([before])
+    for s in range(3):
+        holds.take(s, _turn(s, 0))
+    turn = _waiting(_turn(1, 0) + [5], "turn")
+    new = _waiting([7] * 9, "new")
+    calls = []
+    find = holds._find_hold
+    holds._find_hold = lambda req: calls.append(req.rid) or find(req)
+    for _ in range(5):
+        clock.now += 3
+        holds.sweep([before, turn, new])
+        holds.held_turns_first(waiting := [new, before, turn])
+        assert waiting == [turn, new, before]
+    assert sorted(calls) == ["new", "turn"]  # once each, at its first sight (`before`: earlier)
+    assert holds.waiting_nodes([before, turn, new]) == {1}  # `before` is not its next turn
+    assert set(holds.holds) == {1}  # renewed while its turn waits; the others expired
+    holds.release(1)
+    holds.take(1, _turn(3, 0))  # the node id comes back for another conversation
+    assert holds.waiting_nodes([turn]) == set() and calls.count("turn") == 1
