@@ -229,6 +229,9 @@ def test_hold_limit_refuses_what_is_not_seconds(value: str) -> None:
     with pytest.raises(ValueError, match="--ragged-hold-limit expects"):
         hold_limit({history_holds.LIMIT_ENV: value})
     assert hold_limit({}) == history_holds.DEFAULT_LIMIT == 120
+    from sgl_ragged.config import FLAGS  # the flag table states the same default
+
+    assert float(next(f for f in FLAGS if f.env == history_holds.LIMIT_ENV).default) == 120
     assert hold_limit({history_holds.LIMIT_ENV: "0"}) == 0
 
 
