@@ -78,7 +78,7 @@ def build(module: ModuleType, waiting: int, held: int, finished: int, length: in
     for i in range(max(held, finished)):
         tokens = _conversation(rng, length)
         conversations.append(tokens)
-        if i >= held:  # remembered, not held: finished while holds were not taken
+        if i == held:  # the rest are remembered, not held: they finish while holds are not taken
             holds.min_outcomes = 0
             holds.outcomes.extend([False] * module.RETURN_WINDOW)
         holds.take(("node", i), tokens)

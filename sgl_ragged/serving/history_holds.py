@@ -141,6 +141,14 @@ class Hold:
     chain: float  # since when its conversation has been held, turn after turn (--ragged-hold-limit)
 
 
+@dataclass(slots=True)
+class Waiting:
+    """What the holds know of a waiting request, from the sweep that first saw it."""
+
+    since: float  # when it was first seen waiting
+    hold: tuple[Any, int] | None  # (node, serial) of the held conversation it continues
+
+
 class HistoryHolds:
     """The holds of one radix tree. Nodes are whatever the tree's `lock` takes (SGLang's Python
     RadixCache's nodes, or the Rust tree core's opaque node ids), so a waiting request is matched
@@ -159,9 +167,7 @@ class HistoryHolds:
         self.holds: dict[Any, Hold] = {}  # node -> its hold
         self.finished: dict[int, Finished] = {}  # serial -> conversation not yet continued
         self.outcomes: deque[bool] = deque(maxlen=RETURN_WINDOW)  # came back within `seconds`
-        self._since: dict[Any, float] = {}  # waiting request id -> when it was first seen
-        # waiting request id -> (node, serial) of the hold it continues, judged when first seen
-        self._continuing: dict[Any, tuple[Any, int] | None] = {}
+        self._waiting: dict[Any, Waiting] = {}  # waiting request id -> what its first sight found
         self.starving = False  # a request that continues no hold has waited over `seconds`
         self.serial = 0  # counters (tests, logs): conversations finished, holds taken, ...
         self.taken = 0
@@ -212,54 +218,59 @@ class HistoryHolds:
     def sweep(self, waiting: Iterable[Any] = ()) -> None:
         """Count the conversations that came back and those whose time is up; renew holds that
         waiting requests continue (and mark those requests with their holds' chains); end holds
-        whose time is up; say whether a request that continues no hold is starving."""
-        now = self.clock()
-        waiting = list(waiting)
-        self._judge(waiting, now)
-        self.starving = False
-        for req in waiting:
-            node = self._held_node(req)
-            if node is None:
-                self.starving |= now - self._since[req.rid] > self.seconds
-                continue
-            hold = self.holds[node]
-            hold.taken, hold.deadline = now, now + self.seconds
-            setattr(req, _CHAIN, hold.chain)
-        for node, hold in list(self.holds.items()):
-            if hold.deadline <= now:
-                self.release(node)
-                self.expired += 1
-        self._continuing = {req.rid: self._continuing[req.rid] for req in waiting}
+        whose time is up; say whether a request that continues no hold is starving.
 
-    def _judge(self, waiting: list[Any], now: float) -> None:
-        """A request that arrived since the last sweep returns the conversations it continues;
-        those not continued within `seconds` are gone. (A request waiting before a conversation
-        finished is not its next turn: a client sends that after the answer.)"""
+        A request is judged once, by the sweep that first sees it: which finished conversations
+        it returns (a request waiting before a conversation finished is not its next turn: a
+        client sends that after the answer), and which held conversation it continues (its
+        hold is taken by then, for the same reason). Later sweeps cost one lookup a request."""
+        now = self.clock()
         for serial, done in list(self.finished.items()):
             if done.deadline <= now:
                 del self.finished[serial]
                 self.outcomes.append(False)
+        seen, self._waiting = self._waiting, {}
+        starving = False
         for req in waiting:
-            if req.rid in self._since:
+            entry = seen.get(req.rid)
+            if entry is None:
+                self._returns(req)
+                entry = Waiting(now, self._find_hold(req))
+            self._waiting[req.rid] = entry
+            node = self._node(entry.hold)
+            if node is None:
+                starving = starving or now - entry.since > self.seconds
                 continue
-            for serial, done in list(self.finished.items()):
-                if self._continues(req.origin_input_ids, done.tokens):
-                    del self.finished[serial]
-                    self.outcomes.append(True)
-        self._since = {req.rid: self._since.get(req.rid, now) for req in waiting}
+            hold = self.holds[node]
+            hold.taken, hold.deadline = now, now + self.seconds
+            setattr(req, _CHAIN, hold.chain)
+        self.starving = starving
+        for node, hold in list(self.holds.items()):
+            if hold.deadline <= now:
+                self.release(node)
+                self.expired += 1
+
+    def _returns(self, req: Any) -> None:
+        """A newly seen request returns the finished conversations it continues."""
+        for serial, done in list(self.finished.items()):
+            if self._continues(req.origin_input_ids, done.tokens):
+                del self.finished[serial]
+                self.outcomes.append(True)
 
     def waiting_nodes(self, waiting: Iterable[Any]) -> set[Any]:
         """Held nodes whose conversation a waiting request continues."""
         return {node for req in waiting if (node := self._held_node(req)) is not None}
 
     def _held_node(self, req: Any) -> Any:
-        """The held node whose conversation `req` continues (the longest), or None. The hold is
-        found when the request is first seen, among the holds then (a client sends a next turn
-        after the answer, so its hold is already taken), and stays its own while it lasts: each
-        scheduler step then costs one lookup a waiting request, not one a request and hold."""
-        if req.rid not in self._continuing:
-            self._continuing[req.rid] = self._find_hold(req)
-        found = self._continuing[req.rid]
+        """The held node whose conversation `req` continues (the longest), or None: the hold
+        its first sweep found, while that hold lasts (a request no sweep has seen is matched
+        now, and not remembered)."""
+        entry = self._waiting.get(req.rid)
+        return self._node(entry.hold if entry is not None else self._find_hold(req))
+
+    def _node(self, found: tuple[Any, int] | None) -> Any:
+        """The node of a hold found earlier, while that hold lasts (a released node's id may
+        come back for another conversation: its number tells them apart)."""
         if found is None:
             return None
         hold = self.holds.get(found[0])
@@ -322,7 +333,6 @@ class HistoryHolds:
         """Forget every hold without unlocking: the tree was reset under them (what came back
         before stays known)."""
         self.holds.clear()
-        self._continuing.clear()
 
 
 def holds_of(tree: Any) -> HistoryHolds | None:
