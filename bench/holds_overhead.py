@@ -13,7 +13,8 @@ conversations and F finished ones remembered, every prompt opening with the same
   against the finished conversations costs).
 
 With `--against REV` the same cases run on history_holds.py as of git revision REV too, side by
-side in one process, and the table gives both medians and their ratio (this tree's over REV's).
+side in one process (the two take turns within every repeat), and the table gives both medians
+and their ratio (this tree's over REV's).
 Writes <out>/holds_overhead.json and holds_overhead.md.
 
     python -m bench.holds_overhead                          # this tree
@@ -92,27 +93,39 @@ def build(module: ModuleType, waiting: int, held: int, finished: int, length: in
     return holds, queue, clock, rng
 
 
-def time_case(module: ModuleType, waiting: int, held: int, finished: int, length: int,
-              page: int, arrivals: int, repeats: int, seed: int) -> dict[str, float]:
-    """Median seconds of one steady iteration and of one arrival."""
-    holds, queue, clock, rng = build(module, waiting, held, finished, length, page, seed)
-    holds.sweep(queue)  # every request seen once
-    steady = []
-    for _ in range(repeats):
-        clock.now += 0.001
-        t = time.perf_counter()
-        holds.sweep(queue)
-        holds.held_turns_first(queue)
-        steady.append(time.perf_counter() - t)
-    per_arrival = []
+def time_case(modules: dict[str, ModuleType], waiting: int, held: int, finished: int,
+              length: int, page: int, arrivals: int, repeats: int,
+              seed: int) -> dict[str, dict[str, float]]:
+    """Median seconds of one steady iteration and of one arrival, per module. The modules take
+    turns within every repeat, in alternating order, so that the machine's drift during a case
+    (these shared machines drift by some percent within minutes) falls on them alike."""
+    states = {name: build(module, waiting, held, finished, length, page, seed)
+              for name, module in modules.items()}
+    steady: dict[str, list[float]] = {name: [] for name in modules}
+    per_arrival: dict[str, list[float]] = {name: [] for name in modules}
+    for holds, queue, _, _ in states.values():
+        holds.sweep(queue)  # every request seen once
     for k in range(repeats):
-        new = [SimpleNamespace(rid=f"a{k}-{i}", origin_input_ids=_conversation(rng, length))
-               for i in range(arrivals)]
-        clock.now += 0.001
-        t = time.perf_counter()
-        holds.sweep(queue + new)
-        per_arrival.append((time.perf_counter() - t) / arrivals)
-    return {"iteration_s": statistics.median(steady), "arrival_s": statistics.median(per_arrival)}
+        names = list(modules) if k % 2 == 0 else list(reversed(modules))
+        for name in names:
+            holds, queue, clock, _ = states[name]
+            clock.now += 0.001
+            t = time.perf_counter()
+            holds.sweep(queue)
+            holds.held_turns_first(queue)
+            steady[name].append(time.perf_counter() - t)
+    for k in range(repeats):
+        names = list(modules) if k % 2 == 0 else list(reversed(modules))
+        for name in names:
+            holds, queue, clock, rng = states[name]
+            new = [SimpleNamespace(rid=f"a{k}-{i}", origin_input_ids=_conversation(rng, length))
+                   for i in range(arrivals)]
+            clock.now += 0.001
+            t = time.perf_counter()
+            holds.sweep(queue + new)
+            per_arrival[name].append((time.perf_counter() - t) / arrivals)
+    return {name: {"iteration_s": statistics.median(steady[name]),
+                   "arrival_s": statistics.median(per_arrival[name])} for name in modules}
 
 
 def _parse_case(text: str) -> tuple[int, int, int]:
@@ -171,12 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     cases = args.case or list(DEFAULT_CASES)
     rows = []
     for i, (w, h, f) in enumerate(cases, 1):
+        print(f"[{i}/{len(cases)}] {w} waiting, {h} held, {f} finished ...", file=sys.stderr,
+              flush=True)
         row = {"waiting": w, "held": h, "finished": f}
-        for name, module in modules.items():
-            print(f"[{i}/{len(cases)}] {w} waiting, {h} held, {f} finished: {name} ...",
-                  file=sys.stderr, flush=True)
-            row[name] = time_case(module, w, h, f, args.length, args.page_size, args.arrivals,
-                                  args.repeats, args.seed)
+        row.update(time_case(modules, w, h, f, args.length, args.page_size, args.arrivals,
+                             args.repeats, args.seed))
         rows.append(row)
     result = {"argv": sys.argv[1:] if argv is None else argv, "against": args.against,
               "length": args.length, "page_size": args.page_size, "rows": rows}
