@@ -52,9 +52,12 @@ from sgl_ragged.attention_backend.torch_ref import TorchAttention
 from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.storage import RaggedStorage
 from sgl_ragged.profile import BudgetProfile
+from sgl_ragged.profile.source import ModelFreeKind
+from sgl_ragged.profile.spec import model_free_kind, parse_uniform_spec, uniform_profile
 from sgl_ragged.scoring import SnapKVScorer
 
 PAGE, TAIL, CHUNK, GQA = 64, 37, 256, 3
+REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PROFILE = Path("calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json")
 
 
@@ -331,9 +334,21 @@ def markdown(results: list[dict], profile_name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def load_profile(spec: str) -> BudgetProfile:
+    """A profile file, or `uniform:<ratio>` for the model of DEFAULT_PROFILE (a uniform profile
+    fits any model; this one takes that model's shape, which the cases are built from)."""
+    if model_free_kind(spec) is not ModelFreeKind.UNIFORM:
+        return BudgetProfile.load(spec)
+    model = BudgetProfile.load(REPO / DEFAULT_PROFILE).model
+    uniform = uniform_profile(parse_uniform_spec(spec), model.num_layers, model.num_kv_heads)
+    return dataclasses.replace(uniform, model=model)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", type=Path, default=DEFAULT_PROFILE)
+    parser.add_argument("--profile", default=str(DEFAULT_PROFILE),
+                        help="a profile file (its model gives the shapes), or uniform:<ratio> "
+                             "on the default profile's model (SmolLM2-135M-Instruct)")
     parser.add_argument("--batch", type=int, nargs="*", default=[1, 8, 32],
                         help="decode batch sizes (none: prefill only)")
     parser.add_argument("--context", type=int, nargs="+", default=[1024, 4096])
@@ -363,7 +378,7 @@ def main() -> None:
         parser.error("--no-batched needs --native (it drops the batched column of that table)")
     if args.cached_rows and not args.native:
         parser.error("--cached-rows needs --native (it times the native kernels on cached rows)")
-    profile = BudgetProfile.load(args.profile)
+    profile = load_profile(args.profile)
     if profile.model is None:
         parser.error(f"{args.profile} names no model; the shapes come from its model")
     torch.manual_seed(0)
@@ -387,11 +402,11 @@ def main() -> None:
                "precision": args.precision, "native": args.native, "threads": torch.get_num_threads(), "results": results}
     (args.out / "cpu_attention.json").write_text(json.dumps(summary, indent=2))
     if args.native:
-        table = markdown_native(results, args.profile.name)
+        table = markdown_native(results, Path(args.profile).name)
     elif args.precision:
-        table = markdown_precision(results, args.profile.name, args.precision)
+        table = markdown_precision(results, Path(args.profile).name, args.precision)
     else:
-        table = markdown(results, args.profile.name)
+        table = markdown(results, Path(args.profile).name)
     (args.out / "cpu_attention.md").write_text(table)
     print(table)
 
