@@ -26,10 +26,11 @@ def _get(base_url: str, path: str, timeout: float = 60.0) -> str:
         return resp.read().decode()
 
 
-def parse_counters(text: str) -> dict[str, float]:
-    """Every COUNTERS entry in a /metrics page (0 when absent), keyed by its short name."""
-    by_metric = {metric: short for short, metric in COUNTERS.items()}
-    out = dict.fromkeys(COUNTERS, 0.0)
+def parse_counters(text: str, names: dict[str, str] = COUNTERS) -> dict[str, float]:
+    """Every `names` entry (short name -> Prometheus counter; COUNTERS unless given) in a
+    /metrics page, summed over its label sets (0 when absent), keyed by its short name."""
+    by_metric = {metric: short for short, metric in names.items()}
+    out = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
         if line.startswith("#") or not line.strip():
             continue

@@ -36,6 +36,8 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+from bench.cpu_sweep import round_order
+
 REPO = Path(__file__).resolve().parents[1]
 MODULE = "sgl_ragged/serving/history_holds.py"
 SYSTEM = 256  # tokens every prompt opens with (a chat template's system prompt)
@@ -106,8 +108,7 @@ def time_case(modules: dict[str, ModuleType], waiting: int, held: int, finished:
     for holds, queue, _, _ in states.values():
         holds.sweep(queue)  # every request seen once
     for k in range(repeats):
-        names = list(modules) if k % 2 == 0 else list(reversed(modules))
-        for name in names:
+        for name in round_order(modules, k):
             holds, queue, clock, _ = states[name]
             clock.now += 0.001
             t = time.perf_counter()
@@ -115,8 +116,7 @@ def time_case(modules: dict[str, ModuleType], waiting: int, held: int, finished:
             holds.held_turns_first(queue)
             steady[name].append(time.perf_counter() - t)
     for k in range(repeats):
-        names = list(modules) if k % 2 == 0 else list(reversed(modules))
-        for name in names:
+        for name in round_order(modules, k):
             holds, queue, clock, rng = states[name]
             new = [SimpleNamespace(rid=f"a{k}-{i}", origin_input_ids=_conversation(rng, length))
                    for i in range(arrivals)]

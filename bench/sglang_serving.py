@@ -39,9 +39,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.counters import parse_counters
+from bench.counters import COUNTERS, parse_counters
 from bench.cpu_sweep import round_order
-from bench.multiturn import Launch, _file_name, plan_launches
+from bench.multiturn import Launch, _deployment, _failure, _file_name, plan_launches
 from bench.servers import STOCK_BACKEND, launch_env
 
 # sglang.bench_serving's workload unless arguments follow `--`: 16 conversations of 3 turns, each
@@ -83,11 +83,7 @@ def parse_server_counters(text: str) -> dict[str, float] | None:
     where it has no SGLang metrics (a server without --enable-metrics)."""
     if "sglang:" not in text:
         return None
-    out = parse_counters(text)
-    for short, metric in TOKEN_COUNTERS.items():
-        out[short] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                         if line.split("{", 1)[0].split(" ", 1)[0] == metric)
-    return out
+    return parse_counters(text, {**COUNTERS, **TOKEN_COUNTERS})
 
 
 def run_one(base_url: str, label: str, model: str, workload: list[str], seed: int,
@@ -185,7 +181,7 @@ def run_rounds(args: argparse.Namespace, launches: list[Launch], model: str,
                workload: list[str], save: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every launched server up (one after the other), then --rounds rounds over them; a server
     that fails to start or while it serves is recorded and left out."""
-    from sgl_ragged.testing.server import ServerError, ServerProcess
+    from sgl_ragged.testing.server import ServerError
 
     runs: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
@@ -193,14 +189,14 @@ def run_rounds(args: argparse.Namespace, launches: list[Launch], model: str,
     with contextlib.ExitStack() as stack:
         urls = {}
         for i, launch in enumerate(launches):
-            label, log = launch.target.label, args.out / "logs" / f"{_file_name(launch.target.label)}.log"
-            print(f"[{i + 1}/{len(launches)}] {label}: --max-total-tokens "
+            log = args.out / "logs" / f"{_file_name(launch.target.label)}.log"
+            print(f"[{i + 1}/{len(launches)}] {launch.target.label}: --max-total-tokens "
                   f"{launch.budget.kv_tokens}, starting ...", file=sys.stderr, flush=True)
             try:
-                urls[i] = stack.enter_context(ServerProcess(launch.server_args, env=env,
-                                                            log_path=log, startup_timeout=900)).base_url
+                urls[i] = stack.enter_context(_deployment(launch.target, launch.server_args, env,
+                                                          log)).base_url
             except (ServerError, OSError) as exc:
-                failed.append({"label": label, "error": f"{type(exc).__name__}: {exc}"[-2000:]})
+                failed.append(_failure(launch, exc))
         for round_ in range(args.rounds):
             for i in round_order(sorted(urls), round_):
                 label = launches[i].target.label
@@ -210,7 +206,7 @@ def run_rounds(args: argparse.Namespace, launches: list[Launch], model: str,
                     runs.append({**run_one(urls[i], label, model, workload, args.seed, log),
                                  "round": round_})
                 except (ServerError, OSError, RuntimeError) as exc:
-                    failed.append({"label": label, "error": f"{type(exc).__name__}: {exc}"[-2000:]})
+                    failed.append(_failure(launches[i], exc))
                     del urls[i]
             save(runs, failed)
     return runs, failed
@@ -252,13 +248,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args, workload = parse_args(sys.argv[1:] if argv is None else argv)
+    argv_used = sys.argv[1:] if argv is None else argv
+    args, workload = parse_args(argv_used)
     model = args.model
     if model is None:
         from sgl_ragged.models.smollm2 import ensure_smollm2
 
         model = str(ensure_smollm2())
-    argv_used = sys.argv[1:] if argv is None else argv
     launches = plan_launches(args, model) if args.launch else []
     targets = [{"label": x.target.label, "budget": x.budget._asdict(), "launch_args": x.server_args}
                for x in launches]
