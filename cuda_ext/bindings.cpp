@@ -31,6 +31,10 @@ struct Isa {
   std::string name;
   RunItems run;
   bool tiles = false;  // bfloat16 prefill chunks as matrix products (RAGGED_TILES)
+  // Rows per item of forwards with prefill chunks, any dtype (0: 32, as decode; the tiles take
+  // kTileRows of bfloat16 chunks): avx2 multiplies blocks of many rows on key columns, whose
+  // transpose and value conversion a unit's rows share.
+  int64_t extend_rows = 0;
 };
 
 // The best ISA variant this CPU runs, or the one RAGGED_NATIVE_ISA names (never above the
@@ -45,7 +49,7 @@ Isa pick_isa() {
     usable.push_back({"avx512", &avx512::run_items, true});  // products on vdpbf16ps
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    usable.push_back({"avx2", &avx2::run_items});
+    usable.push_back({"avx2", &avx2::run_items, false, kColumnBlockRows});
   usable.push_back({"scalar", &scalar::run_items});
   const char* want = std::getenv("RAGGED_NATIVE_ISA");
   if (!want || !*want) return usable.front();
@@ -236,12 +240,13 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
   p.sealed_off = sealed_off.data_ptr<int64_t>();
   p.sealed_pages = sealed_pages.data_ptr<int64_t>();
   // avx512 and amx run bfloat16 prefill chunks in blocks of up to kTileRows rows (a page's
-  // dequantized, packed keys and values serve every row of a block), the longest chunk cut
-  // into equal blocks.
+  // dequantized, packed keys and values serve every row of a block), avx2 any prefill chunk in
+  // blocks of up to kColumnBlockRows (key columns), the longest chunk cut into equal blocks.
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, p.requests[b].q_len);
-  if (longest > 1 && dtype == at::kBFloat16 && isa().tiles) {
-    const int64_t most = std::max<int64_t>(1, kTileRows / p.group_size);
+  const int64_t extend_rows = dtype == at::kBFloat16 && isa().tiles ? kTileRows : isa().extend_rows;
+  if (longest > 1 && extend_rows) {
+    const int64_t most = std::max<int64_t>(1, extend_rows / p.group_size);
     const int64_t blocks = (longest + most - 1) / most;
     p.q_block = (longest + blocks - 1) / blocks;
   }

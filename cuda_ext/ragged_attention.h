@@ -102,6 +102,10 @@ struct Item {
 // run_item's per-row limits).
 constexpr int64_t kTileRows = 256;
 
+// Rows per item of a forward with prefill chunks on avx2 (key columns, attention_body.inc):
+// a unit's transposed keys and converted values serve every row of a block.
+constexpr int64_t kColumnBlockRows = 96;
+
 // Keys per unit of the bfloat16 products' sealed pages (several pages' hi slots, or several pages'
 // dequantized tiers: fewer softmax passes per row), at least a padded page (a tail page).
 constexpr int64_t kTileKeys = 256;
@@ -137,11 +141,12 @@ inline int64_t vnni_workspace_floats(const Params& p) {
 }
 
 // Floats of per-thread workspace one item needs (scaled queries, logits, a unit's keys
-// transposed and values converted, per-page parameters, softmax state, AVX-512 partial dots,
-// the bfloat16 queries as stored [R, D], a unit's value segments [Pp] of 4 x 8 bytes).
+// transposed (AVX2's key columns: kKeyTile spare floats a channel) and values converted,
+// per-page parameters, softmax state, AVX-512 partial dots, the bfloat16 queries as stored
+// [R, D], a unit's value segments [Pp] of 4 x 8 bytes).
 inline int64_t workspace_floats(const Params& p) {
   const int64_t R = p.q_block * p.group_size, D = p.head_dim, Pp = padded_page(p);
-  return 2 * R * D + R * Pp + 2 * Pp * D + 2 * (D > Pp ? D : Pp) + 4 * R +
+  return 2 * R * D + R * Pp + (2 * Pp + kKeyTile) * D + 2 * (D > Pp ? D : Pp) + 4 * R +
          R * kKeyTile * kKeyTile + D + vnni_workspace_floats(p) + (R * D / 2 + 16) +
          (8 * Pp + 16) + tile_workspace_floats(p);
 }
