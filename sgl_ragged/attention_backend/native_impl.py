@@ -4,8 +4,9 @@ window statistics in C++: cuda_ext/tails.cpp). Decode forwards (whose sealed pag
 staged before) write only their new tokens' staging slots (`tail_batch.stage_fresh`).
 Forwards with prefill chunks stay native where the kernels measured faster (`prefill_on_batched`:
 bfloat16 storages on the amx variant's tiles, the avx512 variant on a CPU without AMX, whose
-bfloat16 chunks run as AVX512-BF16 matrix products) and go to the batched torch path elsewhere
-(its window statistics still from tails.cpp).
+bfloat16 chunks run as AVX512-BF16 matrix products, and the avx2 variant there, whose chunks
+multiply key columns) and go to the batched torch path elsewhere (its window statistics still
+from tails.cpp).
 
 The kernels attend on the rows as stored: hi slots at the storage dtype (or, with
 --ragged-precision H+L, quantized), the low tier on its codes (scales folded into the queries
@@ -72,8 +73,9 @@ def native_refuses(storage: RaggedStorage) -> str | None:
 TILE_ISAS = ("amx", "avx512")
 """ISA variants that run bfloat16 prefill chunks as bfloat16 matrix products (S = Q K^T and
 acc += bf16(P) V, attention_body.inc's RAGGED_TILES): on AMX tiles through cpublas's brgemm
-(amx) or on vdpbf16ps (avx512); the avx2 and scalar variants keep the per-row loops (avx2:
-dense keys in float32 FMAs, integer tiers of bfloat16 storages on vpmaddwd)."""
+(amx) or on vdpbf16ps (avx512); the avx2 and scalar variants keep float32 loops (avx2: blocks
+of prefill rows against key columns in float32 FMAs, integer tiers of bfloat16 storages on
+vpmaddwd, also as columns)."""
 
 
 def extends_on_tiles(storage: RaggedStorage, module: ModuleType) -> bool:
@@ -98,8 +100,13 @@ def prefill_on_batched(storage: RaggedStorage, module: ModuleType) -> bool:
       in float32 (below bfloat16's resolution of the logits); answer-token top-1 in
       bench.accuracy was no worse (full 0.811 vs 0.807 batched, the default profile 0.807 vs
       0.800, with the float32 loops).
-    - avx2 and scalar variants: batched. The avx2 loops lost at 4K (x0.68); with the session-21
-      intrinsics they still lose on the default profile (x0.65-0.84 except x1.51 at 1 x 1K).
+    - avx2 variant: every forward native on a CPU without AMX. Since session 60 it multiplies
+      blocks of up to 96 prefill rows on key columns (attention_body.inc, put_columns): on a
+      Zen 3 (AVX2 only, GOMP_SPINCOUNT=3000 as served) x1.23-1.80 batched's speed at 256-token
+      chunks after 1K-4K of history, batch 1-4, drop-only and int4@0.3 rows alike; before, the
+      per-key loops lost at 4K (x0.75-0.89; session 21's intrinsics x0.65-0.84 but x1.51 at
+      1 x 1K). On an AMX CPU (forced lower) batched, as for avx512.
+    - scalar variant: batched.
     RAGGED_NATIVE_PREFILL=native|batched overrides the rule (measurements, other CPUs)."""
     forced = os.environ.get("RAGGED_NATIVE_PREFILL", "")
     if forced:
@@ -111,7 +118,7 @@ def prefill_on_batched(storage: RaggedStorage, module: ModuleType) -> bool:
     isa = module.isa()
     if isa == "amx":
         return not extends_on_tiles(storage, module)
-    if isa == "avx512":
+    if isa in ("avx512", "avx2"):
         from sgl_ragged import native
 
         return native.cpu_has_amx()

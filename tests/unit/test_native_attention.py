@@ -703,7 +703,9 @@ def test_prefill_chunks_routed_by_variant(decode, amx_cpu, monkeypatch):
     ("avx512", True, torch.bfloat16, True),  # forced lower on an AMX CPU
     ("avx512", False, torch.bfloat16, False),
     ("avx512", False, torch.float32, False),
-    ("avx2", False, torch.bfloat16, True),
+    ("avx2", False, torch.bfloat16, False),  # key columns
+    ("avx2", False, torch.float32, False),
+    ("avx2", True, torch.bfloat16, True),  # forced lower on an AMX CPU
     ("scalar", False, torch.float32, True),
 ])
 @pytest.mark.parametrize("precision", ["int4", "int8+int4"])
