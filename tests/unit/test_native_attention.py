@@ -21,7 +21,7 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -73,15 +73,19 @@ def native_only(storage: RaggedStorage) -> NativeAttention:
 def twin_forward(specs: Sequence[Spec], decode: bool, seed: int, shape: Shape, dtype: torch.dtype,
                  precision: str, layer: int = 1, gap: int = 1, poison: bool = False,
                  serial_pairs: int = 0, heads_per_group: int = 2,
+                 edit: Callable[[RaggedStorage], None] | None = None,
                  ) -> tuple[RaggedStorage, RaggedStorage, list[RequestPlan], list[torch.Tensor], float]:
     """One forward through NativeAttention (storage and q/k/v in `dtype`) and the reference on
     a float32 twin holding the same values (a bfloat16 reference rounds dequantized rows and
     large logits to bfloat16: its own error, not the kernels'). serial_pairs 0: every layer on
     the thread pool with its key ranges split (NativeAttention's default runs these small
     batches on one thread, unsplit). Returns the storages, plans, both outputs and the largest
-    |value| the batch's rows attend to (value_bound)."""
+    |value| the batch's rows attend to (value_bound). edit: applied to the random storage
+    before its twin is made."""
     mine = random_storage(random.Random(seed), "cpu", layers=2, num_stages=64, dtype=dtype,
                           shape=shape, precision=precision, heads_per_group=heads_per_group)
+    if edit is not None:
+        edit(mine)
     stores = [mine, float32_twin(mine)]
     plans = random_plans(stores[0], specs, random.Random(seed + 1), gap=gap, twins=stores[1:])
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), "cpu", dtype, shape)
@@ -372,6 +376,34 @@ def test_integer_tiers_of_bfloat16_storages(precision, head_dim, page, heads, pe
         at = slice(p.q_start, p.q_start + p.q_len)
         want = reference_lse(twin, layer, p, q[at].float(), k[at].float(), head_dim**-0.5)
         torch.testing.assert_close(lse[at], want, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("precision", ["int4", "int8+int4"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_integer_tiers_whose_values_are_their_zero_points(precision, head_dim, decode):
+    """Quantized slots whose value scales are all 0 (what the quantizer stores for a token whose
+    channels are equal: every value is its zero point): the codes get no weight, so the
+    integer value products see an all-zero row of weights, but the output still holds the zero
+    points' share (int_values adds it with or without weight on the codes)."""
+    def zero_value_scales(st: RaggedStorage) -> None:
+        for layer in range(st.layout.num_layers):
+            for tier in (*st.low_rows[layer], *st.high_rows[layer]):
+                if tier is not None:
+                    tier.v_scale.zero_()
+
+    shape = Shape(page_size=64, head_dim=head_dim, kv_heads=3, gqa=3)
+    specs = random_specs(random.Random(head_dim + 7), 4, decode, page=64, max_sealed=4)
+    for layer in (1, 0):
+        mine, _, plans, outs, bound = twin_forward(specs, decode, 43, shape, torch.bfloat16,
+                                                   precision, layer=layer, heads_per_group=3,
+                                                   edit=zero_value_scales)
+        if any(t.lo or (t.hi and mine.layout.high is not None) for t in mine.layout.tiers[layer]):
+            break
+    else:
+        pytest.fail("no layer of the random storage has a quantized tier: pick another seed")
+    rows = rows_of(plans)
+    torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, decode))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int4"])
