@@ -104,6 +104,20 @@ def twin_forward(specs: Sequence[Spec], decode: bool, seed: int, shape: Shape, d
     return stores[0], stores[1], plans, outs, bound
 
 
+def quantized_twin_forward(specs: Sequence[Spec], decode: bool, seed: int, shape: Shape,
+                           precision: str, heads_per_group: int,
+                           edit: Callable[[RaggedStorage], None] | None = None):
+    """twin_forward of a bfloat16 storage on its first layer (1, then 0) whose random budgets
+    leave a quantized tier; returns twin_forward's results and that layer."""
+    for layer in (1, 0):
+        mine, twin, plans, outs, bound = twin_forward(specs, decode, seed, shape, torch.bfloat16,
+                                                      precision, layer=layer,
+                                                      heads_per_group=heads_per_group, edit=edit)
+        if any(t.lo or (t.hi and mine.layout.high is not None) for t in mine.layout.tiers[layer]):
+            return mine, twin, plans, outs, bound, layer
+    pytest.fail("no layer of the random storage has a quantized tier: pick another seed")
+
+
 def value_bound(st: RaggedStorage, layer: int, plans: Sequence[RequestPlan],
                 v: torch.Tensor) -> float:
     """The largest |value| any row of the batch attends to: sealed rows (low tiers
@@ -354,14 +368,8 @@ def test_integer_tiers_of_bfloat16_storages(precision, head_dim, page, heads, pe
     slots apart."""
     shape = Shape(page_size=page, head_dim=head_dim, kv_heads=heads, gqa=3)
     specs = random_specs(random.Random(head_dim), 4, decode, page=page, max_sealed=4)
-    for layer in (1, 0):  # a layer whose random budgets leave a quantized tier
-        mine, twin, plans, outs, bound = twin_forward(specs, decode, 41, shape, torch.bfloat16,
-                                                      precision, layer=layer,
-                                                      heads_per_group=per_group)
-        if any(t.lo or (t.hi and mine.layout.high is not None) for t in mine.layout.tiers[layer]):
-            break
-    else:
-        pytest.fail("no layer of the random storage has a quantized tier: pick another seed")
+    mine, twin, plans, outs, bound, layer = quantized_twin_forward(specs, decode, 41, shape,
+                                                                   precision, per_group)
     rows = rows_of(plans)
     torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, decode))
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(41), "cpu", torch.bfloat16, shape)
@@ -394,14 +402,8 @@ def test_integer_tiers_whose_values_are_their_zero_points(precision, head_dim, d
 
     shape = Shape(page_size=64, head_dim=head_dim, kv_heads=3, gqa=3)
     specs = random_specs(random.Random(head_dim + 7), 4, decode, page=64, max_sealed=4)
-    for layer in (1, 0):
-        mine, _, plans, outs, bound = twin_forward(specs, decode, 43, shape, torch.bfloat16,
-                                                   precision, layer=layer, heads_per_group=3,
-                                                   edit=zero_value_scales)
-        if any(t.lo or (t.hi and mine.layout.high is not None) for t in mine.layout.tiers[layer]):
-            break
-    else:
-        pytest.fail("no layer of the random storage has a quantized tier: pick another seed")
+    _, _, plans, outs, bound, _ = quantized_twin_forward(specs, decode, 43, shape, precision, 3,
+                                                         edit=zero_value_scales)
     rows = rows_of(plans)
     torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, decode))
 
