@@ -24,7 +24,9 @@ spent on more tokens (ratio = tiered / drop-only time).
 One measurement = what the backend does for one forward: `prepare` (per-forward tables) plus
 every layer's attention, staging and (for prefill) sealing -- the model's matmuls excluded.
 Shapes from the profile's model (default: SmolLM2-135M-Instruct's calibrated SnapKV rho 0.3:
-30 layers x 3 KV heads x 64 head_dim, GQA 3), bfloat16, page size 64. Decode: every request has
+30 layers x 3 KV heads x 64 head_dim, GQA 3; `--gqa G` and `--head-dim D` time other shapes of
+the same layers and budgets, e.g. a decode step at GQA 8, head_dim 128, as Llama-3-70B's),
+bfloat16, page size 64. Decode: every request has
 `context` tokens in sealed pages and a tail of 37 staged tokens, plus its new token. Prefill:
 one 256-token chunk per request after `context` sealed tokens, sealing its complete pages but
 the last. Medians over repetitions after warm-up (wall clock); ratio = reference / batched.
@@ -62,9 +64,10 @@ DEFAULT_PROFILE = Path("calib_profiles/smollm2-135m-instruct/snapkv-rho0.3.json"
 
 
 def build_case(profile: BudgetProfile, batch: int, context: int, decode: bool,
-               precision: str = "bf16",
+               precision: str = "bf16", gqa: int = GQA,
                ) -> tuple[RaggedStorage, list[RequestPlan], tuple[torch.Tensor, ...]]:
-    """Storage with random rows and staging pages, the batch's plans and its q, k, v."""
+    """Storage with random rows and staging pages, the batch's plans and its q, k, v (`gqa`
+    query heads per KV head)."""
     model = profile.model
     layout = RaggedLayout.from_profile(profile, PAGE, model.head_dim, 2, precision)
     n, new = context // PAGE, 1 if decode else CHUNK
@@ -83,7 +86,7 @@ def build_case(profile: BudgetProfile, batch: int, context: int, decode: bool,
                 storage.write_low(layer, g, pages, torch.randn(shape), torch.randn(shape))
     plans = [_plan(b, n, tail_pages, decode) for b in range(batch)]
     H, D = model.num_kv_heads, model.head_dim
-    qkv = tuple(torch.randn(batch * new, h, D, dtype=torch.bfloat16) for h in (H * GQA, H, H))
+    qkv = tuple(torch.randn(batch * new, h, D, dtype=torch.bfloat16) for h in (H * gqa, H, H))
     return storage, plans, qkv
 
 
@@ -152,7 +155,7 @@ def cached_plans(plans: list[RequestPlan]) -> list[RequestPlan]:
 def measure_native(profile: BudgetProfile, batch: int, context: int, decode: bool,
                    precisions: list[str], warmup: int, repeats: int,
                    baseline: ModuleType | None = None, batched: bool = True,
-                   cached: bool = False) -> list[dict]:
+                   cached: bool = False, gqa: int = GQA) -> list[dict]:
     """Batched torch vs the native kernels on one batch, on a storage of each precision,
     every (precision, implementation) pair timed in the same alternating rounds, so the
     ratios between precisions (int4 / drop) see the same machine state (`baseline`: another
@@ -162,7 +165,7 @@ def measure_native(profile: BudgetProfile, batch: int, context: int, decode: boo
     scale = profile.model.head_dim**-0.5
     results, steps, outs = [], {}, {}
     for precision in precisions:
-        storage, plans, (q, k, v) = build_case(profile, batch, context, decode, precision)
+        storage, plans, (q, k, v) = build_case(profile, batch, context, decode, precision, gqa)
         results.append({"phase": "decode" if decode else "prefill", "batch": batch,
                         "context": context, "precision": precision,
                         "bytes_per_page": storage.layout.row_bytes_per_page})
@@ -277,8 +280,8 @@ def markdown_native(results: list[dict], profile_name: str) -> str:
 
 
 def measure(profile: BudgetProfile, batch: int, context: int, decode: bool, warmup: int,
-            repeats: int) -> dict:
-    storage, plans, (q, k, v) = build_case(profile, batch, context, decode)
+            repeats: int, gqa: int = GQA) -> dict:
+    storage, plans, (q, k, v) = build_case(profile, batch, context, decode, gqa=gqa)
     scale = profile.model.head_dim**-0.5
     result = {"phase": "decode" if decode else "prefill", "batch": batch, "context": context}
     outs = {}
@@ -293,12 +296,12 @@ def measure(profile: BudgetProfile, batch: int, context: int, decode: bool, warm
 
 
 def measure_precision(profile: BudgetProfile, batch: int, context: int, decode: bool,
-                      precision: str, warmup: int, repeats: int) -> dict:
+                      precision: str, warmup: int, repeats: int, gqa: int = GQA) -> dict:
     """Batched attention over drop-only rows and over tiered rows of the same byte budget."""
     scale = profile.model.head_dim**-0.5
     result = {"phase": "decode" if decode else "prefill", "batch": batch, "context": context}
     for name in ("bf16", precision):
-        storage, plans, (q, k, v) = build_case(profile, batch, context, decode, name)
+        storage, plans, (q, k, v) = build_case(profile, batch, context, decode, name, gqa)
         step = forward_step(BatchedTorchAttention(storage), plans, (q, k, v), scale, decode,
                             profile.num_layers)
         result[f"{name}_s"] = timed(step, warmup, repeats)
@@ -334,14 +337,19 @@ def markdown(results: list[dict], profile_name: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def load_profile(spec: str) -> BudgetProfile:
+def load_profile(spec: str, head_dim: int | None = None) -> BudgetProfile:
     """A profile file, or `uniform:<ratio>` for the model of DEFAULT_PROFILE (a uniform profile
-    fits any model; this one takes that model's shape, which the cases are built from)."""
+    fits any model; this one takes that model's shape, which the cases are built from);
+    `head_dim` replaces its model's head size (budgets are per head, whatever its size)."""
     if model_free_kind(spec) is not ModelFreeKind.UNIFORM:
-        return BudgetProfile.load(spec)
-    model = BudgetProfile.load(REPO / DEFAULT_PROFILE).model
-    uniform = uniform_profile(parse_uniform_spec(spec), model.num_layers, model.num_kv_heads)
-    return dataclasses.replace(uniform, model=model)
+        profile = BudgetProfile.load(spec)
+    else:
+        model = BudgetProfile.load(REPO / DEFAULT_PROFILE).model
+        uniform = uniform_profile(parse_uniform_spec(spec), model.num_layers, model.num_kv_heads)
+        profile = dataclasses.replace(uniform, model=model)
+    if head_dim is None or profile.model is None:
+        return profile
+    return dataclasses.replace(profile, model=dataclasses.replace(profile.model, head_dim=head_dim))
 
 
 def main() -> None:
@@ -372,13 +380,22 @@ def main() -> None:
                         help="with --native: time the native kernels also with every request's "
                              "sealed pages pointed at its first one (the same work on rows in "
                              "cache): the memory share column is the step's wait on memory")
+    parser.add_argument("--gqa", type=int, default=GQA,
+                        help=f"query heads per KV head (default {GQA}, the default model's)")
+    parser.add_argument("--head-dim", type=int, default=None,
+                        help="head size in place of the profile model's (64 for the default model)")
     parser.add_argument("--out", type=Path, default=Path("results/cpu_attention"))
     args = parser.parse_args()
+    if args.gqa < 1:
+        parser.error(f"--gqa {args.gqa}: give at least 1 query head per KV head")
+    if args.head_dim is not None and (args.head_dim < 16 or args.head_dim % 16):
+        parser.error(f"--head-dim {args.head_dim}: give a multiple of 16 (64 and 128 are the "
+                     "common sizes)")
     if not args.batched and not args.native:
         parser.error("--no-batched needs --native (it drops the batched column of that table)")
     if args.cached_rows and not args.native:
         parser.error("--cached-rows needs --native (it times the native kernels on cached rows)")
-    profile = load_profile(args.profile)
+    profile = load_profile(args.profile, args.head_dim)
     if profile.model is None:
         parser.error(f"{args.profile} names no model; the shapes come from its model")
     torch.manual_seed(0)
@@ -391,22 +408,26 @@ def main() -> None:
               f"context {context} ...", flush=True)
         if args.native:
             results += measure_native(profile, batch, context, decode, args.native, args.warmup,
-                                      args.repeats, baseline, args.batched, args.cached_rows)
+                                      args.repeats, baseline, args.batched, args.cached_rows,
+                                      args.gqa)
         elif args.precision:
             results.append(measure_precision(profile, batch, context, decode, args.precision,
-                                             args.warmup, args.repeats))
+                                             args.warmup, args.repeats, args.gqa))
         else:
-            results.append(measure(profile, batch, context, decode, args.warmup, args.repeats))
+            results.append(measure(profile, batch, context, decode, args.warmup, args.repeats,
+                                   args.gqa))
     args.out.mkdir(parents=True, exist_ok=True)
     summary = {"profile": str(args.profile), "mean_budget": profile.mean_budget,
+               "gqa": args.gqa, "head_dim": profile.model.head_dim,
                "precision": args.precision, "native": args.native, "threads": torch.get_num_threads(), "results": results}
     (args.out / "cpu_attention.json").write_text(json.dumps(summary, indent=2))
+    name = f"{Path(args.profile).name}, GQA {args.gqa}, head_dim {profile.model.head_dim}"
     if args.native:
-        table = markdown_native(results, Path(args.profile).name)
+        table = markdown_native(results, name)
     elif args.precision:
-        table = markdown_precision(results, Path(args.profile).name, args.precision)
+        table = markdown_precision(results, name, args.precision)
     else:
-        table = markdown(results, Path(args.profile).name)
+        table = markdown(results, name)
     (args.out / "cpu_attention.md").write_text(table)
     print(table)
 

@@ -196,7 +196,7 @@ def test_matches_reference_small_shapes(precision, decode):
 @pytest.mark.parametrize("serial_pairs", [0, 2**30], ids=["split", "serial"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("head_dim,gqa", [(64, 1), (64, 3), (80, 4), (96, 3), (128, 4), (128, 8),
-                                         (256, 2)])
+                                         (64, 16), (256, 2)])
 def test_matches_reference_float32(precision, head_dim, gqa, serial_pairs):
     """Serving head sizes and GQA ratios, a mixed batch (decode requests beside prefill
     chunks, ragged tails): outputs, the window's log-sum-exps and the storage after."""
@@ -373,6 +373,40 @@ def test_integer_tiers_of_bfloat16_storages(precision, head_dim, page, heads, pe
     rows = rows_of(plans)
     torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, decode))
     q, k, v = random_qkv(plans, torch.Generator().manual_seed(41), "cpu", torch.bfloat16, shape)
+    impl = NativeAttention(mine, extend_on_batched=False)
+    batch = impl.prepare(BatchPlan(requests=list(plans)))
+    k_pages, v_pages = tail_pages(mine, layer, batch.tails, k, v)
+    _, lse = impl.module.attend(q, k_pages, v_pages, mine.rows_k[layer], mine.rows_v[layer],
+                                impl.low[layer], impl.high[layer], impl.formats[layer],
+                                impl.head_map[layer], batch.requests, batch.sealed_off,
+                                batch.sealed_pages, head_dim**-0.5, 0)
+    for p in plans:
+        at = slice(p.q_start, p.q_start + p.q_len)
+        want = reference_lse(twin, layer, p, q[at].float(), k[at].float(), head_dim**-0.5)
+        torch.testing.assert_close(lse[at], want, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int4", "int8+int4"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("gqa", [8, 16])
+def test_decode_blocks_of_many_query_heads(precision, head_dim, gqa):
+    """Decode rows of a bfloat16 storage at 8 and 16 query heads per KV head (a block of G rows
+    at one position): on AVX2 key by key below kDecodeColumnRows = 16 rows and on key columns
+    from it, dense keys and integer codes alike (attention_body.inc `on_columns`; blocks of
+    several positions take columns from 8 rows). Outputs within bf16_tol of the float32 twin's
+    reference, and the float32 lse as test_integer_tiers_of_bfloat16_storages bounds it."""
+    shape = Shape(page_size=64, head_dim=head_dim, kv_heads=2, gqa=gqa)
+    specs = random_specs(random.Random(gqa * 7 + head_dim), 4, True, page=64, max_sealed=4)
+    if precision == "bf16":
+        layer = 1
+        mine, twin, plans, outs, bound = twin_forward(specs, True, 47, shape, torch.bfloat16,
+                                                      precision, layer=layer)
+    else:
+        mine, twin, plans, outs, bound, layer = quantized_twin_forward(specs, True, 47, shape,
+                                                                       precision, 1)
+    rows = rows_of(plans)
+    torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, True))
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(47), "cpu", torch.bfloat16, shape)
     impl = NativeAttention(mine, extend_on_batched=False)
     batch = impl.prepare(BatchPlan(requests=list(plans)))
     k_pages, v_pages = tail_pages(mine, layer, batch.tails, k, v)
