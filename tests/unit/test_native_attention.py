@@ -133,6 +133,25 @@ def value_bound(st: RaggedStorage, layer: int, plans: Sequence[RequestPlan],
     return float(max(seen))
 
 
+def assert_lse_matches(mine: RaggedStorage, twin: RaggedStorage, plans: Sequence[RequestPlan],
+                       layer: int, shape: Shape, seed: int, atol: float, rtol: float) -> None:
+    """The native kernels' float32 log-sum-exps of `layer` (the bfloat16 q, k, v twin_forward
+    drew from `seed`) against the reference on the float32 twin."""
+    q, k, v = random_qkv(plans, torch.Generator().manual_seed(seed), "cpu", torch.bfloat16, shape)
+    impl = NativeAttention(mine, extend_on_batched=False)
+    batch = impl.prepare(BatchPlan(requests=list(plans)))
+    k_pages, v_pages = tail_pages(mine, layer, batch.tails, k, v)
+    scale = shape.head_dim**-0.5
+    _, lse = impl.module.attend(q, k_pages, v_pages, mine.rows_k[layer], mine.rows_v[layer],
+                                impl.low[layer], impl.high[layer], impl.formats[layer],
+                                impl.head_map[layer], batch.requests, batch.sealed_off,
+                                batch.sealed_pages, scale, 0)
+    for p in plans:
+        at = slice(p.q_start, p.q_start + p.q_len)
+        want = reference_lse(twin, layer, p, q[at].float(), k[at].float(), scale)
+        torch.testing.assert_close(lse[at], want, atol=atol, rtol=rtol)
+
+
 def bf16_tol(bound: float, decode: bool) -> dict[str, float]:
     """Tolerance of a bfloat16 storage's outputs against the float32 twin: TOL's, and for
     prefill chunks on bfloat16 products (module.isa() in TILE_ISAS: AMX tiles or vdpbf16ps) 2^-7
@@ -331,19 +350,7 @@ def test_dense_bfloat16_keys_of_decode_rows(head_dim, gqa):
                                                       "bf16")
         rows = rows_of(plans)
         torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, True))
-        q, k, v = random_qkv(plans, torch.Generator().manual_seed(50 + gqa), "cpu",
-                             torch.bfloat16, shape)
-        impl = NativeAttention(mine, extend_on_batched=False)
-        batch = impl.prepare(BatchPlan(requests=list(plans)))
-        k_pages, v_pages = tail_pages(mine, 1, batch.tails, k, v)
-        _, lse = impl.module.attend(q, k_pages, v_pages, mine.rows_k[1], mine.rows_v[1],
-                                    impl.low[1], impl.high[1], impl.formats[1], impl.head_map[1],
-                                    batch.requests, batch.sealed_off, batch.sealed_pages,
-                                    head_dim**-0.5, 0)
-        for p in plans:
-            at = slice(p.q_start, p.q_start + p.q_len)
-            want = reference_lse(twin, 1, p, q[at].float(), k[at].float(), head_dim**-0.5)
-            torch.testing.assert_close(lse[at], want, atol=2e-5, rtol=1e-5)
+        assert_lse_matches(mine, twin, plans, 1, shape, 50 + gqa, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
@@ -372,18 +379,7 @@ def test_integer_tiers_of_bfloat16_storages(precision, head_dim, page, heads, pe
                                                                    precision, per_group)
     rows = rows_of(plans)
     torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, decode))
-    q, k, v = random_qkv(plans, torch.Generator().manual_seed(41), "cpu", torch.bfloat16, shape)
-    impl = NativeAttention(mine, extend_on_batched=False)
-    batch = impl.prepare(BatchPlan(requests=list(plans)))
-    k_pages, v_pages = tail_pages(mine, layer, batch.tails, k, v)
-    _, lse = impl.module.attend(q, k_pages, v_pages, mine.rows_k[layer], mine.rows_v[layer],
-                                impl.low[layer], impl.high[layer], impl.formats[layer],
-                                impl.head_map[layer], batch.requests, batch.sealed_off,
-                                batch.sealed_pages, head_dim**-0.5, 0)
-    for p in plans:
-        at = slice(p.q_start, p.q_start + p.q_len)
-        want = reference_lse(twin, layer, p, q[at].float(), k[at].float(), head_dim**-0.5)
-        torch.testing.assert_close(lse[at], want, atol=1e-3, rtol=1e-4)
+    assert_lse_matches(mine, twin, plans, layer, shape, 41, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int4", "int8+int4"])
@@ -406,18 +402,7 @@ def test_decode_blocks_of_many_query_heads(precision, head_dim, gqa):
                                                                        precision, 1)
     rows = rows_of(plans)
     torch.testing.assert_close(outs[0][rows].float(), outs[1][rows], **bf16_tol(bound, True))
-    q, k, v = random_qkv(plans, torch.Generator().manual_seed(47), "cpu", torch.bfloat16, shape)
-    impl = NativeAttention(mine, extend_on_batched=False)
-    batch = impl.prepare(BatchPlan(requests=list(plans)))
-    k_pages, v_pages = tail_pages(mine, layer, batch.tails, k, v)
-    _, lse = impl.module.attend(q, k_pages, v_pages, mine.rows_k[layer], mine.rows_v[layer],
-                                impl.low[layer], impl.high[layer], impl.formats[layer],
-                                impl.head_map[layer], batch.requests, batch.sealed_off,
-                                batch.sealed_pages, head_dim**-0.5, 0)
-    for p in plans:
-        at = slice(p.q_start, p.q_start + p.q_len)
-        want = reference_lse(twin, layer, p, q[at].float(), k[at].float(), head_dim**-0.5)
-        torch.testing.assert_close(lse[at], want, atol=1e-3, rtol=1e-4)
+    assert_lse_matches(mine, twin, plans, layer, shape, 47, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
