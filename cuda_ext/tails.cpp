@@ -10,11 +10,13 @@
 // staging page accumulated before (prior_stage[m] >= 0, row of the staging statistics; its first
 // n_staged[m] tokens' attn) is added. Only reads: the caller stores the result through the
 // storage's write API. No dequantization, no temporaries beyond the four outputs (and one
-// scratch buffer per parallel chunk). Two forms of the per (page, KV head) loop: the portable
-// one (std::exp, the attention's avx2 and scalar variants) and an AVX-512 one (wide::, taken
-// when the attention runs avx512 or amx and head_dim is a multiple of 16): keys tile-transposed
-// once per page and head (float32), 16 keys per vector, attention_body.inc's exp16 (relative
-// error < 2e-7 against std::exp).
+// scratch buffer per parallel chunk). Three forms of the per (page, KV head) loop (page_form):
+// the portable one (std::exp, the attention's scalar variant, and head sizes the others cannot
+// tile), an AVX-512 one (wide::, taken when the attention runs avx512 or amx and head_dim is a
+// multiple of 16) and an AVX2 one (narrow::, the attention's avx2 variant, or avx512 and amx
+// where head_dim is a multiple of 8 but not of 16): keys tile-transposed once per page and head
+// (float32), 16 or 8 keys per vector, one exp per key of the query heads' largest exponent by a
+// degree-7 polynomial (relative error < 2e-7 against std::exp).
 //
 // gather_pages(k_stage, v_stage, pages, rows): a decode step's tail pages read back from the
 // layer's staging pages (tail_batch.stage_fresh), only each page's first rows[m] tokens copied
@@ -290,14 +292,195 @@ void page_head(const Shapes& s, int64_t m, int64_t h, const T* q, const float* l
 
 #pragma GCC pop_options
 
-// The attention runs its avx512 or amx variant (bindings.cpp's choice, RAGGED_NATIVE_ISA
-// included): the window statistics take their AVX-512 form too.
-bool avx512_variant() {
-  static const bool chosen = [] {
-    const std::string name = isa_name();
-    return name == "avx512" || name == "amx";
-  }();
-  return chosen;
+// ---- AVX2 form (window_stats picks it when the attention runs its avx2 variant, or where
+// head_dim is a multiple of 8 but not of 16 on avx512 and amx) ----
+// The AVX-512 form on 8 lanes: keys tile-transposed once per page and head, kt [Pp / 8, D, 8]
+// (Pp: the keys some query sees, in whole 8-key tiles); up to 3 rows of a window query dotted
+// against up to 3 tiles (24 keys) by broadcast FMAs, 9 accumulators, 3 keys and a broadcast in
+// 13 of the 16 registers; one exp8 (wide::exp16's polynomial) per key of the rows' largest
+// exponent.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+namespace narrow {
+
+// exp(x) on 8 lanes: wide::exp16's steps (relative error < 2e-7; x clamped to [-87, 88]).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145752f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(1.42860677e-6f)));
+  __m256 e = _mm256_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f})
+    e = _mm256_fmadd_ps(e, r, _mm256_set1_ps(c));
+  const __m256i pow2 =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(e, _mm256_castsi256_ps(pow2));
+}
+
+// The first k of 8 lanes (all bits set), for maskload / maskstore.
+inline __m256i first_lanes(int64_t k) {
+  const int n = static_cast<int>(std::clamp<int64_t>(k, 0, 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// 8 values at p as float32 (bfloat16: a 16-bit shift).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+
+// r[i] (row i: 8 floats) -> r[c] = column c, in place.
+inline void transpose8(__m256* r) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {  // per 128-bit lane: rows (i, i+1) interleaved
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // u[i + k], lane L: column 4L + k of rows i..i+3
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+  }
+  for (int k = 0; k < 4; ++k) {  // the low lanes of rows 0-3 and 4-7 join: columns k and 4 + k
+    r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+    r[4 + k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+  }
+}
+
+// Keys [0, reach) of (m, h) into kt [ceil(reach / 8), D, 8] float32 (missing keys: zeros).
+template <typename T>
+void tile_keys(const Shapes& s, int64_t m, int64_t h, const T* k, int64_t reach, float* kt) {
+  const int64_t D = s.D;
+  __m256 r[8];
+  for (int64_t t0 = 0; t0 < reach; t0 += 8) {
+    float* tile = kt + t0 * D;  // [D, 8]
+    for (int64_t c0 = 0; c0 < D; c0 += 8) {
+      for (int64_t i = 0; i < 8; ++i)
+        r[i] = t0 + i < reach ? load8(k + ((m * s.P + t0 + i) * s.H + h) * D + c0)
+                              : _mm256_setzero_ps();
+      transpose8(r);
+      for (int64_t c = 0; c < 8; ++c) _mm256_storeu_ps(tile + (c0 + c) * 8, r[c]);
+    }
+  }
+}
+
+// best[t] = max(best[t], max over rows i < RB of scale qf[i] . key - norm[i]) for the 8 keys
+// of each of NT tiles at kt (qf: [RB, D] float32, norm: [RB]). The accumulators are named
+// variables: GCC keeps an array of them in registers but also stores it to the stack every
+// channel (9 extra stores per 9 FMAs; attention_body.inc's column_rows says the same).
+template <int NT, int RB>
+void rows_tiles(const float* kt, int64_t D, const float* qf, const float* norm, float scale,
+                __m256* best) {
+  static_assert(NT <= 3 && RB <= 3, "rows_tiles: more registers than AVX2 has");
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00,
+         a20 = a00, a21 = a00, a22 = a00;
+  for (int64_t c = 0; c < D; ++c) {
+    const __m256 k0 = _mm256_loadu_ps(kt + c * 8);
+    const __m256 k1 = NT > 1 ? _mm256_loadu_ps(kt + (D + c) * 8) : k0;
+    const __m256 k2 = NT > 2 ? _mm256_loadu_ps(kt + (2 * D + c) * 8) : k0;
+#define RAGGED_TILE(i, t) \
+  if constexpr (NT > t) a##i##t = _mm256_fmadd_ps(x, k##t, a##i##t);
+#define RAGGED_ROW(i)                                       \
+  if constexpr (RB > i) {                                   \
+    const __m256 x = _mm256_broadcast_ss(qf + i * D + c);   \
+    RAGGED_TILE(i, 0) RAGGED_TILE(i, 1) RAGGED_TILE(i, 2)   \
+  }
+    RAGGED_ROW(0) RAGGED_ROW(1) RAGGED_ROW(2)
+#undef RAGGED_ROW
+#undef RAGGED_TILE
+  }
+  const __m256 acc[3][3] = {{a00, a01, a02}, {a10, a11, a12}, {a20, a21, a22}};
+  const __m256 vs = _mm256_set1_ps(scale);
+  for (int i = 0; i < RB; ++i) {
+    const __m256 vn = _mm256_set1_ps(norm[i]);
+    for (int t = 0; t < NT; ++t)
+      best[t] = _mm256_max_ps(best[t], _mm256_fmsub_ps(acc[i][t], vs, vn));
+  }
+}
+
+using RowsTiles = void (*)(const float*, int64_t, const float*, const float*, float, __m256*);
+constexpr RowsTiles kRowsTiles[3][3] = {
+    {rows_tiles<1, 1>, rows_tiles<1, 2>, rows_tiles<1, 3>},
+    {rows_tiles<2, 1>, rows_tiles<2, 2>, rows_tiles<2, 3>},
+    {rows_tiles<3, 1>, rows_tiles<3, 2>, rows_tiles<3, 3>}};
+
+// qf [G, D] = window query `row`'s query heads of h in float32, pooled into q_sum / q_sq;
+// norm [G] their lse.
+template <typename T>
+void window_rows(const Shapes& s, int64_t h, int64_t row, const T* q, const float* lse,
+                 float* qf, float* norm, float* q_sum, float* q_sq) {
+  const int64_t D = s.D, Hq = s.H * s.G;
+  for (int64_t g = 0; g < s.G; ++g) {
+    const int64_t qh = h * s.G + g;
+    const T* qrow = q + (row * Hq + qh) * D;
+    for (int64_t c = 0; c < D; c += 8) {
+      const __m256 x = load8(qrow + c);
+      _mm256_storeu_ps(qf + g * D + c, x);
+      _mm256_storeu_ps(q_sum + c, _mm256_add_ps(_mm256_loadu_ps(q_sum + c), x));
+      _mm256_storeu_ps(q_sq + c, _mm256_fmadd_ps(x, x, _mm256_loadu_ps(q_sq + c)));
+    }
+    norm[g] = lse[row * Hq + qh];
+  }
+}
+
+// attn[i] += max over the G rows of exp(scale qf[g] . key_i - norm[g]) for i < seen: one exp
+// of the rows' largest exponent per key (exp is increasing).
+void window_attn(int64_t G, int64_t D, const float* kt, const float* qf, const float* norm,
+                 float scale, int64_t seen, float* attn) {
+  const int64_t tiles = (seen + 7) / 8;
+  for (int64_t t0 = 0; t0 < tiles; t0 += 3) {
+    const int64_t nt = std::min<int64_t>(3, tiles - t0);
+    __m256 best[3];
+    for (__m256& b : best) b = _mm256_set1_ps(-INFINITY);
+    for (int64_t g0 = 0; g0 < G; g0 += 3)
+      kRowsTiles[nt - 1][std::min<int64_t>(3, G - g0) - 1](kt + t0 * D * 8, D, qf + g0 * D,
+                                                           norm + g0, scale, best);
+    for (int64_t t = 0; t < nt; ++t) {
+      const int64_t at = (t0 + t) * 8;
+      const __m256i in = first_lanes(seen - at);
+      _mm256_maskstore_ps(attn + at, in,
+                          _mm256_add_ps(_mm256_maskload_ps(attn + at, in), exp8(best[t])));
+    }
+  }
+}
+
+// page_head (the portable form above) in AVX2: the same sums, exp by exp8.
+template <typename T>
+void page_head(const Shapes& s, int64_t m, int64_t h, const T* q, const float* lse, const T* k,
+               const int64_t* win_row, const int64_t* win_pos, int64_t page_start, float scale,
+               float* attn, float* q_sum, float* q_sq, float* scratch) {
+  const int64_t P = s.P, D = s.D, Pp = (P + 7) / 8 * 8;
+  float *kt = scratch, *qf = kt + Pp * D, *norm = qf + s.G * D;  // [Pp/8, D, 8], [G, D], [G]
+  tile_keys(s, m, h, k, page_reach(s, m, win_pos, page_start), kt);
+  std::fill(attn, attn + P, 0.f);
+  std::fill(q_sum, q_sum + D, 0.f);
+  std::fill(q_sq, q_sq + D, 0.f);
+  for (int64_t j = 0; j < s.w; ++j) {
+    const int64_t pos = win_pos[m * s.w + j];
+    if (pos < page_start) continue;  // no such query, or it precedes the page
+    window_rows(s, h, win_row[m * s.w + j], q, lse, qf, norm, q_sum, q_sq);
+    window_attn(s.G, D, kt, qf, norm, scale, std::min(P, pos - page_start + 1), attn);
+  }
+}
+
+}  // namespace narrow
+
+#pragma GCC pop_options
+
+// Which form of page_head a call takes: the attention's ISA variant (bindings.cpp's choice,
+// RAGGED_NATIVE_ISA included) and what head_dim allows (wide: a multiple of 16; narrow: of 8).
+enum class Form { kPortable, kNarrow, kWide };
+
+Form page_form(int64_t D) {
+  static const std::string name = isa_name();
+  const bool avx512 = name == "avx512" || name == "amx";
+  if (avx512 && D % 16 == 0) return Form::kWide;
+  if ((avx512 || name == "avx2") && D % 8 == 0) return Form::kNarrow;
+  return Form::kPortable;
 }
 
 template <typename T>
@@ -305,7 +488,7 @@ void run(const Shapes& s, const at::Tensor& q, const at::Tensor& lse, const at::
          const at::Tensor& win_row, const at::Tensor& win_pos, const at::Tensor& page_start,
          const at::Tensor& n_staged, const at::Tensor& prior_stage,
          const std::vector<at::Tensor>& prior, int64_t layer, double scale,
-         const std::vector<at::Tensor>& out, bool avx512) {
+         const std::vector<at::Tensor>& out, Form form) {
   const T* qp = q.data_ptr<T>();
   const T* kp = k_pages.data_ptr<T>();
   const float* lp = lse.data_ptr<float>();
@@ -332,7 +515,9 @@ void run(const Shapes& s, const at::Tensor& q, const at::Tensor& lse, const at::
   const int64_t cost = std::max<int64_t>(1, s.w * s.G * P * D);
   at::parallel_for(0, s.M * H, std::max<int64_t>(1, (1 << 16) / cost), [&](int64_t b, int64_t e) {
     std::vector<float> scratch(scratch_floats(s));  // page_head's buffers
-    const auto head = avx512 ? &wide::page_head<T> : &page_head<T>;
+    const auto head = form == Form::kWide     ? &wide::page_head<T>
+                      : form == Form::kNarrow ? &narrow::page_head<T>
+                                              : &page_head<T>;
     for (int64_t mh = b; mh < e; ++mh) {
       const int64_t m = mh / H, h = mh % H;
       float *a = attn + mh * P, *sm = q_sum + mh * D, *sq = q_sq + mh * D;
@@ -412,13 +597,13 @@ std::vector<at::Tensor> window_stats(const at::Tensor& q, const at::Tensor& lse,
   std::vector<at::Tensor> out{at::empty({s.M, s.H, s.P}, f32), at::empty({s.M, s.H, s.D}, f32),
                               at::empty({s.M, s.H, s.D}, f32), at::empty({s.M}, f32)};
   std::vector<at::Tensor> prior{attn, q_sum, q_sq_sum, q_count};
-  const bool avx512 = s.D % 16 == 0 && avx512_variant();
+  const Form form = page_form(s.D);
   if (q.scalar_type() == at::kFloat)
     run<float>(s, q, lse, k_pages, win_row, win_pos, page_start, n_staged, prior_stage, prior,
-               layer, scale, out, avx512);
+               layer, scale, out, form);
   else
     run<c10::BFloat16>(s, q, lse, k_pages, win_row, win_pos, page_start, n_staged, prior_stage,
-                       prior, layer, scale, out, avx512);
+                       prior, layer, scale, out, form);
   return out;
 }
 
