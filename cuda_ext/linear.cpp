@@ -10,26 +10,33 @@
 // so widening 8 of them is a zero-extension and a shift (vpmovzxwd, vpslld). x is converted to
 // float32 once per call (M x K floats, small beside the weight).
 //
-// Work: blocks of NB = 4 weight rows, split over torch's intra-op pool (at::parallel_for; a
-// call of fewer than SERIAL_MACS products stays on the calling thread: waking the pool costs
-// more than the second core gives). In a block, activation rows go 2 at a time against the 4
-// weight rows (8 float32 accumulators of 8 lanes, summed across lanes at the end of K). With
-// one or two rows the weights are widened as they are loaded; with 3 to PANEL_ROWS - 1, the
-// block's 4 rows are widened once into a float32 buffer (4 x K floats, in L1 for K up to ~1500)
-// that every pair of rows then reads. Each step prefetches the next block's rows (a cache line
-// per row): one row streamed the weights at 4.2 GB/s without it, at about 10 with it
-// (docs/results.md, "Dense layers on a native bfloat16 kernel"). K's last K % 8 channels and a
-// last partial block of weight rows run the scalar form.
-//
-// From PANEL_ROWS rows (prefill chunks, larger decode batches; at 6 rows the two layouts were even)
-// the product is compute-bound and the layout above, a dot product per (row, weight row) summed
-// across lanes, loads two vectors per FMA. There the weight goes through panels instead: PC = 16
-// weight rows widened and transposed into a float32 panel [K][16] (64 KB at K = 1024, in L2), then
-// PR = 6 activation rows at a time against it as outer products: per channel, two panel vectors and
-// six broadcast activations feed 12 FMAs into 12 accumulators (the register file's 16 less the
-// operands), and the six rows' 16 outputs are rounded to bfloat16 in vectors. Panels split over the
-// intra-op pool; each panel is packed once per call (a 1/M share of its products) and sweeps all M
-// rows of x, from L2 or L3.
+// Work, by the number of activation rows M (decode batches' requests, prefill chunks' tokens):
+// - 1 or 2 rows: blocks of NB = 4 weight rows, split over torch's intra-op pool (at::parallel_for;
+//   a call of fewer than SERIAL_MACS products stays on the calling thread: waking the pool costs
+//   more than the second core gives), the rows against the block's 4 weight rows (8 float32
+//   accumulators of 8 lanes, summed across lanes at the end of K), the weights widened as they
+//   are loaded. Each step prefetches the next block's rows (a cache line per row): one row
+//   streamed the weights at 4.2 GB/s without it, at about 10 with it (docs/results.md, "Dense
+//   layers on a native bfloat16 kernel"). K's last K % 8 channels and a last partial block of
+//   weight rows run the scalar form.
+// - QUAD_ROWS (3) to PANEL_ROWS - 1 (20) rows: split quads. One 256-bit load of 16 bfloat16
+//   weights is both halves of 8 float32 lanes, channels 2i (low) and 2i + 1 (high): `v << 16` and
+//   `v & 0xFFFF0000` make them float32 in two ALU ops, with x laid out to match once per call
+//   (each 16 channels as their 8 even, then their 8 odd ones). 4 rows of x at a time against a
+//   pair of weight rows: per 16 channels 2 weight loads, 4 ALU ops, 8 loads of x and 16 FMAs
+//   into 8 accumulators. The pair is read from memory by the first 4 rows (prefetching the next
+//   pair) and from L1 by the others. Against the blocks with their weights widened into a float32
+//   buffer (3 to 7 rows, as before) and the panels (8 to 20), a 30-layer model step ran x1.93-1.97
+//   at 3-4 rows, x1.57 at 8, x1.24 at 12 and x1.09-1.13 at 20; at 23-24 the panels were even or
+//   ahead (docs/results.md, "Decode's dense layers in split quads"). K's last K % 16 channels and
+//   an odd last weight row run the scalar form.
+// - From PANEL_ROWS rows the product is compute-bound, and the weight goes through panels: PC = 16
+//   weight rows widened and transposed into a float32 panel [K][16] (64 KB at K = 1024, in L2),
+//   then PR = 6 activation rows at a time against it as outer products: per channel, two panel
+//   vectors and six broadcast activations feed 12 FMAs into 12 accumulators (the register file's
+//   16 less the operands), and the six rows' 16 outputs are rounded to bfloat16 in vectors.
+//   Panels split over the intra-op pool; each panel is packed once per call (a 1/M share of its
+//   products) and sweeps all M rows of x, from L2 or L3.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
@@ -53,7 +60,8 @@ constexpr int64_t NB = 4;                 // weight rows per block
 constexpr int64_t SERIAL_MACS = 1 << 18;  // below this, one thread (about 20 us of work)
 constexpr int64_t PR = 6;                 // panel form: activation rows per micro-block
 constexpr int64_t PC = 16;                // panel form: weight rows per panel (two vectors)
-constexpr int64_t PANEL_ROWS = 8;         // from this many rows, the panel form
+constexpr int64_t QUAD_ROWS = 3;          // from this many rows, the split quads
+constexpr int64_t PANEL_ROWS = 21;        // from this many rows, the panel form
 // Below this many rows on AVX512-BF16, vdpbf16ps dots (compat/cpu_gemm sends larger calls to
 // torch's bfloat16 product). On a Zen 5 with spinning workers the dots beat torch's product
 // x1.3-1.7 at 24-48 rows and x1.1 at 56-63 (lm_head x0.9 there); with sleeping ones they were
@@ -101,6 +109,31 @@ void rows_scalar(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_
   }
 }
 
+// The position of channel k's activation in x split as wide::split_rows lays it out: in each 16
+// channels of the first K16, the 8 even ones, then the 8 odd ones; the rest in order.
+inline int64_t split_channel(int64_t k) {
+  const int64_t i = k & 15;
+  return (k & ~int64_t(15)) + (i & 1 ? 8 + i / 2 : i / 2);
+}
+
+// Weight rows [n0, n1) against x split as wide::split_rows lays it out (xs): the quads' last
+// weight row where N is odd, and every row on a CPU without AVX2 never reaches here.
+void rows_split_scalar(const float* xs, int64_t M, int64_t K, int64_t N, const uint16_t* w,
+                       const uint16_t* bias, int64_t n0, int64_t n1, at::BFloat16* y) {
+  const int64_t K16 = K & ~int64_t(15);
+  std::vector<float> acc(M);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* wr = w + n * K;
+    for (int64_t m = 0; m < M; ++m) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K16; ++k) sum += xs[m * K + split_channel(k)] * bf16_float(wr[k]);
+      acc[m] = sum;
+    }
+    if (K16 < K) dot_scalar(xs, M, K, w, n, K16, acc.data());
+    finish(acc.data(), M, N, n, bias, y);
+  }
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 
@@ -117,12 +150,10 @@ inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
-// MR (1 or 2) activation rows (row stride K) against NB weight rows over channels [0, K8):
-// acc[r][j] = the sums. Weights from bf16 (wb, row stride K) or from the block's float32 buffer
-// (wf, row stride K8).
-template <int MR, bool WIDEN>
-inline void block(const float* x, int64_t K, int64_t K8, const uint16_t* wb, const float* wf,
-                  float acc[2][NB]) {
+// MR (1 or 2) activation rows (row stride K) against NB weight rows wb (row stride K) over
+// channels [0, K8), the weights widened as they are loaded: acc[r][j] = the sums.
+template <int MR>
+inline void block(const float* x, int64_t K, int64_t K8, const uint16_t* wb, float acc[2][NB]) {
   __m256 a[MR][NB];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < NB; ++j) a[r][j] = _mm256_setzero_ps();
@@ -132,25 +163,22 @@ inline void block(const float* x, int64_t K, int64_t K8, const uint16_t* wb, con
     for (int j = 0; j < NB; ++j) b[j] = _mm256_setzero_ps();
     for (; k + 16 <= K8; k += 16) {
       const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-      if (WIDEN)  // the next block's rows (NB * K channels on), a cache line per row per step
-        for (int j = 0; j < NB; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(wb + (NB + j) * K + k), _MM_HINT_T0);
+      // the next block's rows (NB * K channels on), a cache line per row per step
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + (NB + j) * K + k), _MM_HINT_T0);
       for (int j = 0; j < NB; ++j) {
-        const __m256 w0 = WIDEN ? widen(wb + j * K + k) : _mm256_loadu_ps(wf + j * K8 + k);
-        const __m256 w1 = WIDEN ? widen(wb + j * K + k + 8) : _mm256_loadu_ps(wf + j * K8 + k + 8);
-        a[0][j] = _mm256_fmadd_ps(x0, w0, a[0][j]);
-        b[j] = _mm256_fmadd_ps(x1, w1, b[j]);
+        a[0][j] = _mm256_fmadd_ps(x0, widen(wb + j * K + k), a[0][j]);
+        b[j] = _mm256_fmadd_ps(x1, widen(wb + j * K + k + 8), b[j]);
       }
     }
     for (int j = 0; j < NB; ++j) a[0][j] = _mm256_add_ps(a[0][j], b[j]);
   }
   for (; k < K8; k += 8) {
     __m256 wv[NB];
-    if (WIDEN && k % 32 == 0)
+    if (k % 32 == 0)
       for (int j = 0; j < NB; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(wb + (NB + j) * K + k), _MM_HINT_T0);
-    for (int j = 0; j < NB; ++j)
-      wv[j] = WIDEN ? widen(wb + j * K + k) : _mm256_loadu_ps(wf + j * K8 + k);
+    for (int j = 0; j < NB; ++j) wv[j] = widen(wb + j * K + k);
     for (int r = 0; r < MR; ++r) {
       const __m256 xv = _mm256_loadu_ps(x + r * K + k);
       for (int j = 0; j < NB; ++j) a[r][j] = _mm256_fmadd_ps(xv, wv[j], a[r][j]);
@@ -160,43 +188,126 @@ inline void block(const float* x, int64_t K, int64_t K8, const uint16_t* wb, con
     for (int j = 0; j < NB; ++j) acc[r][j] = lane_sum(a[r][j]);
 }
 
-// Weight blocks [b0, b1) (rows b * NB ..), all M rows of y.
+// Weight blocks [b0, b1) (rows b * NB ..), all M (1 or 2) rows of y.
 void blocks(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_t* w,
             const uint16_t* bias, int64_t b0, int64_t b1, at::BFloat16* y) {
   const int64_t K8 = K & ~int64_t(7);
-  const bool buffered = M > 2;
-  std::vector<float> wf(buffered ? NB * K8 : 0);
-  std::vector<float> sums(NB * M);  // [NB][M]: each weight row's sums over all M rows
   float acc[2][NB];
+  float col[2];
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n = b * NB;
     const uint16_t* wb = w + n * K;
-    if (buffered)
-      for (int j = 0; j < NB; ++j)
-        for (int64_t k = 0; k < K8; k += 8) {
-          if (k % 32 == 0)
-            _mm_prefetch(reinterpret_cast<const char*>(wb + (NB + j) * K + k), _MM_HINT_T0);
-          _mm256_storeu_ps(&wf[j * K8 + k], widen(wb + j * K + k));
-        }
-    for (int64_t r = 0; r < M; r += 2) {
-      const float* x = xf + r * K;
-      if (r + 1 < M) {
-        if (buffered)
-          block<2, false>(x, K, K8, nullptr, wf.data(), acc);
-        else
-          block<2, true>(x, K, K8, wb, nullptr, acc);
-      } else if (buffered) {
-        block<1, false>(x, K, K8, nullptr, wf.data(), acc);
-      } else {
-        block<1, true>(x, K, K8, wb, nullptr, acc);
-      }
-      for (int64_t rr = 0; rr < std::min<int64_t>(2, M - r); ++rr)
-        for (int j = 0; j < NB; ++j) sums[j * M + r + rr] = acc[rr][j];
-    }
+    if (M == 2)
+      block<2>(xf, K, K8, wb, acc);
+    else
+      block<1>(xf, K, K8, wb, acc);
     for (int j = 0; j < NB; ++j) {
-      float* col = &sums[j * M];
+      for (int64_t r = 0; r < M; ++r) col[r] = acc[r][j];
       if (K8 < K) dot_scalar(xf, M, K, w, n + j, K8, col);
       finish(col, M, N, n + j, bias, y);
+    }
+  }
+}
+
+// 16 bfloat16 values (channels k..k + 15) as float32: the even channels and the odd ones (the
+// split quads, in the header).
+inline void split16(const void* p, __m256& even, __m256& odd) {
+  const __m256i v = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xFFFF0000u))));
+}
+
+// x [M, K] bfloat16 -> xs [M, K] float32, each 16 channels k.. as x[k], x[k + 2], .., x[k + 14],
+// then x[k + 1], .., x[k + 15]; channels from K16 on in their order (split_channel).
+void split_rows(const uint16_t* x, int64_t M, int64_t K, float* xs) {
+  const int64_t K16 = K & ~int64_t(15);
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* xr = x + m * K;
+    float* out = xs + m * K;
+    for (int64_t k = 0; k < K16; k += 16) {
+      __m256 e, o;
+      split16(xr + k, e, o);
+      _mm256_storeu_ps(out + k, e);
+      _mm256_storeu_ps(out + k + 8, o);
+    }
+    for (int64_t k = K16; k < K; ++k) out[k] = bf16_float(xr[k]);
+  }
+}
+
+// The lane sums of a, b, c and d, in that order.
+inline __m128 lane_sums4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// R (1..4) rows of xs (row stride K) against 2 weight rows wb (row stride K), channels
+// [0, K16): out[2r + j] = row r's sum against weight row j. Per 16 channels: 2 weight loads and
+// 4 ALU ops, then per row 2 loads of x and 4 FMAs into 2 accumulators (8 accumulators, named:
+// GCC keeps an array of them on the stack). PREFETCH: the next pair's rows, a cache line of
+// each per 32 channels (the first 4 rows read the pair from memory, the others from L1).
+template <int R, bool PREFETCH>
+inline void split_quad(const float* x, int64_t K, int64_t K16, const uint16_t* wb, float* out) {
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;
+  __m256 a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+  for (int64_t k = 0; k < K16; k += 16) {
+    if (PREFETCH && k % 32 == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + 2 * K + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + 3 * K + k), _MM_HINT_T0);
+    }
+    __m256 we0, wo0, we1, wo1;
+    split16(wb + k, we0, wo0);
+    split16(wb + K + k, we1, wo1);
+    __m256 xe = _mm256_loadu_ps(x + k), xo = _mm256_loadu_ps(x + k + 8);
+    a00 = _mm256_fmadd_ps(xe, we0, a00), a01 = _mm256_fmadd_ps(xe, we1, a01);
+    a00 = _mm256_fmadd_ps(xo, wo0, a00), a01 = _mm256_fmadd_ps(xo, wo1, a01);
+    if (R > 1) {
+      xe = _mm256_loadu_ps(x + K + k), xo = _mm256_loadu_ps(x + K + k + 8);
+      a10 = _mm256_fmadd_ps(xe, we0, a10), a11 = _mm256_fmadd_ps(xe, we1, a11);
+      a10 = _mm256_fmadd_ps(xo, wo0, a10), a11 = _mm256_fmadd_ps(xo, wo1, a11);
+    }
+    if (R > 2) {
+      xe = _mm256_loadu_ps(x + 2 * K + k), xo = _mm256_loadu_ps(x + 2 * K + k + 8);
+      a20 = _mm256_fmadd_ps(xe, we0, a20), a21 = _mm256_fmadd_ps(xe, we1, a21);
+      a20 = _mm256_fmadd_ps(xo, wo0, a20), a21 = _mm256_fmadd_ps(xo, wo1, a21);
+    }
+    if (R > 3) {
+      xe = _mm256_loadu_ps(x + 3 * K + k), xo = _mm256_loadu_ps(x + 3 * K + k + 8);
+      a30 = _mm256_fmadd_ps(xe, we0, a30), a31 = _mm256_fmadd_ps(xe, we1, a31);
+      a30 = _mm256_fmadd_ps(xo, wo0, a30), a31 = _mm256_fmadd_ps(xo, wo1, a31);
+    }
+  }
+  alignas(16) float t[8];
+  _mm_store_ps(t, lane_sums4(a00, a01, a10, a11));
+  _mm_store_ps(t + 4, lane_sums4(a20, a21, a30, a31));
+  for (int i = 0; i < 2 * R; ++i) out[i] = t[i];
+}
+
+template <bool PREFETCH>
+inline void split_rows_of(int64_t rows, const float* x, int64_t K, int64_t K16,
+                          const uint16_t* wb, float* out) {
+  switch (rows) {
+    case 1: split_quad<1, PREFETCH>(x, K, K16, wb, out); break;
+    case 2: split_quad<2, PREFETCH>(x, K, K16, wb, out); break;
+    case 3: split_quad<3, PREFETCH>(x, K, K16, wb, out); break;
+    default: split_quad<4, PREFETCH>(x, K, K16, wb, out); break;
+  }
+}
+
+// Weight pairs [b0, b1) (rows 2b and 2b + 1), all M rows of y, 4 rows of xs (split_rows) at a
+// time; K's last K % 16 channels by the scalar form (split_rows leaves them in order).
+void split_quads(const float* xs, int64_t M, int64_t K, int64_t N, const uint16_t* w,
+                 const uint16_t* bias, int64_t b0, int64_t b1, at::BFloat16* y) {
+  const int64_t K16 = K & ~int64_t(15);
+  std::vector<float> sums(2 * M), col(M);  // sums [M][2]
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint16_t* wb = w + b * 2 * K;
+    split_rows_of<true>(M, xs, K, K16, wb, sums.data());
+    for (int64_t r = 4; r < M; r += 4)
+      split_rows_of<false>(M - r, xs + r * K, K, K16, wb, &sums[2 * r]);
+    for (int j = 0; j < 2; ++j) {
+      for (int64_t m = 0; m < M; ++m) col[m] = sums[2 * m + j];
+      if (K16 < K) dot_scalar(xs, M, K, w, 2 * b + j, K16, col.data());
+      finish(col.data(), M, N, 2 * b + j, bias, y);
     }
   }
 }
@@ -532,6 +643,18 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
     dots::tail(xq, M, K, N, wp, bias_ptr, n_dot * dots::DB, yp);
     return y;
   }
+  if (has_avx2() && M >= QUAD_ROWS && M < PANEL_ROWS) {
+    const at::Tensor xb = x.reshape({M, K}).contiguous();
+    const at::Tensor xs = at::empty({M, K}, x.options().dtype(at::kFloat));
+    float* xsp = xs.data_ptr<float>();
+    wide::split_rows(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K, xsp);
+    const int64_t n_pairs = N / 2;
+    at::parallel_for(0, n_pairs, grain(n_pairs, 2), [&](int64_t b0, int64_t b1) {
+      wide::split_quads(xsp, M, K, N, wp, bias_ptr, b0, b1, yp);
+    });
+    rows_split_scalar(xsp, M, K, N, wp, bias_ptr, n_pairs * 2, N, yp);
+    return y;
+  }
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   const int64_t n_blocks = N / NB, n_panels = (N + PC - 1) / PC;
@@ -539,7 +662,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
     at::parallel_for(0, n_panels, grain(n_panels, PC), [&](int64_t p0, int64_t p1) {
       wide::panels(xp, M, K, N, wp, bias_ptr, p0, p1, yp);
     });
-  } else if (has_avx2()) {
+  } else if (has_avx2()) {  // 1 or 2 rows
     at::parallel_for(0, n_blocks, grain(n_blocks, NB), [&](int64_t b0, int64_t b1) {
       wide::blocks(xp, M, K, N, wp, bias_ptr, b0, b1, yp);
     });

@@ -65,3 +65,14 @@ def test_a_baseline_build_is_a_variant_of_the_same_rounds():
     table = cpu_gemm.markdown(results)
     assert "| threads | rows | baseline step ms | native step ms | baseline / native |" in table
     assert table.split("Another build of the kernel")[1].count("\n| 1 | 3 | ") == 1
+
+
+def test_a_baseline_of_another_summation_order_is_compared_within_a_step():
+    """Two builds may sum the same products in another order (another form of the kernel): their
+    bfloat16 outputs then differ by at most a bfloat16 step, which the check allows; a product
+    further off (another rounding, a wrong kernel) is refused."""
+    a = torch.tensor([1.0, -3.0, 0.0, 1e-9]).bfloat16()
+    assert cpu_gemm.same_rounding(a, a)
+    assert cpu_gemm.same_rounding(a, (a.double() * (1 + 2**-8)).bfloat16())
+    assert not cpu_gemm.same_rounding(a, (a.double() * (1 + 2**-5)).bfloat16())
+    assert not cpu_gemm.same_rounding(a, torch.tensor([1.0, -3.0, 1e-3, 1e-9]).bfloat16())

@@ -1,8 +1,9 @@
 """The native bfloat16 linear kernel (cuda_ext/linear.cpp) against a float64 reference on fresh
-random inputs: every shape class its layouts have (the AVX2 forms below 8 rows: one row, row
-pairs, an odd row, K not a multiple of 8 or 16, N not a multiple of 4; from 8 rows, the panels:
-every M % 6 tail, N % 16 in each half of a panel, K % 8 tails, K of 1; on AVX512-BF16, below
-linear_dot_rows() rows, the dots: every M % 6 tail, N % 4 tails, K % 32 tails), with and without
+random inputs: every shape class its layouts have (the AVX2 forms: one row and two, K not a
+multiple of 8 or 16, N not a multiple of 4; from 3 rows the split quads: every M % 4 tail, an odd
+N, K % 16 tails, K below 16; from 24 rows the panels: every M % 6 tail, N % 16 in each half of a
+panel, K % 8 tails, K of 1; on AVX512-BF16, below linear_dot_rows() rows, the dots: every M % 6
+tail, N % 4 tails, K % 32 tails), with and without
 bias, serial and split over threads, and the lower forms (RAGGED_NATIVE_ISA=avx2, scalar) in
 child processes on every shape. Bad arguments get a message that names them. The extension must
 build here (as for the attention)."""
@@ -24,10 +25,11 @@ from sgl_ragged.attention_backend import ops
 BF16_ULP = 2.0**-7
 ROOT = Path(__file__).resolve().parents[2]
 
-SHAPES = [  # (M, K, N); from 8 rows the panel layout (PANEL_ROWS, PR = 6 rows, PC = 16 columns),
-    # below 48 on AVX512-BF16 the dots (DOT_ROWS; DR = 6 rows, DB = 4 weight rows, 32 channels)
+SHAPES = [  # (M, K, N); on AVX2 from 3 rows the split quads (QUAD_ROWS; 4 rows x 2 weight rows,
+    # 16 channels), from 24 the panels (PANEL_ROWS, PR = 6 rows, PC = 16 columns); below 48 on
+    # AVX512-BF16 the dots (DOT_ROWS; DR = 6 rows, DB = 4 weight rows, 32 channels)
     (1, 576, 960), (2, 576, 576), (3, 1536, 44), (5, 64, 7), (7, 64, 40), (1, 584, 8),
-    (1, 7, 5), (4, 15, 4),
+    (1, 7, 5), (4, 15, 4), (2, 13, 6), (26, 100, 17), (29, 64, 33), (30, 1, 20),
     (8, 100, 13), (9, 1, 33), (10, 13, 5), (11, 40, 8), (12, 64, 16), (27, 96, 24),
     (65, 72, 30), (130, 200, 17), (17, 576, 3072), (48, 1536, 576),
     (6, 33, 6), (23, 63, 1), (23, 1536, 49), (24, 40, 9), (25, 31, 18), (37, 576, 960),
