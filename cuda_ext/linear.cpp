@@ -25,11 +25,11 @@
 //   (each 16 channels as their 8 even, then their 8 odd ones). 4 rows of x at a time against a
 //   pair of weight rows: per 16 channels 2 weight loads, 4 ALU ops, 8 loads of x and 16 FMAs
 //   into 8 accumulators. The pair is read from memory by the first 4 rows (prefetching the next
-//   pair) and from L1 by the others. Against the blocks with their weights widened into a float32
-//   buffer (3 to 7 rows, as before) and the panels (8 to 20), a 30-layer model step ran x1.93-1.97
-//   at 3-4 rows, x1.57 at 8, x1.24 at 12 and x1.09-1.13 at 20; at 23-24 the panels were even or
-//   ahead (docs/results.md, "Decode's dense layers in split quads"). K's last K % 16 channels and
-//   an odd last weight row run the scalar form.
+//   pair) and from L1 by the others. Against what these rows took before session 64 (3 to 7:
+//   the blocks on a float32 buffer of their weights; 8 to 20: the panels), a 30-layer model step
+//   ran x1.93-1.97 at 3-4 rows, x1.57 at 8, x1.24 at 12 and x1.09-1.13 at 20; at 23-24 the panels
+//   were even or ahead (docs/results.md, "Decode's dense layers in split quads"). K's last K % 16
+//   channels and an odd last weight row run the scalar form.
 // - From PANEL_ROWS rows the product is compute-bound, and the weight goes through panels: PC = 16
 //   weight rows widened and transposed into a float32 panel [K][16] (64 KB at K = 1024, in L2),
 //   then PR = 6 activation rows at a time against it as outer products: per channel, two panel
@@ -117,7 +117,7 @@ inline int64_t split_channel(int64_t k) {
 }
 
 // Weight rows [n0, n1) against x split as wide::split_rows lays it out (xs): the quads' last
-// weight row where N is odd, and every row on a CPU without AVX2 never reaches here.
+// weight row where N is odd (only the AVX2 path splits x).
 void rows_split_scalar(const float* xs, int64_t M, int64_t K, int64_t N, const uint16_t* w,
                        const uint16_t* bias, int64_t n0, int64_t n1, at::BFloat16* y) {
   const int64_t K16 = K & ~int64_t(15);

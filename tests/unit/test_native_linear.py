@@ -1,7 +1,7 @@
 """The native bfloat16 linear kernel (cuda_ext/linear.cpp) against a float64 reference on fresh
 random inputs: every shape class its layouts have (the AVX2 forms: one row and two, K not a
 multiple of 8 or 16, N not a multiple of 4; from 3 rows the split quads: every M % 4 tail, an odd
-N, K % 16 tails, K below 16; from 24 rows the panels: every M % 6 tail, N % 16 in each half of a
+N, K % 16 tails, K below 16; from 21 rows the panels: every M % 6 tail, N % 16 in each half of a
 panel, K % 8 tails, K of 1; on AVX512-BF16, below linear_dot_rows() rows, the dots: every M % 6
 tail, N % 4 tails, K % 32 tails), with and without
 bias, serial and split over threads, and the lower forms (RAGGED_NATIVE_ISA=avx2, scalar) in
@@ -26,7 +26,7 @@ BF16_ULP = 2.0**-7
 ROOT = Path(__file__).resolve().parents[2]
 
 SHAPES = [  # (M, K, N); on AVX2 from 3 rows the split quads (QUAD_ROWS; 4 rows x 2 weight rows,
-    # 16 channels), from 24 the panels (PANEL_ROWS, PR = 6 rows, PC = 16 columns); below 48 on
+    # 16 channels), from 21 the panels (PANEL_ROWS, PR = 6 rows, PC = 16 columns); below 48 on
     # AVX512-BF16 the dots (DOT_ROWS; DR = 6 rows, DB = 4 weight rows, 32 channels)
     (1, 576, 960), (2, 576, 576), (3, 1536, 44), (5, 64, 7), (7, 64, 40), (1, 584, 8),
     (1, 7, 5), (4, 15, 4), (2, 13, 6), (26, 100, 17), (29, 64, 33), (30, 1, 20),
