@@ -7,29 +7,32 @@
 // y[m, n] = bf16(sum_k x[m, k] w[n, k] + bias[n]): products and sums in float32, rounded to
 // bfloat16 once, as torch's bfloat16 product accumulates (in another order). The weight stays
 // bfloat16 in memory and is read once per call: a bfloat16 value is the high half of a float32,
-// so widening 8 of them is a zero-extension and a shift (vpmovzxwd, vpslld). x is converted to
-// float32 once per call (M x K floats, small beside the weight).
+// so making it float32 is a shift (or a mask, for the odd channel of a 32-bit lane). x is
+// converted to float32 once per call (M x K floats, small beside the weight).
 //
 // Work, by the number of activation rows M (decode batches' requests, prefill chunks' tokens):
-// - 1 or 2 rows: blocks of NB = 4 weight rows, split over torch's intra-op pool (at::parallel_for;
-//   a call of fewer than SERIAL_MACS products stays on the calling thread: waking the pool costs
-//   more than the second core gives), the rows against the block's 4 weight rows (8 float32
-//   accumulators of 8 lanes, summed across lanes at the end of K), the weights widened as they
-//   are loaded. Each step prefetches the next block's rows (a cache line per row): one row
-//   streamed the weights at 4.2 GB/s without it, at about 10 with it (docs/results.md, "Dense
-//   layers on a native bfloat16 kernel"). K's last K % 8 channels and a last partial block of
-//   weight rows run the scalar form.
+// - 1 or 2 rows: streams. The weight rows one after another, each read whole before the next,
+//   so a thread's rows are one run of memory, read in order and prefetched a kilobyte ahead
+//   (STREAM_AHEAD channels); x split as the quads' (below), 32 channels a step: two loads of 16
+//   weights made float32 by the quads' shift and mask, 4 accumulators per row of x, summed across
+//   lanes 4 weight rows at a time. Split over torch's intra-op pool (at::parallel_for; a call of
+//   fewer than SERIAL_MACS products stays on the calling thread: waking the pool costs more than
+//   the second core gives). Before session 65 these rows read blocks of 4 weight rows side by
+//   side (4 interleaved runs of 1-3 KB each), at about 16-19 GB/s against the 21-24 GB/s of one
+//   run in order: a model step ran x1.2-1.3 faster at 1 row, x1.1-1.2 at 2 (docs/results.md,
+//   "Decode's weights read in memory order"). K's last K % 16 channels run the scalar form.
 // - QUAD_ROWS (3) to PANEL_ROWS - 1 (20) rows: split quads. One 256-bit load of 16 bfloat16
 //   weights is both halves of 8 float32 lanes, channels 2i (low) and 2i + 1 (high): `v << 16` and
 //   `v & 0xFFFF0000` make them float32 in two ALU ops, with x laid out to match once per call
 //   (each 16 channels as their 8 even, then their 8 odd ones). 4 rows of x at a time against a
 //   pair of weight rows: per 16 channels 2 weight loads, 4 ALU ops, 8 loads of x and 16 FMAs
-//   into 8 accumulators. The pair is read from memory by the first 4 rows (prefetching the next
-//   pair) and from L1 by the others. Against what these rows took before session 64 (3 to 7:
-//   the blocks on a float32 buffer of their weights; 8 to 20: the panels), a 30-layer model step
-//   ran x1.93-1.97 at 3-4 rows, x1.57 at 8, x1.24 at 12 and x1.09-1.13 at 20; at 23-24 the panels
-//   were even or ahead (docs/results.md, "Decode's dense layers in split quads"). K's last K % 16
-//   channels and an odd last weight row run the scalar form.
+//   into 8 accumulators. The pair is read from memory by the first 4 rows (prefetching its
+//   memory QUAD_AHEAD channels on, in order: x1.0-1.2 over prefetching the next pair's two rows
+//   side by side, session 65) and from L1 by the others. Against what these rows took before
+//   session 64 (3 to 7: the blocks on a float32 buffer of their weights; 8 to 20: the panels), a
+//   30-layer model step ran x1.93-1.97 at 3-4 rows, x1.57 at 8, x1.24 at 12 and x1.09-1.13 at
+//   20; at 23-24 the panels were even or ahead (docs/results.md, "Decode's dense layers in split
+//   quads"). K's last K % 16 channels and an odd last weight row run the scalar form.
 // - From PANEL_ROWS rows the product is compute-bound, and the weight goes through panels: PC = 16
 //   weight rows widened and transposed into a float32 panel [K][16] (64 KB at K = 1024, in L2),
 //   then PR = 6 activation rows at a time against it as outer products: per channel, two panel
@@ -56,11 +59,15 @@
 namespace ragged {
 namespace {
 
-constexpr int64_t NB = 4;                 // weight rows per block
 constexpr int64_t SERIAL_MACS = 1 << 18;  // below this, one thread (about 20 us of work)
 constexpr int64_t PR = 6;                 // panel form: activation rows per micro-block
 constexpr int64_t PC = 16;                // panel form: weight rows per panel (two vectors)
 constexpr int64_t QUAD_ROWS = 3;          // from this many rows, the split quads
+// How far ahead of what it reads a decode product prefetches its weights, in bfloat16 channels of
+// the weight's memory: 1-2 rows (streams, 1 KB) and the quads (4 KB), the best of the distances
+// tried on a Zen 3 (docs/results.md, "Decode's weights read in memory order").
+constexpr int64_t STREAM_AHEAD = 512;
+constexpr int64_t QUAD_AHEAD = 2048;
 constexpr int64_t PANEL_ROWS = 21;        // from this many rows, the panel form
 // Below this many rows on AVX512-BF16, vdpbf16ps dots (compat/cpu_gemm sends larger calls to
 // torch's bfloat16 product). On a Zen 5 with spinning workers the dots beat torch's product
@@ -144,71 +151,6 @@ inline __m256 widen(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-inline float lane_sum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
-// MR (1 or 2) activation rows (row stride K) against NB weight rows wb (row stride K) over
-// channels [0, K8), the weights widened as they are loaded: acc[r][j] = the sums.
-template <int MR>
-inline void block(const float* x, int64_t K, int64_t K8, const uint16_t* wb, float acc[2][NB]) {
-  __m256 a[MR][NB];
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NB; ++j) a[r][j] = _mm256_setzero_ps();
-  int64_t k = 0;
-  if (MR == 1) {  // one row: a second set of accumulators, 8 independent FMA chains
-    __m256 b[NB];
-    for (int j = 0; j < NB; ++j) b[j] = _mm256_setzero_ps();
-    for (; k + 16 <= K8; k += 16) {
-      const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-      // the next block's rows (NB * K channels on), a cache line per row per step
-      for (int j = 0; j < NB; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(wb + (NB + j) * K + k), _MM_HINT_T0);
-      for (int j = 0; j < NB; ++j) {
-        a[0][j] = _mm256_fmadd_ps(x0, widen(wb + j * K + k), a[0][j]);
-        b[j] = _mm256_fmadd_ps(x1, widen(wb + j * K + k + 8), b[j]);
-      }
-    }
-    for (int j = 0; j < NB; ++j) a[0][j] = _mm256_add_ps(a[0][j], b[j]);
-  }
-  for (; k < K8; k += 8) {
-    __m256 wv[NB];
-    if (k % 32 == 0)
-      for (int j = 0; j < NB; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(wb + (NB + j) * K + k), _MM_HINT_T0);
-    for (int j = 0; j < NB; ++j) wv[j] = widen(wb + j * K + k);
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
-      for (int j = 0; j < NB; ++j) a[r][j] = _mm256_fmadd_ps(xv, wv[j], a[r][j]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < NB; ++j) acc[r][j] = lane_sum(a[r][j]);
-}
-
-// Weight blocks [b0, b1) (rows b * NB ..), all M (1 or 2) rows of y.
-void blocks(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_t* w,
-            const uint16_t* bias, int64_t b0, int64_t b1, at::BFloat16* y) {
-  const int64_t K8 = K & ~int64_t(7);
-  float acc[2][NB];
-  float col[2];
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t n = b * NB;
-    const uint16_t* wb = w + n * K;
-    if (M == 2)
-      block<2>(xf, K, K8, wb, acc);
-    else
-      block<1>(xf, K, K8, wb, acc);
-    for (int j = 0; j < NB; ++j) {
-      for (int64_t r = 0; r < M; ++r) col[r] = acc[r][j];
-      if (K8 < K) dot_scalar(xf, M, K, w, n + j, K8, col);
-      finish(col, M, N, n + j, bias, y);
-    }
-  }
-}
-
 // 16 bfloat16 values (channels k..k + 15) as float32: the even channels and the odd ones (the
 // split quads, in the header).
 inline void split16(const void* p, __m256& even, __m256& odd) {
@@ -240,6 +182,73 @@ inline __m128 lane_sums4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
+// R (1 or 2) rows of xs (split_rows, row stride K) against one weight row w over channels
+// [0, K16): s[r] = row r's partial sums. 32 channels a step: two loads of 16 weights, each row's
+// 4 FMAs into its own 4 accumulators; each step prefetches the stream STREAM_AHEAD channels on (a
+// cache line), across the end of the row into the next.
+template <int R>
+inline void stream_row(const float* x, int64_t K, int64_t K16, const uint16_t* w, __m256* s) {
+  __m256 a0 = _mm256_setzero_ps(), b0 = a0, c0 = a0, d0 = a0;  // row 0: even, odd, even, odd
+  __m256 a1 = a0, b1 = a0, c1 = a0, d1 = a0;                    // row 1
+  int64_t k = 0;
+  for (; k + 32 <= K16; k += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k + STREAM_AHEAD), _MM_HINT_T0);
+    __m256 we0, wo0, we1, wo1;
+    split16(w + k, we0, wo0);
+    split16(w + k + 16, we1, wo1);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), we0, a0);
+    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), wo0, b0);
+    c0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), we1, c0);
+    d0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), wo1, d0);
+    if (R > 1) {
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + K + k), we0, a1);
+      b1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + K + k + 8), wo0, b1);
+      c1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + K + k + 16), we1, c1);
+      d1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + K + k + 24), wo1, d1);
+    }
+  }
+  if (k < K16) {  // 16 channels left
+    __m256 we, wo;
+    split16(w + k, we, wo);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), we, a0);
+    b0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), wo, b0);
+    if (R > 1) {
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + K + k), we, a1);
+      b1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + K + k + 8), wo, b1);
+    }
+  }
+  s[0] = _mm256_add_ps(_mm256_add_ps(a0, b0), _mm256_add_ps(c0, d0));
+  if (R > 1) s[1] = _mm256_add_ps(_mm256_add_ps(a1, b1), _mm256_add_ps(c1, d1));
+}
+
+// Weight rows [n0, n1), one after another in memory order, all M (1 or 2) rows of y from xs
+// (split_rows); lane sums 4 weight rows at a time, K's last K % 16 channels by the scalar form.
+void streams(const float* xs, int64_t M, int64_t K, int64_t N, const uint16_t* w,
+             const uint16_t* bias, int64_t n0, int64_t n1, at::BFloat16* y) {
+  const int64_t K16 = K & ~int64_t(15);
+  __m256 s[4][2];
+  alignas(16) float t[2][4];
+  float col[2];
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int64_t rows = std::min<int64_t>(4, n1 - n);
+    for (int64_t j = 0; j < 4; ++j) {
+      s[j][0] = s[j][1] = _mm256_setzero_ps();
+      if (j >= rows) continue;
+      if (M == 2)
+        stream_row<2>(xs, K, K16, w + (n + j) * K, s[j]);
+      else
+        stream_row<1>(xs, K, K16, w + (n + j) * K, s[j]);
+    }
+    for (int64_t m = 0; m < M; ++m)
+      _mm_store_ps(t[m], lane_sums4(s[0][m], s[1][m], s[2][m], s[3][m]));
+    for (int64_t j = 0; j < rows; ++j) {
+      for (int64_t m = 0; m < M; ++m) col[m] = t[m][j];
+      if (K16 < K) dot_scalar(xs, M, K, w, n + j, K16, col);
+      finish(col, M, N, n + j, bias, y);
+    }
+  }
+}
+
 // R (1..4) rows of xs (row stride K) against 2 weight rows wb (row stride K), channels
 // [0, K16): out[2r + j] = row r's sum against weight row j. Per 16 channels: 2 weight loads and
 // 4 ALU ops, then per row 2 loads of x and 4 FMAs into 2 accumulators (8 accumulators, named:
@@ -250,9 +259,9 @@ inline void split_quad(const float* x, int64_t K, int64_t K16, const uint16_t* w
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;
   __m256 a20 = a00, a21 = a00, a30 = a00, a31 = a00;
   for (int64_t k = 0; k < K16; k += 16) {
-    if (PREFETCH && k % 32 == 0) {
-      _mm_prefetch(reinterpret_cast<const char*>(wb + 2 * K + k), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wb + 3 * K + k), _MM_HINT_T0);
+    if (PREFETCH && k % 32 == 0) {  // the pair's 64 bytes of these 32 channels, QUAD_AHEAD on
+      _mm_prefetch(reinterpret_cast<const char*>(wb + 2 * k + QUAD_AHEAD), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + 2 * k + QUAD_AHEAD + 32), _MM_HINT_T0);
     }
     __m256 we0, wo0, we1, wo1;
     split16(wb + k, we0, wo0);
@@ -643,11 +652,17 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
     dots::tail(xq, M, K, N, wp, bias_ptr, n_dot * dots::DB, yp);
     return y;
   }
-  if (has_avx2() && M >= QUAD_ROWS && M < PANEL_ROWS) {
+  if (has_avx2() && M < PANEL_ROWS) {
     const at::Tensor xb = x.reshape({M, K}).contiguous();
     const at::Tensor xs = at::empty({M, K}, x.options().dtype(at::kFloat));
     float* xsp = xs.data_ptr<float>();
     wide::split_rows(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K, xsp);
+    if (M < QUAD_ROWS) {
+      at::parallel_for(0, N, grain(N, 1), [&](int64_t n0, int64_t n1) {
+        wide::streams(xsp, M, K, N, wp, bias_ptr, n0, n1, yp);
+      });
+      return y;
+    }
     const int64_t n_pairs = N / 2;
     at::parallel_for(0, n_pairs, grain(n_pairs, 2), [&](int64_t b0, int64_t b1) {
       wide::split_quads(xsp, M, K, N, wp, bias_ptr, b0, b1, yp);
@@ -657,18 +672,13 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   }
   const at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
-  const int64_t n_blocks = N / NB, n_panels = (N + PC - 1) / PC;
-  if (has_avx2() && M >= PANEL_ROWS) {
+  const int64_t n_panels = (N + PC - 1) / PC;
+  if (has_avx2()) {
     at::parallel_for(0, n_panels, grain(n_panels, PC), [&](int64_t p0, int64_t p1) {
       wide::panels(xp, M, K, N, wp, bias_ptr, p0, p1, yp);
     });
-  } else if (has_avx2()) {  // 1 or 2 rows
-    at::parallel_for(0, n_blocks, grain(n_blocks, NB), [&](int64_t b0, int64_t b1) {
-      wide::blocks(xp, M, K, N, wp, bias_ptr, b0, b1, yp);
-    });
-    rows_scalar(xp, M, K, N, wp, bias_ptr, n_blocks * NB, N, yp);
   } else {
-    at::parallel_for(0, N, grain(n_blocks, NB) * NB, [&](int64_t n0, int64_t n1) {
+    at::parallel_for(0, N, grain(N, 1), [&](int64_t n0, int64_t n1) {
       rows_scalar(xp, M, K, N, wp, bias_ptr, n0, n1, yp);
     });
   }

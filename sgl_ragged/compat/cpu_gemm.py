@@ -11,8 +11,9 @@ CPUs without bfloat16 dot products"). The AROUND hooks here send such a call to 
 kernel (cuda_ext/linear.cpp): float32 sums of the same products that torch's bfloat16 product
 accumulates, in another order, rounded to bfloat16 once. It reads the weight as bfloat16 and
 widens it in registers (decode batches: converting the weight to float32 first costs more than
-the product; from 3 rows as split quads, 16 weights a load made float32 by a shift and a mask:
-x1.2-2.0 on a model step at 3-12 rows, docs/results.md, "Decode's dense layers in split quads"),
+the product; 16 weights a load made float32 by a shift and a mask, 1-2 rows reading the weight
+rows in memory order (docs/results.md, "Decode's weights read in memory order"), from 3 rows as
+split quads: x1.2-2.0 on a model step at 3-12 rows, "Decode's dense layers in split quads"),
 and from 21 rows multiplies float32 panels of it as outer products (prefill chunks:
 x1.2-1.3 over converting both operands to float32 for torch's product at 256-512 rows;
 docs/results.md, "Prefill's dense layers on the native kernel"). A weight or bias that is not
