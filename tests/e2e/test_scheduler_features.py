@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from bench import counters
-from tests.e2e.conftest import _start, get, post, post_raw, stream_lines
+from tests.e2e.conftest import CHUNK, _start, get, post, post_raw, stream_lines
 from tests.e2e.test_serving import FACTS
 
 pytestmark = pytest.mark.e2e
@@ -267,6 +267,28 @@ def _prefill_batches(server) -> int:
     return server.log_text().count("Prefill batch")
 
 
+def _first_long_chunk(server, start: int) -> int | None:
+    """The index of the first prefill batch logged after the first `start` ones that took a full
+    chunk (less a token per running request, as SGLang's mixed chunks take): a long prompt's
+    first chunk; None before there is one. The requests decoding beside it have shorter prompts
+    (`_short_of_a_chunk`), so their prefills, even one logged late, never count as it (session
+    65's CI: the fourth low request's prefill, logged after `running == 4` was seen, was taken for
+    the long prompt's, and abort_all went out before the long prompt had arrived)."""
+    tokens = _prefill_tokens(server)
+    least = CHUNK - _max_running(server)
+    return next((i for i in range(start, len(tokens)) if tokens[i] >= least), None)
+
+
+def _max_running(server) -> int:
+    return int(server.args[server.args.index("--max-running-requests") + 1])
+
+
+def _short_of_a_chunk(server, texts: list[str]) -> None:
+    """Each prompt is shorter than what `_first_long_chunk` takes for a long prompt's chunk."""
+    least = CHUNK - _max_running(server)
+    assert all(len(_ids(server, text)) < least for text in texts), least
+
+
 def _prefilled_before(server, start: int, marker: str) -> int:
     """The prompt tokens of the logged prefill batches after the first `start` ones and before
     the first line with `marker` after them."""
@@ -345,12 +367,14 @@ def test_a_retracting_pause_frees_every_page_and_serves_its_requests_after_a_wei
     idle = counters.wait_idle(base)
     before = counters.counters(base)
     args = mixed_server.args
+    _short_of_a_chunk(mixed_server, PAUSE_LOWS)
     with ThreadPoolExecutor(5) as pool:
         lows = [pool.submit(_answer, base, text, 160, timeout=900) for text in PAUSE_LOWS]
         _wait(lambda: counters.pool_state(base).running == 4, "the four requests never ran together")
         prefills = _prefill_batches(mixed_server)
         long = pool.submit(_answer, base, PAUSE_LONG, 48, timeout=900)
-        _wait(lambda: _prefill_batches(mixed_server) > prefills, "the long prompt was never prefilled")
+        _wait(lambda: _first_long_chunk(mixed_server, prefills) is not None,
+              "the long prompt was never prefilled")
         assert "paused" in post_raw(base, "/pause_generation", {"mode": "retract"})
         try:
             # nothing runs or is being prefilled (a flush is refused while a request holds
@@ -396,10 +420,11 @@ def _abort_mid_prefill(server, payload: dict, rid: str) -> tuple[dict, int]:
     prefills = _prefill_batches(server)
     with ThreadPoolExecutor(1) as pool:
         long = pool.submit(_answer, base, ABORT_LONG, 16, timeout=900, rid=rid)
-        _wait(lambda: _prefill_batches(server) > prefills, "the long prompt was never prefilled")
+        _wait(lambda: _first_long_chunk(server, prefills) is not None,
+              "the long prompt was never prefilled")
         post_raw(base, "/abort_request", payload)
         out = _finished(long)
-    return out, sum(_prefill_tokens(server)[prefills:])
+    return out, sum(_prefill_tokens(server)[_first_long_chunk(server, prefills):])
 
 
 def test_aborting_a_prompt_mid_chunked_prefill_frees_its_pages(alone, mixed_server):
@@ -414,6 +439,7 @@ def test_aborting_a_prompt_mid_chunked_prefill_frees_its_pages(alone, mixed_serv
     idle = counters.wait_idle(base)
     before = counters.counters(base)
     got: dict[str, str] = {}
+    _short_of_a_chunk(mixed_server, [SHORT])
     decoding = threading.Event()
     short = threading.Thread(target=lambda: got.update(
         short=_streamed(base, SHORT, 96, decoding)))
@@ -444,6 +470,7 @@ def test_abort_all_ends_decoding_requests_and_a_chunked_prompt_and_frees_their_p
     assert "Cache flushed" in get(base, "/flush_cache")
     idle = counters.wait_idle(base)
     before = counters.counters(base)
+    _short_of_a_chunk(mixed_server, PAUSE_LOWS)
     with ThreadPoolExecutor(4) as pool:
         lows = [pool.submit(_answer, base, text, 160, timeout=900) for text in PAUSE_LOWS]
         _wait(lambda: counters.pool_state(base).running == 4, "the four requests never ran together")
