@@ -70,10 +70,13 @@ constexpr int64_t STREAM_AHEAD = 512;
 constexpr int64_t QUAD_AHEAD = 2048;
 constexpr int64_t PANEL_ROWS = 21;        // from this many rows, the panel form
 // Below this many rows on AVX512-BF16, vdpbf16ps dots (compat/cpu_gemm sends larger calls to
-// torch's bfloat16 product). On a Zen 5 with spinning workers the dots beat torch's product
-// x1.3-1.7 at 24-48 rows and x1.1 at 56-63 (lm_head x0.9 there); with sleeping ones they were
-// even (x0.99-1.09) at 24-48 (docs/results.md, "Decode's small products on both cores").
-constexpr int64_t DOT_ROWS = 48;
+// torch's bfloat16 product). On a Zen 4, 2 threads, with their weights prefetched in memory order
+// (DOT_AHEAD), the dots beat torch's product x1.3-1.4 at 32-48 rows, x1.26 at 64, x1.13-1.14 at
+// 96-128 (lm_head x1.01-1.09 at 64-128), were even at 192 and x0.95-0.99 at 256 (docs/results.md,
+// "AVX512-BF16 dots' weights prefetched in memory order"). Before that prefetch they stopped at 48:
+// on a Zen 5 with spinning workers they had beaten torch x1.3-1.7 at 24-48 rows and x1.1 at 56-63
+// (lm_head x0.9 there; "Decode's small products on both cores").
+constexpr int64_t DOT_ROWS = 128;
 // The dots stay on one thread below dot_serial_macs products (set_linear_dot_serial_macs; the
 // caller, compat/cpu_gemm.py, picks it from how OpenMP's idle workers wait). Where they sleep at
 // once, waking the pool for each of a step's 120 products cost more than the second core gave
@@ -442,8 +445,8 @@ void panels(const float* xf, int64_t M, int64_t K, int64_t N, const uint16_t* w,
 // into 16 float32 lanes. Blocks of DB weight rows against DR activation rows at a time (24
 // accumulators: 10 loads per 24 products, where 4 x 4 took 8 per 16; the model step x1.06-1.30
 // at 8-47 rows, docs/results.md, "Decode's small products on both cores"); a block's first pass
-// of rows streams its weights from memory, prefetching the next block's a cache line per row per
-// step, and the later passes find them in L1. K's last K % 32 channels load masked (zeros add
+// of rows streams its weights from memory, prefetching them into L2 in memory order (DOT_AHEAD),
+// and the later passes find them in L1. K's last K % 32 channels load masked (zeros add
 // nothing), by the same step as the others: with a tail step of its own GCC kept the
 // accumulators on the stack, stored and reloaded around it (at 4 x 4, a
 // quarter of a pass's instructions at K = 576). A row's four lane sums come out of one hadd tree
@@ -456,6 +459,13 @@ namespace dots {
 
 constexpr int64_t DR = 6;  // activation rows per pass
 constexpr int64_t DB = 4;  // weight rows per block
+// A block's first pass prefetches its weights into L2 in memory order, B cache lines a step (as
+// many as the step reads), from (B - 1) * K + DOT_AHEAD channels past the block's start: its last
+// row's first line before the step that reads it, then on through the next blocks. Before session
+// 66 it prefetched the next block's B rows side by side into L1, and a block read its rows as B
+// interleaved runs of 1-3 KB; a Zen 4 read them at 8-13 GB/s, against 20-25 GB/s in order
+// (docs/results.md, "AVX512-BF16 dots' weights prefetched in memory order").
+constexpr int64_t DOT_AHEAD = 2048;
 
 inline __m512bh load_bh(const uint16_t* p) {
   return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
@@ -466,7 +476,7 @@ inline __m512bh load_bh(const uint16_t* p, __mmask32 mask) {
 }
 
 // R activation rows (x, row stride K) against B weight rows (w, row stride K), channels [0, K):
-// acc[r][j] the sums. PREFETCH: the weight rows after the block's DB (the next block) too.
+// acc[r][j] the sums. PREFETCH: the block's memory in its order, into L2 (DOT_AHEAD).
 template <int R, int B, bool PREFETCH>
 inline void dot_block(const uint16_t* x, int64_t K, const uint16_t* w, float acc[DR][DB]) {
   __m512 a[R][B];
@@ -477,10 +487,11 @@ inline void dot_block(const uint16_t* x, int64_t K, const uint16_t* w, float acc
   // One 32-channel step of every (row, weight row) pair; masked: channels [k, K) only, K - k < 32.
   const auto step = [&](int64_t k, bool masked) __attribute__((always_inline)) {
     const __mmask32 mask = masked ? (__mmask32(1) << (K - k)) - 1 : ~__mmask32(0);
-    if (PREFETCH && !masked)
+    if (PREFETCH && !masked)  // B cache lines a step, as many as the step reads
 #pragma GCC unroll 4
       for (int j = 0; j < B; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (DB + j) * K + k), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + (B - 1) * K + DOT_AHEAD + B * k + 32 * j),
+                     _MM_HINT_T1);
     __m512bh wv[B];
 #pragma GCC unroll 4
     for (int j = 0; j < B; ++j)
@@ -570,7 +581,7 @@ void rows_against(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint
 void blocks(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint16_t* w,
             const uint16_t* bias, int64_t b0, int64_t b1, at::BFloat16* y) {
   for (int64_t b = b0; b < b1; ++b)
-    rows_against<DB>(x, M, K, N, w, bias, b * DB, b + 1 < N / DB, y);
+    rows_against<DB>(x, M, K, N, w, bias, b * DB, true, y);
 }
 
 void tail(const uint16_t* x, int64_t M, int64_t K, int64_t N, const uint16_t* w,

@@ -22,9 +22,11 @@ contiguous goes the float32 way (`linear`).
 On a CPU with AVX512-BF16 (and no AMX), torch's own bfloat16 product is fast from a few dozen
 rows but streams a decode batch's weights at half to two thirds of the speed of the native
 kernel's vdpbf16ps dots (a Zen 5, 2 threads, spinning workers: x1.6-1.7 at 1-16 rows, x1.2 at
-32-47; docs/results.md, "Decode rows on vdpbf16ps" and "Decode's small products on both
-cores"), so there calls below the kernel's `linear_dot_rows()` (48) go to the kernel and larger
-ones stay torch's. With AMX, torch's product runs on the tiles and overtakes the dots sooner, but
+32-47; a Zen 4 since the dots prefetch in memory order: x2.2-3.8 at 1-16, x1.3-1.4 at 32-48,
+x1.13 at 96-128; docs/results.md, "Decode rows on vdpbf16ps", "Decode's small products on both
+cores" and "AVX512-BF16 dots' weights prefetched in memory order"), so there calls below the
+kernel's `linear_dot_rows()` (128; 48 before session 66) go to the kernel and larger ones stay
+torch's. With AMX, torch's product runs on the tiles and overtakes the dots sooner, but
 a decode batch is still streamed faster by the dots (an Intel Xeon with AMX, 2 threads, SmolLM2's
 model step: x2.2 at 1 row, x1.9 at 4, x1.4-1.5 at 8, x1.15 at 12, x0.89 at 16; its lm_head x1.7,
 x1.6, x1.1-1.2, x0.9-0.94: docs/results.md, "Decode's dense layers on an AMX CPU"), so there

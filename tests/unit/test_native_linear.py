@@ -26,7 +26,7 @@ BF16_ULP = 2.0**-7
 ROOT = Path(__file__).resolve().parents[2]
 
 SHAPES = [  # (M, K, N); on AVX2 from 3 rows the split quads (QUAD_ROWS; 4 rows x 2 weight rows,
-    # 16 channels), from 21 the panels (PANEL_ROWS, PR = 6 rows, PC = 16 columns); below 48 on
+    # 16 channels), from 21 the panels (PANEL_ROWS, PR = 6 rows, PC = 16 columns); below 128 on
     # AVX512-BF16 the dots (DOT_ROWS; DR = 6 rows, DB = 4 weight rows, 32 channels)
     (1, 576, 960), (2, 576, 576), (3, 1536, 44), (5, 64, 7), (7, 64, 40), (1, 584, 8),
     (1, 7, 5), (4, 15, 4), (2, 13, 6), (26, 100, 17), (29, 64, 33), (30, 1, 20),
@@ -35,6 +35,7 @@ SHAPES = [  # (M, K, N); on AVX2 from 3 rows the split quads (QUAD_ROWS; 4 rows 
     (6, 33, 6), (23, 63, 1), (23, 1536, 49), (24, 40, 9), (25, 31, 18), (37, 576, 960),
     (47, 63, 9), (47, 1536, 49), (48, 40, 9), (49, 31, 18),
     (1, 48, 9), (2, 95, 7), (2, 32, 4), (1, 1552, 11),
+    (64, 576, 52), (101, 95, 13), (127, 40, 9), (128, 33, 6),
 ]
 
 
@@ -69,7 +70,7 @@ def test_matches_the_reference(shape: tuple[int, int, int], bias: bool, threads:
     _assert_rounded(out, _reference(x, w, b))
 
 
-@pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] < 48], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[0] < 128], ids=lambda s: "x".join(map(str, s)))
 def test_split_calls_give_the_serial_bits(shape: tuple[int, int, int]) -> None:
     """The dots' split threshold (set_linear_dot_serial_macs: compat/cpu_gemm picks it from the
     OpenMP spin count) moves work between threads, never a bit of the result: each output is
@@ -160,7 +161,7 @@ def test_the_form_this_cpu_runs() -> None:
     if forced == "scalar" or not {"avx2", "fma"} <= flags:
         want, dot_rows = "scalar", 0
     elif forced != "avx2" and {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags:
-        want, dot_rows = "avx512_bf16", 48
+        want, dot_rows = "avx512_bf16", 128
     else:
         want, dot_rows = "avx2", 0
     assert native.load().linear_isa() == want
