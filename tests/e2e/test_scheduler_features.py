@@ -275,17 +275,19 @@ def _first_long_chunk(server, start: int) -> int | None:
     65's CI: the fourth low request's prefill, logged after `running == 4` was seen, was taken for
     the long prompt's, and abort_all went out before the long prompt had arrived)."""
     tokens = _prefill_tokens(server)
-    least = CHUNK - _max_running(server)
+    least = _long_chunk_tokens(server)
     return next((i for i in range(start, len(tokens)) if tokens[i] >= least), None)
 
 
-def _max_running(server) -> int:
-    return int(server.args[server.args.index("--max-running-requests") + 1])
+def _long_chunk_tokens(server) -> int:
+    """The fewest new tokens of a long prompt's chunk: a full chunk, less a token per running
+    request (SGLang's mixed chunks)."""
+    return CHUNK - int(server.args[server.args.index("--max-running-requests") + 1])
 
 
 def _short_of_a_chunk(server, texts: list[str]) -> None:
     """Each prompt is shorter than what `_first_long_chunk` takes for a long prompt's chunk."""
-    least = CHUNK - _max_running(server)
+    least = _long_chunk_tokens(server)
     assert all(len(_ids(server, text)) < least for text in texts), least
 
 
