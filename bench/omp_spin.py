@@ -3,6 +3,7 @@
     python -m bench.omp_spin [--spins 0 3000] [--concurrency 1 8 16] [--long-prompt 1900] \
         [--contention] --out results/omp-spin
     python -m bench.omp_spin --spins 3000:4194304 3000 ...   # the dots' split threshold too
+    python -m bench.omp_spin --spins 3000/openmp 3000/pool@20 3000 ...   # the kernels' pool
 
 scripts/env.sh has OpenMP's idle workers sleep at once (`OMP_WAIT_POLICY=PASSIVE`, spin count
 0); scripts/serve.sh lets them spin GOMP_SPINCOUNT iterations first (libgomp reads it at start,
@@ -23,7 +24,8 @@ them alive at once (idle ones sleep, `--sleep-on-idle`), and the rounds alternat
 
 A setting `SPIN:MACS` also sets RAGGED_DOT_SERIAL_MACS=MACS for its server (the native dots
 keep calls below MACS products on one thread; unset, compat/cpu_gemm derives it from the spin
-count). Medians over --repeats rounds after --warmup, the settings' order reversed every other
+count); a trailing `/openmp`, `/pool` or `/pool@US` sets which pool splits the native kernels'
+work (RAGGED_NATIVE_POOL) and the pool's spin in microseconds (RAGGED_POOL_SPIN_US). Medians over --repeats rounds after --warmup, the settings' order reversed every other
 round; ratios against the first setting. Writes omp_spin.json and omp_spin.md, and each
 server's log beside them.
 """
@@ -47,16 +49,28 @@ from sgl_ragged.models.smollm2 import DEFAULT_PRECISION, DEFAULT_PROFILE
 
 
 def spin_setting(value: str) -> str:
-    """A --spins value: SPIN or SPIN:MACS, whole numbers (argparse's type)."""
-    if not all(part.isdigit() for part in value.split(":")) or value.count(":") > 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not SPIN or SPIN:MACS (whole numbers)")
+    """A --spins value: SPIN or SPIN:MACS (whole numbers), optionally /openmp, /pool or
+    /pool@US (argparse's type)."""
+    counts, _, pool = value.partition("/")
+    if not all(part.isdigit() for part in counts.split(":")) or counts.count(":") > 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not SPIN or SPIN:MACS (whole numbers), "
+                                         "with an optional /openmp, /pool or /pool@US")
+    kind, _, spin_us = pool.partition("@")
+    if "/" in value and (kind not in ("openmp", "pool") or (spin_us and not spin_us.isdigit())
+                         or (spin_us and kind != "pool")):
+        raise argparse.ArgumentTypeError(f"{value!r}: after / comes openmp, pool or pool@US "
+                                         "(the pool's spin in microseconds)")
     return value
 
 
 def setting_env(setting: str) -> dict[str, str]:
     """The environment of a --spins setting's server."""
-    spin, _, macs = setting.partition(":")
-    return {"GOMP_SPINCOUNT": spin, **({"RAGGED_DOT_SERIAL_MACS": macs} if macs else {})}
+    counts, _, pool = setting.partition("/")
+    spin, _, macs = counts.partition(":")
+    kind, _, spin_us = pool.partition("@")
+    return {"GOMP_SPINCOUNT": spin, **({"RAGGED_DOT_SERIAL_MACS": macs} if macs else {}),
+            **({"RAGGED_NATIVE_POOL": kind} if kind else {}),
+            **({"RAGGED_POOL_SPIN_US": spin_us} if spin_us else {})}
 
 
 def launch_args(model: str, args: argparse.Namespace) -> list[str]:
@@ -191,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         urls = iter(start_all(stack, server_args, [
             (f"{setting_env(spin)} ({j + 1} of {per_spin})", setting_env(spin),
-             args.out / f"server-spin{spin.replace(':', '-')}-{j}.log")
+             args.out / f"server-spin{spin.replace(':', '-').replace('/', '-').replace('@', '-')}-{j}.log")
             for spin in args.spins for j in range(per_spin)]))
         servers = {spin: [next(urls) for _ in range(per_spin)] for spin in args.spins}
         print(f"measuring {args.warmup} + {args.repeats} rounds ...", flush=True)

@@ -1,7 +1,8 @@
 // Torch binding of the native ragged attention (ragged_attention.h: inputs and work split).
 //
 // attend(...) checks every tensor (dtype, shape, contiguity) with a message naming it, builds
-// the work items, runs them on torch's intra-op pool (at::parallel_for) with the ISA variant
+// the work items, runs them on the kernels' pool (pool.h; at::parallel_for under
+// RAGGED_NATIVE_POOL=openmp) with the ISA variant
 // chosen once (best the CPU supports, or lower via RAGGED_NATIVE_ISA=amx|avx512|avx2|scalar;
 // avx512 runs bfloat16 prefill chunks as AVX512-BF16 products, amx on AMX tiles), and
 // merges each query block's key splits by log-sum-exp into out [N, H_q, D] (q's dtype) and
@@ -11,6 +12,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <string>
@@ -19,6 +21,7 @@
 #include "checks.h"
 #include "elementwise.h"
 #include "linear.h"
+#include "pool.h"
 #include "quantize.h"
 #include "ragged_attention.h"
 #include "seal.h"
@@ -139,7 +142,7 @@ void merge(const Params& p, const std::vector<Item>& items, const std::vector<in
   const int64_t G = p.group_size, D = p.head_dim, R_max = p.q_block * G;
   const int64_t n_blocks = int64_t(block_first.size()) - 1;
   const int64_t grain = serial ? std::max<int64_t>(n_blocks, 1) : 1;
-  at::parallel_for(0, n_blocks, grain, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, n_blocks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t blk = begin; blk < end; ++blk) {
       const Item& it0 = items[block_first[blk]];
@@ -292,8 +295,8 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
   float* o_ptr = o_part.data_ptr<float>();
   float* l_ptr = lse_part.data_ptr<float>();
   const int64_t grain = serial ? std::max<int64_t>(n_items, 1) : 1;
-  at::parallel_for(0, n_items, grain, [&](int64_t begin, int64_t end) {
-    float* mine = ws_ptr + (serial ? 0 : at::get_thread_num()) * workspace_floats(p);
+  pool::parallel_for(0, n_items, grain, [&](int64_t begin, int64_t end) {
+    float* mine = ws_ptr + (serial ? 0 : pool::thread_num()) * workspace_floats(p);
     run(p, items.data(), begin, end, mine, o_ptr, l_ptr, bf16);
   });
 
@@ -305,6 +308,41 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
   else
     merge(p, items, block_first, o_ptr, l_ptr, out.data_ptr<float>(), lse.data_ptr<float>(), serial);
   return {out, lse};
+}
+
+// Probes of pool.cpp for tests/unit/test_native_pool.py: [n, 3] int64 rows (times index i ran,
+// the pool thread that ran it, runs of a nested parallel_for of `nested` indices inside it), each
+// piece busy for piece_us first; the GIL is released, so Python threads can run them at once.
+at::Tensor pool_trace(int64_t n, int64_t grain, int64_t piece_us, int64_t nested) {
+  TORCH_CHECK(n >= 0 && grain >= 1 && piece_us >= 0 && nested >= 0,
+              "pool_trace: n, piece_us and nested must be at least 0 and grain at least 1");
+  at::Tensor out = at::zeros({n, 3}, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  pybind11::gil_scoped_release nogil;
+  pool::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(piece_us);
+    while (std::chrono::steady_clock::now() < until) {
+    }
+    for (int64_t i = b; i < e; ++i) {
+      __atomic_fetch_add(&o[3 * i], 1, __ATOMIC_RELAXED);
+      o[3 * i + 1] = pool::thread_num();
+      pool::parallel_for(0, nested, 1, [&](int64_t nb, int64_t ne) {
+        __atomic_fetch_add(&o[3 * i + 2], ne - nb, __ATOMIC_RELAXED);
+      });
+    }
+  });
+  return out;
+}
+
+// A parallel_for over [0, n) whose index `fail` raises (after piece_us of work in every piece).
+void pool_fail(int64_t n, int64_t fail, int64_t piece_us) {
+  pybind11::gil_scoped_release nogil;
+  pool::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(piece_us);
+    while (std::chrono::steady_clock::now() < until) {
+    }
+    TORCH_CHECK(fail < b || fail >= e, "pool_fail: index ", fail, " failed as asked");
+  });
 }
 
 }  // namespace ragged
@@ -319,6 +357,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_stats", &ragged::store_stats,
         "stats.*[stages[i], layer] = acc.*[i]: StagingStats.store in one call (tails.cpp)");
   m.def("copy_rows", &ragged::copy_rows, "dst[slots[i]] = src[rows[i]] (zeros where rows[i] < 0), any dtype (tails.cpp)");
+  m.def("pool_kind", [] { return std::string(ragged::pool::kind()); },
+        "Which pool splits the kernels' work: 'pool' (pool.cpp) or 'openmp' (RAGGED_NATIVE_POOL)");
+  m.def("pool_threads", &ragged::pool::threads, "How many threads the pool's next run may use");
+  m.def("pool_trace", &ragged::pool_trace, pybind11::arg("n"), pybind11::arg("grain"),
+        pybind11::arg("piece_us"), pybind11::arg("nested"), "A probe of the pool (tests)");
+  m.def("pool_fail", &ragged::pool_fail, pybind11::arg("n"), pybind11::arg("fail"),
+        pybind11::arg("piece_us"), "A probe of the pool whose index `fail` raises (tests)");
   m.def("isa", &ragged::isa_name, "The ISA variant in use (RAGGED_NATIVE_ISA forces a lower one)");
   m.def("quantize_low", &ragged::quantize_low,
         "Pages' low-tier codes and parameters (mem_pool/quant.py _quantize, bit for bit)");

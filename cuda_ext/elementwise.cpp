@@ -25,6 +25,7 @@
 
 #include "checks.h"
 #include "elementwise.h"
+#include "pool.h"
 
 namespace ragged {
 namespace {
@@ -171,7 +172,7 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const std::optional<at::Te
       T* op = out.data_ptr<T>();
       const auto norm = norm_rows_at<T, W>(width());
       const int64_t grain = std::max<int64_t>(1, SERIAL_ELEMENTS / std::max<int64_t>(H, 1));
-      at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e2) {
+      pool::parallel_for(0, rows, grain, [&](int64_t b, int64_t e2) {
         std::vector<float> s(H);
         norm(xp, rp, wp, op, rop, b, e2, H, e, s.data());
       });
@@ -219,7 +220,7 @@ std::vector<at::Tensor> rotary_embedding(const at::Tensor& positions, const at::
       const auto rotate = rotate_heads_at<X>(width(), neox);
       const int64_t per_token = (q.heads + k.heads) * head_size;
       const int64_t grain = std::max<int64_t>(1, SERIAL_ELEMENTS / std::max<int64_t>(per_token, 1));
-      at::parallel_for(0, T, grain, [&](int64_t b, int64_t e) {
+      pool::parallel_for(0, T, grain, [&](int64_t b, int64_t e) {
         std::vector<float> cs(rot);  // cos, sin of the token's position, in X's precision
         for (int64_t t = b; t < e; ++t) {
           const C* row = cache + pos[t] * rot;
@@ -257,7 +258,7 @@ at::Tensor hadamard_heads(const at::Tensor& x, const at::Tensor& signs, bool inv
     const float* sp = signs.data_ptr<float>();
     const auto rotate = hadamard_rows_at<X>(width(), D);
     const int64_t grain = std::max<int64_t>(1, SERIAL_ELEMENTS / D);
-    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+    pool::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
       std::vector<float> f(D);
       rotate(xp, op, sp, b, e, heads, heads / kv, D, x.stride(0), inverse, root, f.data());
     });

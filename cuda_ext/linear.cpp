@@ -15,9 +15,8 @@
 //   so a thread's rows are one run of memory, read in order and prefetched a kilobyte ahead
 //   (STREAM_AHEAD channels); x split as the quads' (below), 32 channels a step: two loads of 16
 //   weights made float32 by the quads' shift and mask, 4 accumulators per row of x, summed across
-//   lanes 4 weight rows at a time. Split over torch's intra-op pool (at::parallel_for; a call of
-//   fewer than SERIAL_MACS products stays on the calling thread: waking the pool costs more than
-//   the second core gives). Before session 65 these rows read blocks of 4 weight rows side by
+//   lanes 4 weight rows at a time. Split over the kernels' pool (pool.h; a call of fewer than
+//   SERIAL_MACS products stays on the calling thread). Before session 65 these rows read blocks of 4 weight rows side by
 //   side (4 interleaved runs of 1-3 KB each), at about 16-19 GB/s against the 21-24 GB/s of one
 //   run in order: a model step ran x1.2-1.3 faster at 1 row, x1.1-1.2 at 2 (docs/results.md,
 //   "Decode's weights read in memory order"). K's last K % 16 channels run the scalar form.
@@ -38,7 +37,7 @@
 //   then PR = 6 activation rows at a time against it as outer products: per channel, two panel
 //   vectors and six broadcast activations feed 12 FMAs into 12 accumulators (the register file's
 //   16 less the operands), and the six rows' 16 outputs are rounded to bfloat16 in vectors.
-//   Panels split over the intra-op pool; each panel is packed once per call (a 1/M share of its
+//   Panels split over the kernels' pool; each panel is packed once per call (a 1/M share of its
 //   products) and sweeps all M rows of x, from L2 or L3.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -54,6 +53,7 @@
 #include <immintrin.h>
 
 #include "checks.h"
+#include "pool.h"
 #include "linear.h"
 
 namespace ragged {
@@ -78,11 +78,12 @@ constexpr int64_t PANEL_ROWS = 21;        // from this many rows, the panel form
 // (lm_head x0.9 there; "Decode's small products on both cores").
 constexpr int64_t DOT_ROWS = 128;
 // The dots stay on one thread below dot_serial_macs products (set_linear_dot_serial_macs; the
-// caller, compat/cpu_gemm.py, picks it from how OpenMP's idle workers wait). Where they sleep at
-// once, waking the pool for each of a step's 120 products cost more than the second core gave
-// (a Zen 5, SmolLM2's model step at 1 row: 9.4 ms split from 2^18 products, 7.7 from 2^22, the
-// default); where they spin first, the split pays from 2^18 (docs/results.md, "Decode's small
-// products on both cores").
+// caller, compat/cpu_gemm.py, sets 2^18 on the kernels' own pool, whose caller never waits for a
+// worker to wake, and under RAGGED_NATIVE_POOL=openmp picks it from how OpenMP's idle workers
+// wait). Where those sleep at once, waking them for each of a step's 120 products cost more than
+// the second core gave (a Zen 5, SmolLM2's model step at 1 row: 9.4 ms split from 2^18 products,
+// 7.7 from 2^22, this default); where they spin first, the split pays from 2^18 (docs/results.md,
+// "Decode's small products on both cores" and "The native kernels' own pool").
 std::atomic<int64_t> dot_serial_macs{int64_t(1) << 22};
 
 inline float bf16_float(uint16_t v) {
@@ -657,7 +658,7 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
     const uint16_t* xq = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
     const int64_t n_dot = N / dots::DB;
     const int64_t g = grain(n_dot, dots::DB, dot_serial_macs.load(std::memory_order_relaxed));
-    at::parallel_for(0, n_dot, g, [&](int64_t b0, int64_t b1) {
+    pool::parallel_for(0, n_dot, g, [&](int64_t b0, int64_t b1) {
       dots::blocks(xq, M, K, N, wp, bias_ptr, b0, b1, yp);
     });
     dots::tail(xq, M, K, N, wp, bias_ptr, n_dot * dots::DB, yp);
@@ -669,13 +670,13 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
     float* xsp = xs.data_ptr<float>();
     wide::split_rows(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K, xsp);
     if (M < QUAD_ROWS) {
-      at::parallel_for(0, N, grain(N, 1), [&](int64_t n0, int64_t n1) {
+      pool::parallel_for(0, N, grain(N, 1), [&](int64_t n0, int64_t n1) {
         wide::streams(xsp, M, K, N, wp, bias_ptr, n0, n1, yp);
       });
       return y;
     }
     const int64_t n_pairs = N / 2;
-    at::parallel_for(0, n_pairs, grain(n_pairs, 2), [&](int64_t b0, int64_t b1) {
+    pool::parallel_for(0, n_pairs, grain(n_pairs, 2), [&](int64_t b0, int64_t b1) {
       wide::split_quads(xsp, M, K, N, wp, bias_ptr, b0, b1, yp);
     });
     rows_split_scalar(xsp, M, K, N, wp, bias_ptr, n_pairs * 2, N, yp);
@@ -685,11 +686,11 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   const float* xp = xf.data_ptr<float>();
   const int64_t n_panels = (N + PC - 1) / PC;
   if (has_avx2()) {
-    at::parallel_for(0, n_panels, grain(n_panels, PC), [&](int64_t p0, int64_t p1) {
+    pool::parallel_for(0, n_panels, grain(n_panels, PC), [&](int64_t p0, int64_t p1) {
       wide::panels(xp, M, K, N, wp, bias_ptr, p0, p1, yp);
     });
   } else {
-    at::parallel_for(0, N, grain(N, 1), [&](int64_t n0, int64_t n1) {
+    pool::parallel_for(0, N, grain(N, 1), [&](int64_t n0, int64_t n1) {
       rows_scalar(xp, M, K, N, wp, bias_ptr, n0, n1, yp);
     });
   }

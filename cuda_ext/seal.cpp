@@ -15,6 +15,7 @@
 #include <string>
 
 #include "checks.h"
+#include "pool.h"
 #include "quantize.h"
 #include "seal.h"
 
@@ -216,7 +217,7 @@ void seal_rows(const at::Tensor& k_tok, const at::Tensor& v_tok, const at::Tenso
   const bool* sink = sinks.data_ptr<bool>();
   const int64_t src_size = k_tok.element_size(), row_size = at::elementSize(row_type);
   const int64_t token_stride = H * D * src_size;  // bytes between a page's tokens of one head
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
+  pool::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
     Scratch s(P, D);
     std::vector<float> row(D);
     for (int64_t n = begin; n < end; ++n) {

@@ -42,6 +42,7 @@
 #include <immintrin.h>
 
 #include "checks.h"
+#include "pool.h"
 #include "tails.h"
 
 namespace ragged {
@@ -513,7 +514,7 @@ void run(const Shapes& s, const at::Tensor& q, const at::Tensor& lse, const at::
     }
   }
   const int64_t cost = std::max<int64_t>(1, s.w * s.G * P * D);
-  at::parallel_for(0, s.M * H, std::max<int64_t>(1, (1 << 16) / cost), [&](int64_t b, int64_t e) {
+  pool::parallel_for(0, s.M * H, std::max<int64_t>(1, (1 << 16) / cost), [&](int64_t b, int64_t e) {
     std::vector<float> scratch(scratch_floats(s));  // page_head's buffers
     const auto head = form == Form::kWide     ? &wide::page_head<T>
                       : form == Form::kNarrow ? &narrow::page_head<T>

@@ -35,11 +35,15 @@ calls below AMX_DOT_ROWS (12) go to the kernel.
 Without the native extension built, calls below FLOAT32_ROWS stay as SGLang makes them and
 larger ones are converted to float32 (session 23's form, RAGGED_CPU_GEMM=float32).
 
-The dots split a call over torch's intra-op pool from `dot_serial_macs()` products: from 2^18
-where OpenMP's idle workers spin at least SPLIT_SPIN iterations before they sleep (libgomp's
-GOMP_SPINCOUNT and OMP_WAIT_POLICY, `omp_spin_count`; scripts/serve.sh's 3000), else from 2^22,
-the kernel's default (scripts/env.sh's OMP_WAIT_POLICY=PASSIVE: a sleeping worker woken for each
-small product costs more than the second core gives). RAGGED_DOT_SERIAL_MACS sets it outright.
+The dots split a call over the native kernels' pool (cuda_ext/pool.cpp) from
+`dot_serial_macs()` products: from 2^18 on the kernels' own pool, the default (its caller never
+waits for a worker to wake, so a split costs at most about the call's time on one thread: served
+decode x1.22 / 1.10 at 1 / 4 requests against 2^22 with OpenMP's workers asleep, docs/results.md
+"The native kernels' own pool (session 67)"). Under RAGGED_NATIVE_POOL=openmp (torch's intra-op
+pool) from 2^18 where OpenMP's idle workers spin at least SPLIT_SPIN iterations before they sleep
+(libgomp's GOMP_SPINCOUNT and OMP_WAIT_POLICY, `omp_spin_count`; scripts/serve.sh's 3000), else
+from 2^22, the kernel's default (a sleeping worker woken for each small product costs more than
+the second core gives). RAGGED_DOT_SERIAL_MACS sets it outright.
 
 The plugin installs the hooks in every SGLang process of the environment, so a stock server there
 (any --attention-backend) multiplies the same way as a ragged one: the benchmarks compare KV
@@ -60,11 +64,13 @@ import torch.nn.functional as F
 from sgl_ragged import native
 from sgl_ragged.compat import env_choice
 from sgl_ragged.native import cpu_flags
+from sgl_ragged.native import pool as native_pool
 
 __all__ = ["cpu_flags", "apply", "compute_lm_head", "linear", "route", "routes", "validate"]
 
 SPLIT_SPIN = 3000
-"""From this many spin iterations of OpenMP's idle workers, the dots split calls from
+"""Under RAGGED_NATIVE_POOL=openmp, from this many spin iterations of OpenMP's idle workers, the
+dots split calls from
 SERIAL_MACS_SPINNING products (a Zen 5, 2 threads, SmolLM2's model step with GOMP_SPINCOUNT=3000:
 x1.34-1.46 at 1-4 rows, x1.07 at 8; with the workers asleep, x0.73-0.83; the README's server
 x1.02-1.04 at 1-4 requests, where workers sleep again between products; docs/results.md,
@@ -137,9 +143,9 @@ def _dot_rows() -> int:
 
 
 def validate() -> None:
-    """Read RAGGED_CPU_GEMM, RAGGED_DOT_SERIAL_MACS and GOMP_SPINCOUNT as every server of the
-    environment will (server_args calls this at startup): a bad value is refused there, with
-    what to set."""
+    """Read RAGGED_CPU_GEMM, RAGGED_DOT_SERIAL_MACS, RAGGED_NATIVE_POOL and GOMP_SPINCOUNT as
+    every server of the environment will (server_args calls this at startup): a bad value is
+    refused there, with what to set."""
     routes()
     dot_serial_macs()
 
@@ -211,17 +217,21 @@ def omp_spin_count(env: dict[str, str] | None = None) -> float:
 
 def dot_serial_macs(env: dict[str, str] | None = None) -> int:
     """Below how many products (rows x outputs x inputs) the native dots keep a call on one
-    thread in this process: RAGGED_DOT_SERIAL_MACS where set, else SERIAL_MACS_SPINNING where
-    idle OpenMP workers spin at least SPLIT_SPIN iterations, else SERIAL_MACS_DEFAULT."""
+    thread in this process: RAGGED_DOT_SERIAL_MACS where set, else SERIAL_MACS_SPINNING on the
+    kernels' own pool (RAGGED_NATIVE_POOL, `native.pool.kind`) or where idle OpenMP workers spin
+    at least SPLIT_SPIN iterations, else SERIAL_MACS_DEFAULT."""
     env = os.environ if env is None else env
     value = env.get("RAGGED_DOT_SERIAL_MACS", "").strip()
     if value:
         if not value.isdigit():
             raise ValueError(f"RAGGED_DOT_SERIAL_MACS={value} is not a count of products: set "
-                             "a whole number (e.g. 262144), or unset it to follow the OpenMP "
-                             "spin count")
+                             "a whole number (e.g. 262144), or unset it to follow the kernels' "
+                             "pool and the OpenMP spin count")
         return int(value)
-    return SERIAL_MACS_SPINNING if omp_spin_count(env) >= SPLIT_SPIN else SERIAL_MACS_DEFAULT
+    spins = omp_spin_count(env)  # read (and refused where libgomp would not read it) either way
+    if native_pool.kind(env) == "pool" or spins >= SPLIT_SPIN:
+        return SERIAL_MACS_SPINNING
+    return SERIAL_MACS_DEFAULT
 
 
 def apply(original: Any, method: Any, layer: torch.nn.Module, x: torch.Tensor,

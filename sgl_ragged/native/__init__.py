@@ -28,9 +28,9 @@ from sgl_ragged.paths import default_cache_dir
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "cuda_ext"
 SOURCES = ("bindings.cpp", "isa_amx.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp",
-           "quantize.cpp", "seal.cpp", "tails.cpp", "linear.cpp", "elementwise.cpp")
+           "quantize.cpp", "seal.cpp", "tails.cpp", "linear.cpp", "elementwise.cpp", "pool.cpp")
 HEADERS = ("ragged_attention.h", "attention_body.inc", "quantize.h", "seal.h", "tails.h", "checks.h",
-           "linear.h", "elementwise.h", "elementwise_loops.inc")
+           "linear.h", "elementwise.h", "elementwise_loops.inc", "pool.h")
 CFLAGS = ("-O3", "-fopenmp")  # per-ISA flags are #pragma GCC target in isa_*.cpp
 LDFLAGS = ("-fopenmp",)
 NAME = "sgl_ragged_native"

@@ -21,6 +21,7 @@ from sgl_ragged.config import (
     add_cli_args,
     move_cli_args_to_env,
 )
+from sgl_ragged.native import pool as native_pool
 from sgl_ragged.precision import tier_precision
 from sgl_ragged.profile import ModelFreeKind, ModelShape, model_free_kind, model_shape
 from sgl_ragged.serving.history_holds import explicit, hold_limit, hold_seconds, resolve_auto
@@ -129,8 +130,9 @@ def _graph_config(graph_config: Any, decode: bool) -> Any:
 def validate_ragged_args(server_args: Any, previous: Any) -> None:
     """Resolution hook around handle_other_validations: checks needing final values."""
     previous(server_args)
-    cpu_gemm.validate()  # RAGGED_CPU_GEMM and RAGGED_CPU_OPS are read by every server of
-    cpu_ops.validate()  # the environment
+    cpu_gemm.validate()  # RAGGED_CPU_GEMM, RAGGED_CPU_OPS and the native pool's settings are
+    cpu_ops.validate()  # read by every server of the environment
+    native_pool.validate()
     from sglang.srt.arg_groups.model_override_base import resolving_view
 
     cfg = resolving_view(server_args)

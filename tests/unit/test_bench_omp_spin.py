@@ -56,9 +56,19 @@ def test_a_setting_may_set_the_dots_split_threshold():
                                                      "RAGGED_DOT_SERIAL_MACS": "4194304"}
 
 
+def test_a_setting_may_pick_the_kernels_pool():
+    assert omp_spin.setting_env("3000/openmp") == {"GOMP_SPINCOUNT": "3000",
+                                                    "RAGGED_NATIVE_POOL": "openmp"}
+    assert omp_spin.setting_env("0:262144/pool@20") == {
+        "GOMP_SPINCOUNT": "0", "RAGGED_DOT_SERIAL_MACS": "262144", "RAGGED_NATIVE_POOL": "pool",
+        "RAGGED_POOL_SPIN_US": "20"}
+
+
 @pytest.mark.parametrize("argv", [["--spins", "0", "0"], ["--spins", "-1"], ["--repeats", "0"],
                                   ["--long-concurrency", "0"], ["--spins", "3000:"],
-                                  ["--spins", "1:2:3"], ["--spins", "3000:x"]])
+                                  ["--spins", "1:2:3"], ["--spins", "3000:x"],
+                                  ["--spins", "3000/omp"], ["--spins", "3000/openmp@5"],
+                                  ["--spins", "3000/pool@x"], ["--spins", "3000/"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         omp_spin.main(argv)

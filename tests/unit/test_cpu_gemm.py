@@ -159,24 +159,28 @@ def test_the_spin_count_libgomp_reads(env: dict[str, str], count: float) -> None
     assert cpu_gemm.omp_spin_count(env) == count
 
 
-def test_the_dots_split_from_2_18_products_where_workers_spin() -> None:
+def test_the_dots_split_from_2_18_products_on_the_pool_or_where_workers_spin() -> None:
     """Brute force over the settings that decide it: RAGGED_DOT_SERIAL_MACS outright, else
-    2^18 from SPLIT_SPIN spins, 2^22 (the kernel's default) below."""
+    2^18 on the kernels' own pool (the default) or from SPLIT_SPIN spins of OpenMP's workers,
+    2^22 (the kernel's default) under OpenMP below that."""
     for spin in ("0", "300", "2999", "3000", "3k", "300000", "infinity", None):
         for policy in ("passive", "active", None):
             for forced in ("262144", "0", None):
-                env = {k: v for k, v in (("GOMP_SPINCOUNT", spin), ("OMP_WAIT_POLICY", policy),
-                                         ("RAGGED_DOT_SERIAL_MACS", forced)) if v is not None}
-                count = cpu_gemm.omp_spin_count(env)
-                want = (int(forced) if forced is not None
-                        else 2**18 if count >= 3000 else 2**22)
-                assert cpu_gemm.dot_serial_macs(env) == want, env
+                for pool in ("pool", "openmp", "", None):
+                    env = {k: v for k, v in (("GOMP_SPINCOUNT", spin), ("OMP_WAIT_POLICY", policy),
+                                             ("RAGGED_DOT_SERIAL_MACS", forced),
+                                             ("RAGGED_NATIVE_POOL", pool)) if v is not None}
+                    count = cpu_gemm.omp_spin_count(env)
+                    want = (int(forced) if forced is not None
+                            else 2**18 if pool != "openmp" or count >= 3000 else 2**22)
+                    assert cpu_gemm.dot_serial_macs(env) == want, env
 
 
 @pytest.mark.parametrize(("name", "value", "message"), [
     ("GOMP_SPINCOUNT", "fast", r"GOMP_SPINCOUNT=fast is not a spin count"),
     ("GOMP_SPINCOUNT", "-5", r"GOMP_SPINCOUNT=-5 is not a spin count"),
     ("RAGGED_DOT_SERIAL_MACS", "2^18", r"RAGGED_DOT_SERIAL_MACS=2\^18 is not a count of products"),
+    ("RAGGED_NATIVE_POOL", "omp", r"RAGGED_NATIVE_POOL=omp is not a choice"),
 ])
 def test_a_bad_spin_setting_says_what_to_set(name: str, value: str, message: str,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,9 +197,11 @@ def test_the_kernel_is_set_for_this_process(monkeypatch: pytest.MonkeyPatch) -> 
     module = native.load()
     default = module.linear_dot_serial_macs()
     try:
-        for env, want in (({"GOMP_SPINCOUNT": "3000"}, 2**18), ({"GOMP_SPINCOUNT": "0"}, 2**22),
+        for env, want in (({"GOMP_SPINCOUNT": "3000"}, 2**18), ({"GOMP_SPINCOUNT": "0"}, 2**18),
+                          ({"GOMP_SPINCOUNT": "0", "RAGGED_NATIVE_POOL": "openmp"}, 2**22),
                           ({"RAGGED_DOT_SERIAL_MACS": "12345"}, 12345)):
-            monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+            for name in ("GOMP_SPINCOUNT", "RAGGED_NATIVE_POOL"):
+                monkeypatch.delenv(name, raising=False)
             for k, v in env.items():
                 monkeypatch.setenv(k, v)
             cpu_gemm.kernel.cache_clear()
