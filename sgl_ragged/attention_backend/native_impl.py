@@ -44,6 +44,7 @@ from sgl_ragged.mem_pool.layout import RaggedLayout
 from sgl_ragged.mem_pool.quant import QuantTier, native_fields
 from sgl_ragged.mem_pool.staging_stats import StagedQueryStats
 from sgl_ragged.mem_pool.storage import RaggedStorage
+from sgl_ragged.native import pool as native_pool
 from sgl_ragged.precision import LowPrecision
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
@@ -54,9 +55,19 @@ SERIAL_TAIL_TOKENS = 2**13
 """Tail pages of at most this many tokens (decode batches, short chunks) are gathered, staged and
 sealed on the calling thread alone: each of their ~30 small ops per layer would otherwise wake
 torch's pool (batch 8 x 2K decode: the tails' time about halved, shared machine)."""
-SERIAL_PAIRS = 2**16
-"""Layers with fewer (query row, key) pairs run on the calling thread, their key ranges
-unsplit: waking the OpenMP pool (OMP_WAIT_POLICY=PASSIVE) costs more than a second core gives."""
+SERIAL_PAIRS = 2**12
+"""Layers with fewer (query row, key) pairs run on the calling thread, their key ranges unsplit.
+On the kernels' own pool (cuda_ext/pool.cpp) a split costs little, its caller never waiting for a
+worker to wake: 2^12 served decode x1.19 / 1.14 at 4 / 16 requests over 2^16 on a Zen 4
+(docs/results.md, "The native kernels' own pool (session 67)")."""
+SERIAL_PAIRS_OPENMP = 2**16
+"""The same under RAGGED_NATIVE_POOL=openmp: waking OpenMP's pool (OMP_WAIT_POLICY=PASSIVE)
+costs more than a second core gives."""
+
+
+def default_serial_pairs(env: dict[str, str] | None = None) -> int:
+    """SERIAL_PAIRS on the kernels' own pool, SERIAL_PAIRS_OPENMP under RAGGED_NATIVE_POOL=openmp."""
+    return SERIAL_PAIRS_OPENMP if native_pool.kind(env) == "openmp" else SERIAL_PAIRS
 
 
 def native_refuses(storage: RaggedStorage) -> str | None:
@@ -157,10 +168,10 @@ class NativeAttention(AttentionImpl[NativeBatch]):
     """Ragged attention in C++ (cuda_ext/), batched over requests and head groups."""
 
     def __init__(self, storage: RaggedStorage, module: ModuleType | None = None,
-                 serial_pairs: int = SERIAL_PAIRS,
+                 serial_pairs: int | None = None,
                  extend_on_batched: bool = EXTEND_ON_BATCHED) -> None:
         super().__init__(storage)
-        self.serial_pairs = serial_pairs
+        self.serial_pairs = default_serial_pairs() if serial_pairs is None else serial_pairs
         refused = native_refuses(storage)
         if refused:
             raise ValueError(f"--ragged-attention native {refused}; use --ragged-attention "

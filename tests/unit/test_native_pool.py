@@ -160,3 +160,11 @@ def test_settings_read_as_the_kernel_reads_them():
 def test_a_bad_setting_says_what_to_set(name, value, message):
     with pytest.raises(ValueError, match=message):
         pool.validate({name: value})
+
+
+def test_the_attention_splits_smaller_layers_on_the_pool():
+    from sgl_ragged.attention_backend import native_impl
+
+    assert native_impl.default_serial_pairs({}) == native_impl.SERIAL_PAIRS == 2**12
+    assert (native_impl.default_serial_pairs({"RAGGED_NATIVE_POOL": "openmp"})
+            == native_impl.SERIAL_PAIRS_OPENMP == 2**16)
