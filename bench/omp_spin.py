@@ -25,8 +25,9 @@ them alive at once (idle ones sleep, `--sleep-on-idle`), and the rounds alternat
 A setting `SPIN:MACS` also sets RAGGED_DOT_SERIAL_MACS=MACS for its server (the native dots
 keep calls below MACS products on one thread; unset, compat/cpu_gemm derives it from the spin
 count); a trailing `/openmp`, `/pool` or `/pool@US` sets which pool splits the native kernels'
-work (RAGGED_NATIVE_POOL) and the pool's spin in microseconds (RAGGED_POOL_SPIN_US). Medians over --repeats rounds after --warmup, the settings' order reversed every other
-round; ratios against the first setting. Writes omp_spin.json and omp_spin.md, and each
+work (RAGGED_NATIVE_POOL) and the pool's spin in microseconds (RAGGED_POOL_SPIN_US). Medians
+over --repeats rounds after --warmup, the settings' order reversed every other round; ratios
+against the first setting. Writes omp_spin.json and omp_spin.md, and each
 server's log beside them.
 """
 

@@ -310,6 +310,13 @@ std::vector<at::Tensor> attend(const at::Tensor& q, const at::Tensor& k_pages,
   return {out, lse};
 }
 
+// A piece's work in the probes below: `us` microseconds of spinning.
+void busy_for(int64_t us) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+  while (std::chrono::steady_clock::now() < until) {
+  }
+}
+
 // Probes of pool.cpp for tests/unit/test_native_pool.py: [n, 3] int64 rows (times index i ran,
 // the pool thread that ran it, runs of a nested parallel_for of `nested` indices inside it), each
 // piece busy for piece_us first; the GIL is released, so Python threads can run them at once.
@@ -320,9 +327,7 @@ at::Tensor pool_trace(int64_t n, int64_t grain, int64_t piece_us, int64_t nested
   int64_t* o = out.data_ptr<int64_t>();
   pybind11::gil_scoped_release nogil;
   pool::parallel_for(0, n, grain, [&](int64_t b, int64_t e) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(piece_us);
-    while (std::chrono::steady_clock::now() < until) {
-    }
+    busy_for(piece_us);
     for (int64_t i = b; i < e; ++i) {
       __atomic_fetch_add(&o[3 * i], 1, __ATOMIC_RELAXED);
       o[3 * i + 1] = pool::thread_num();
@@ -338,9 +343,7 @@ at::Tensor pool_trace(int64_t n, int64_t grain, int64_t piece_us, int64_t nested
 void pool_fail(int64_t n, int64_t fail, int64_t piece_us) {
   pybind11::gil_scoped_release nogil;
   pool::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(piece_us);
-    while (std::chrono::steady_clock::now() < until) {
-    }
+    busy_for(piece_us);
     TORCH_CHECK(fail < b || fail >= e, "pool_fail: index ", fail, " failed as asked");
   });
 }

@@ -16,10 +16,11 @@
 //   (STREAM_AHEAD channels); x split as the quads' (below), 32 channels a step: two loads of 16
 //   weights made float32 by the quads' shift and mask, 4 accumulators per row of x, summed across
 //   lanes 4 weight rows at a time. Split over the kernels' pool (pool.h; a call of fewer than
-//   SERIAL_MACS products stays on the calling thread). Before session 65 these rows read blocks of 4 weight rows side by
-//   side (4 interleaved runs of 1-3 KB each), at about 16-19 GB/s against the 21-24 GB/s of one
-//   run in order: a model step ran x1.2-1.3 faster at 1 row, x1.1-1.2 at 2 (docs/results.md,
-//   "Decode's weights read in memory order"). K's last K % 16 channels run the scalar form.
+//   SERIAL_MACS products stays on the calling thread). Before session 65 these rows read blocks
+//   of 4 weight rows side by side (4 interleaved runs of 1-3 KB each), at about 16-19 GB/s
+//   against the 21-24 GB/s of one run in order: a model step ran x1.2-1.3 faster at 1 row,
+//   x1.1-1.2 at 2 (docs/results.md, "Decode's weights read in memory order"). K's last K % 16
+//   channels run the scalar form.
 // - QUAD_ROWS (3) to PANEL_ROWS - 1 (20) rows: split quads. One 256-bit load of 16 bfloat16
 //   weights is both halves of 8 float32 lanes, channels 2i (low) and 2i + 1 (high): `v << 16` and
 //   `v & 0xFFFF0000` make them float32 in two ALU ops, with x laid out to match once per call

@@ -110,7 +110,6 @@ struct State {
   std::mutex caller;         // one run at a time; others run on their callers
   int workers = 0;           // started so far (worker k has tls_thread k + 1)
   const int64_t spin_us = env_int("RAGGED_POOL_SPIN_US", SPIN_US);
-  const pid_t pid = getpid();
 
   // Claim the next piece of the current generation: true with its index in `i`. A worker
   // beyond the run's thread count (torch's count lowered since it started) claims nothing: its
@@ -201,10 +200,10 @@ void forget_in_child() { state.store(nullptr); }  // pthread_atfork: the parent'
 
 State& the_state() {
   State* s = state.load(std::memory_order_acquire);
-  if (s && s->pid == getpid()) return *s;
+  if (s) return *s;
   std::lock_guard<std::mutex> lock(state_made);
   s = state.load(std::memory_order_acquire);
-  if (!s || s->pid != getpid()) {
+  if (!s) {
     static std::once_flag registered;
     std::call_once(registered, [] { pthread_atfork(nullptr, nullptr, forget_in_child); });
     s = new State();

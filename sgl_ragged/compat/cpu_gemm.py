@@ -70,11 +70,11 @@ __all__ = ["cpu_flags", "apply", "compute_lm_head", "linear", "route", "routes",
 
 SPLIT_SPIN = 3000
 """Under RAGGED_NATIVE_POOL=openmp, from this many spin iterations of OpenMP's idle workers, the
-dots split calls from
-SERIAL_MACS_SPINNING products (a Zen 5, 2 threads, SmolLM2's model step with GOMP_SPINCOUNT=3000:
-x1.34-1.46 at 1-4 rows, x1.07 at 8; with the workers asleep, x0.73-0.83; the README's server
-x1.02-1.04 at 1-4 requests, where workers sleep again between products; docs/results.md,
-"Decode's small products on both cores"). Smaller counts were not measured and keep the default."""
+dots split calls from SERIAL_MACS_SPINNING products (a Zen 5, 2 threads, SmolLM2's model step
+with GOMP_SPINCOUNT=3000: x1.34-1.46 at 1-4 rows, x1.07 at 8; with the workers asleep,
+x0.73-0.83; the README's server x1.02-1.04 at 1-4 requests, where workers sleep again between
+products; docs/results.md, "Decode's small products on both cores"). Smaller counts were not
+measured and keep the default."""
 SERIAL_MACS_SPINNING = 1 << 18
 SERIAL_MACS_DEFAULT = 1 << 22  # linear.cpp's own default
 
