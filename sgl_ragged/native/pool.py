@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 
-from sgl_ragged.compat import env_choice
-
 KINDS = {
     "pool": "the kernels' own pool: the caller takes the pieces itself and never waits for a "
             "worker to wake (cuda_ext/pool.cpp)",
@@ -26,7 +24,12 @@ SPIN_US = 100
 
 def kind(env: dict[str, str] | None = None) -> str:
     """RAGGED_NATIVE_POOL (unset or empty: `pool`); ValueError naming the choices otherwise."""
-    return env_choice("RAGGED_NATIVE_POOL", KINDS, default="pool", env=env)
+    env = os.environ if env is None else env
+    value = env.get("RAGGED_NATIVE_POOL", "") or "pool"
+    if value not in KINDS:
+        raise ValueError(f"RAGGED_NATIVE_POOL={value} is not a choice: set it to "
+                         + "; ".join(f"{k} ({v})" for k, v in KINDS.items()))
+    return value
 
 
 def spin_us(env: dict[str, str] | None = None) -> int:
