@@ -31,6 +31,7 @@ from sgl_ragged import native
 from sgl_ragged.attention_backend import native_impl
 from sgl_ragged.attention_backend import tail_batch as tail_batch_module
 from sgl_ragged.attention_backend.native_impl import TILE_ISAS, NativeAttention
+from sgl_ragged.attention_backend.ops import intra_op_threads
 from sgl_ragged.attention_backend.plan import BatchPlan, RequestPlan
 from sgl_ragged.attention_backend.planner import plan_batch, take_staging
 from sgl_ragged.attention_backend.tail_batch import tail_batch, tail_pages, window_stats
@@ -1131,6 +1132,20 @@ def test_gather_pages_copies_the_held_rows_and_zeros_the_rest():
             for m, (page, n) in enumerate(zip(pages.tolist(), rows.tolist(), strict=True)):
                 assert torch.equal(got[m, :n], stage[page, :n])
                 assert torch.equal(got[m, n:], torch.zeros_like(got[m, n:]))
+    # Served page sizes (24 KB a SmolLM2 page, 96 KB at head size 128), one page or many, on
+    # one thread or two (session 68 tried splitting the copy on the kernels' pool).
+    gen = torch.Generator().manual_seed(5)
+    for M, P, D in ((1, 64, 64), (2, 64, 64), (37, 64, 64), (9, 128, 128), (5, 16, 8)):
+        k_stage = torch.randn(50, P, 3, D, generator=gen).bfloat16()
+        v_stage = torch.randn(50, P, 3, D, generator=gen).bfloat16()
+        pages = torch.randperm(50, generator=gen)[:M]
+        rows = torch.randint(0, P + 1, (M,), generator=gen)
+        for threads in (2, 1):
+            with intra_op_threads(threads):
+                k, v = gather(k_stage, v_stage, pages, rows)
+            held = (torch.arange(P)[None, :] < rows[:, None])[:, :, None, None]
+            assert torch.equal(k, torch.where(held, k_stage[pages], 0)), (M, P, D, threads)
+            assert torch.equal(v, torch.where(held, v_stage[pages], 0)), (M, P, D, threads)
     stage = torch.zeros(3, 4, 1, 8)
     with pytest.raises(RuntimeError, match="page 3 is outside"):
         gather(stage, stage, torch.tensor([3]), torch.tensor([1]))
