@@ -4,14 +4,6 @@ shared_tokenizer, which spares a scheduler a second load of its tokenizer."""
 
 from __future__ import annotations
 
-import os
+from sgl_ragged.envs import env_choice
 
-
-def env_choice(name: str, choices: dict[str, str], default: str = "auto") -> str:
-    """Environment variable `name` (unset or empty: `default`), one of `choices` (value ->
-    what it does); ValueError naming them all for any other value."""
-    value = os.environ.get(name, default) or default
-    if value not in choices:
-        raise ValueError(f"{name}={value} is not a choice: set it to "
-                         + "; ".join(f"{k} ({v})" for k, v in choices.items()))
-    return value
+__all__ = ["env_choice"]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from sgl_ragged.envs import env_choice
+
 KINDS = {
     "pool": "the kernels' own pool: the caller takes the pieces itself and never waits for a "
             "worker to wake (cuda_ext/pool.cpp)",
@@ -24,12 +26,7 @@ SPIN_US = 100
 
 def kind(env: dict[str, str] | None = None) -> str:
     """RAGGED_NATIVE_POOL (unset or empty: `pool`); ValueError naming the choices otherwise."""
-    env = os.environ if env is None else env
-    value = env.get("RAGGED_NATIVE_POOL", "") or "pool"
-    if value not in KINDS:
-        raise ValueError(f"RAGGED_NATIVE_POOL={value} is not a choice: set it to "
-                         + "; ".join(f"{k} ({v})" for k, v in KINDS.items()))
-    return value
+    return env_choice("RAGGED_NATIVE_POOL", KINDS, default="pool", env=env)
 
 
 def spin_us(env: dict[str, str] | None = None) -> int:

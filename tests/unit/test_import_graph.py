@@ -240,9 +240,10 @@ def test_kernels_import_nothing_from_the_attention_backend():
 
 
 def test_the_plan_and_shared_ops_are_leaves():
-    """plan.py and ops.py import nothing of the package (every implementation imports them)."""
+    """plan.py and ops.py import nothing of the package (every implementation imports them),
+    nor envs.py (compat/ and native/ both read settings through it)."""
     graph = import_graph()
-    for leaf in ("attention_backend.plan", "attention_backend.ops"):
+    for leaf in ("attention_backend.plan", "attention_backend.ops", "envs"):
         assert graph[f"{PACKAGE}.{leaf}"] == set(), leaf
 
 
