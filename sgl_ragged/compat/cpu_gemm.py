@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from sgl_ragged import native
-from sgl_ragged.compat import env_choice
+from sgl_ragged.envs import env_choice
 from sgl_ragged.native import cpu_flags
 from sgl_ragged.native import pool as native_pool
 

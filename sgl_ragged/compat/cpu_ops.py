@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from sgl_ragged import native
-from sgl_ragged.compat import env_choice
+from sgl_ragged.envs import env_choice
 
 __all__ = ["CHOICES", "choice", "enabled", "rms_norm_native", "rotary_native", "validate"]
 

@@ -43,7 +43,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from sgl_ragged.compat import env_choice
+from sgl_ragged.envs import env_choice
 
 logger = logging.getLogger(__name__)
 

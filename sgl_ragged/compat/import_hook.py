@@ -33,7 +33,7 @@ import types
 from importlib.machinery import ModuleSpec
 from pathlib import Path
 
-from sgl_ragged.compat import env_choice
+from sgl_ragged.envs import env_choice
 
 PTH_NAME = "sgl_ragged_sgl_kernel_hook.pth"
 DUAL_GEMM = "sglang.kernels.ops.gemm.cutedsl_dual_gemm"
